@@ -1,0 +1,181 @@
+"""Kronecker curvature blocks: one per registered layer, one subclass per layer type.
+
+For a layer with (homogeneous) inputs ``ā`` and back-propagated output gradients ``g = dℓ/dz`` of the
+per-example loss ``ℓ``, the Fisher block is approximated by ``A ⊗ G`` with
+
+    A = mean over rows of ā āᵀ      [a_dim, a_dim]    (ā = [a, 1] when the bias is folded in)
+    G = mean over rows of g gᵀ      [g_dim, g_dim]
+
+Rows: Dense on ``[N, in]`` inputs has one row per example; Dense on ``[N, ..., in]`` and Conv2D
+(im2col, KFC) have ``P`` rows per example (positions: ``Ho·Wo`` for Conv2D). For ``P > 1`` the
+Fisher is ``P·(A ⊗ G)`` under KFC's assumptions, so the damping used per block is ``λ/P`` (split
+as ``√(λ/P)`` per factor) and the preconditioned gradient is scaled by ``1/P``.
+
+Orientation: Keras stores a Dense kernel as ``[in, out]`` and a Conv2D kernel as HWIO
+``[kh, kw, Cin, Cout]``. The block's gradient matrix is ``[a_dim, g_dim]`` = kernel reshaped to
+``[kh·kw·Cin, Cout]`` (``tf.image.extract_patches`` orders patch features as (kh, kw, Cin), the same
+order) with the bias gradient appended as the last row. With row-major vec (``vec(M)[i·g_dim + j]
+= M[i, j]``), a single example's gradient has ``vec(∇W) = ā ⊗ g``, so its Fisher block
+``vec(∇W) vec(∇W)ᵀ`` equals ``kron(ā āᵀ, g gᵀ) = kron(A, G)``. The preconditioned gradient is
+``(A + dI)⁻¹ · M · (G + dI)⁻¹`` (the transpose of DESIGN.md's out×in form).
+
+All statistics are computed in float32 whatever the layer's compute dtype.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+import keras
+
+
+class KroneckerBlock:
+    """Base class: shapes, gradient reshaping and factor statistics from captured rows.
+
+    Subclasses implement :meth:`input_rows` and :meth:`input_sq_norm_sum` for their layer type.
+    """
+
+    kind = "kronecker"
+
+    def __init__(self, name: str, layer):
+        self.name = name
+        self.layer = layer
+        self.kernel = layer.kernel
+        self.bias = layer.bias if getattr(layer, "use_bias", False) else None
+        kernel_shape = tuple(int(s) for s in self.kernel.shape)
+        self.kernel_shape = kernel_shape
+        self.in_dim = 1
+        for s in kernel_shape[:-1]:
+            self.in_dim *= s
+        self.g_dim = kernel_shape[-1]
+        self.a_dim = self.in_dim + (1 if self.bias is not None else 0)
+
+    # -- gradients <-> block matrix -------------------------------------------------------------
+    def to_matrix(self, kernel_value, bias_value=None):
+        """Kernel (and bias) tensors -> ``[a_dim, g_dim]`` float32 block matrix."""
+        m = tf.reshape(tf.cast(kernel_value, tf.float32), [self.in_dim, self.g_dim])
+        if self.bias is not None:
+            b = tf.reshape(tf.cast(bias_value, tf.float32), [1, self.g_dim])
+            m = tf.concat([m, b], axis=0)
+        return m
+
+    def from_matrix(self, matrix):
+        """``[a_dim, g_dim]`` -> ``(kernel_shaped, bias_or_None)`` float32 tensors."""
+        kernel = tf.reshape(matrix[: self.in_dim], self.kernel_shape)
+        bias = matrix[self.in_dim] if self.bias is not None else None
+        return kernel, bias
+
+    # -- statistics -----------------------------------------------------------------------------
+    def input_rows(self, inputs):
+        """``[R, in_dim]`` float32 input rows of one call (patches for Conv2D)."""
+        raise NotImplementedError
+
+    def input_sq_norm_sum(self, inputs):
+        """``(Σ_rows ||a||², R)`` without materializing rows (cheap trace of A)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def output_rows(g):
+        """``[R, g_dim]`` float32 rows of an output-gradient tensor ``[..., g_dim]``."""
+        return tf.reshape(tf.cast(g, tf.float32), [-1, tf.shape(g)[-1]])
+
+    def positions(self, records):
+        """Rows per example ``P`` (float32 scalar): ``Ho·Wo`` for Conv2D, 1 for plain Dense.
+
+        Several calls of a shared layer add their rows, so ``P`` counts them all.
+        """
+        rows = tf.add_n([tf.cast(tf.reduce_prod(tf.shape(r.z)[:-1]), tf.float32) for r in records])
+        batch = tf.cast(tf.shape(records[0].z)[0], tf.float32)
+        return rows / batch
+
+    def factor_a(self, records):
+        """``A = mean_rows ā āᵀ`` ([a_dim, a_dim] float32) over all calls in ``records``."""
+        rows = tf.concat([self.input_rows(r.inputs) for r in records], axis=0)
+        count = tf.cast(tf.shape(rows)[0], tf.float32)
+        second = tf.matmul(rows, rows, transpose_a=True) / count
+        if self.bias is None:
+            return second
+        mean = tf.reduce_mean(rows, axis=0)
+        top = tf.concat([second, mean[:, None]], axis=1)
+        bottom = tf.concat([mean, tf.ones([1], tf.float32)], axis=0)[None, :]
+        return tf.concat([top, bottom], axis=0)
+
+    def factor_g(self, output_grads):
+        """``G = mean_rows g gᵀ`` ([g_dim, g_dim] float32); ``output_grads`` already per-example."""
+        rows = tf.concat([self.output_rows(g) for g in output_grads], axis=0)
+        count = tf.cast(tf.shape(rows)[0], tf.float32)
+        return tf.matmul(rows, rows, transpose_a=True) / count
+
+    def trace_a(self, records):
+        """``tr(A)`` = mean squared norm of the homogeneous input rows, without forming A."""
+        sums, counts = zip(*[self.input_sq_norm_sum(r.inputs) for r in records])
+        trace = tf.add_n(list(sums)) / tf.add_n(list(counts))
+        return trace + (1.0 if self.bias is not None else 0.0)
+
+    def trace_g(self, output_grads):
+        """``tr(G)`` = mean squared norm of the output-gradient rows."""
+        total = tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in output_grads])
+        count = tf.add_n([tf.cast(tf.reduce_prod(tf.shape(g)[:-1]), tf.float32) for g in output_grads])
+        return total / count
+
+    def describe(self):
+        return {"name": self.name, "kind": self.kind, "a_dim": self.a_dim, "g_dim": self.g_dim}
+
+
+class DenseBlock(KroneckerBlock):
+    """Dense: rows are the input vectors (``[N, in]``, or ``[N, ..., in]`` flattened to rows)."""
+
+    kind = "dense"
+
+    def input_rows(self, inputs):
+        return tf.reshape(tf.cast(inputs, tf.float32), [-1, self.in_dim])
+
+    def input_sq_norm_sum(self, inputs):
+        x = tf.cast(inputs, tf.float32)
+        rows = tf.cast(tf.reduce_prod(tf.shape(x)[:-1]), tf.float32)
+        return tf.reduce_sum(tf.square(x)), rows
+
+
+class Conv2DBlock(KroneckerBlock):
+    """Conv2D (channels_last, groups=1) by im2col: one row per example and output position."""
+
+    kind = "conv2d"
+
+    def __init__(self, name, layer):
+        super().__init__(name, layer)
+        self.kh, self.kw = (int(k) for k in layer.kernel_size)
+        self.strides = [1, int(layer.strides[0]), int(layer.strides[1]), 1]
+        self.rates = [1, int(layer.dilation_rate[0]), int(layer.dilation_rate[1]), 1]
+        self.padding = layer.padding.upper()
+
+    def input_rows(self, inputs):
+        x = tf.cast(inputs, tf.float32)
+        patches = tf.image.extract_patches(
+            x, sizes=[1, self.kh, self.kw, 1], strides=self.strides, rates=self.rates,
+            padding=self.padding)
+        return tf.reshape(patches, [-1, self.in_dim])
+
+    def input_sq_norm_sum(self, inputs):
+        # Σ over patches of ||patch||² = a one-channel convolution of Σ_c x² with a ones kernel:
+        # each output position sums the squares under its receptive field. No patches formed.
+        x = tf.cast(inputs, tf.float32)
+        energy = tf.reduce_sum(tf.square(x), axis=-1, keepdims=True)
+        ones = tf.ones([self.kh, self.kw, 1, 1], tf.float32)
+        per_position = tf.nn.conv2d(
+            energy, ones, strides=self.strides, padding=self.padding, dilations=self.rates)
+        rows = tf.cast(tf.reduce_prod(tf.shape(per_position)[:-1]), tf.float32)
+        return tf.reduce_sum(per_position), rows
+
+
+BLOCK_TYPES = (
+    # Conv2D before Dense is irrelevant (no subclassing between them) but order is the lookup order.
+    (keras.layers.Conv2D, Conv2DBlock),
+    (keras.layers.Dense, DenseBlock),
+)
+
+
+def block_class_for(layer):
+    """The block class for ``layer`` or None (exact Keras Dense/Conv2D and their subclasses)."""
+    for layer_type, block_type in BLOCK_TYPES:
+        if isinstance(layer, layer_type):
+            return block_type
+    return None

@@ -1,0 +1,418 @@
+"""``ThorEngine``: the data path of one wrapped model.
+
+capture (records of each registered layer) → blocks (factors A, G and split inverses) → scheduler
+(refresh / reuse / freeze at cadence points) → preconditioned gradients → ``ThorOptimizer`` update.
+
+The engine is structural: it knows the model's layers and blocks and runs the per-step work inside
+the traced train step. Its state variables are created on (and saved with) the optimizer:
+
+per block ``l``:  ``A_l`` [a, a], ``G_l`` [g, g] (factors in use, undamped), ``A_inv_l``
+[nb_a, d_a, d_a], ``G_inv_l`` [nb_g, d_g, d_g] (split inverses, identity before the first refresh);
+per model (vectors over blocks): traces in use, refresh / reuse counts, frozen flag and step, last
+refresh step, last Δ; scalars: next cadence step, cadence points, non-finite steps, epoch.
+
+The preconditioner of the whole model is a block-diagonal mat (:mod:`thor_tf.algebra`) whose
+diagonal entries are the layers' Kronecker operators ``X ↦ (1/P)·A_inv X G_inv``, applied to the
+vec of the layers' gradient matrices with ``mat_vec_prod``: no Kronecker product is formed and no
+off-diagonal block is stored.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from thor_tf import algebra, capture, fisher, scheduler
+from thor_tf.blocks import block_class_for
+from thor_tf.inverse import split_inverse, split_layout
+
+#: Layers whose parameters are first order by design (not worth a warning).
+_EXPECTED_FIRST_ORDER = (
+    keras.layers.BatchNormalization,
+    keras.layers.LayerNormalization,
+    keras.layers.GroupNormalization,
+)
+
+
+def _identity_blocks(num_blocks, size):
+    def init(shape=None, dtype=None):
+        return tf.eye(size, batch_shape=[num_blocks], dtype=dtype or "float32")
+
+    return init
+
+
+class ThorEngine:
+    """Registry and per-step work for one model.
+
+    Args:
+      model: a built ``keras.Model`` (Sequential, Functional or subclassed; nesting allowed).
+      exclude: layer names that should stay first order even if supported.
+    """
+
+    def __init__(self, model, exclude=()):
+        if not model.built or not model.trainable_variables:
+            raise ValueError(
+                "`model` must be built (call it on data or give it an Input) and have trainable "
+                "variables before thor_tf.wrap().")
+        self.model = model
+        self.store = capture.CaptureStore()
+        self.optimizer = None
+        self.loss = None
+        exclude = set(exclude or ())
+        variable_index = {id(v): i for i, v in enumerate(model.trainable_variables)}
+
+        blocks, first_order = [], []
+        for layer in model._flatten_layers(include_self=False, recursive=True):
+            own = [v for v in getattr(layer, "_trainable_variables", []) if v.trainable]
+            block_class = block_class_for(layer)
+            if block_class is not None:
+                reason = "excluded" if layer.name in exclude else capture.unsupported_reason(layer)
+                if reason is None:
+                    blocks.append(block_class(layer.name, layer))
+                    continue
+                if own and layer.trainable:
+                    first_order.append((layer, reason))
+                continue
+            if own and layer.trainable and not isinstance(layer, keras.Model):
+                first_order.append((layer, None))
+        blocks.sort(key=lambda b: variable_index[id(b.kernel)])
+        names = [b.name for b in blocks]
+        if len(set(names)) != len(names):
+            # Layer names are unique within a model but nested models may repeat them.
+            for i, block in enumerate(blocks):
+                block.name = f"{i}:{block.name}"
+        self.blocks = blocks
+        self.first_order = first_order
+        self._block_index = {b.name: i for i, b in enumerate(blocks)}
+        self._state = None
+
+        unsupported = [
+            f"{layer.name} ({type(layer).__name__}{': ' + reason if reason else ''})"
+            for layer, reason in first_order
+            if not isinstance(layer, _EXPECTED_FIRST_ORDER) and reason != "excluded"
+        ]
+        if unsupported:
+            warnings.warn(
+                "thor_tf: no Kronecker block for " + ", ".join(unsupported)
+                + "; these layers get the first-order (momentum SGD) update.",
+                stacklevel=3)
+        for block in blocks:
+            capture.patch(block.layer, self.store, block.name)
+
+    # -- registration ----------------------------------------------------------------------------
+    def registration_table(self, split_dim):
+        """The one table ``wrap`` prints: layers, block kinds, factor sizes, splits, fallbacks."""
+
+        def split_text(dim):
+            nb, size = split_layout(dim, split_dim)
+            return f"{size}x{nb}" if nb > 1 else f"{size}"
+
+        rows = [("layer", "block", "A", "G", "split A", "split G")]
+        for b in self.blocks:
+            rows.append((b.name, b.kind, str(b.a_dim), str(b.g_dim), split_text(b.a_dim),
+                         split_text(b.g_dim)))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = [f"thor_tf: {len(self.blocks)} layers with Kronecker blocks "
+                 f"(split_dim {split_dim}; split shown as size x blocks)"]
+        for r in rows:
+            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)))
+        if self.first_order:
+            items = [f"{layer.name} ({type(layer).__name__}{', ' + reason if reason else ''})"
+                     for layer, reason in self.first_order]
+            lines.append("  first order: " + ", ".join(items))
+        else:
+            lines.append("  first order: none")
+        return "\n".join(lines)
+
+    def detach(self):
+        """Restore every patched layer's own ``call``."""
+        for block in self.blocks:
+            capture.unpatch(block.layer)
+
+    # -- state -----------------------------------------------------------------------------------
+    def build_state(self, optimizer, var_list):
+        """Create the curvature state on ``optimizer`` (called from its ``build``)."""
+        self.optimizer = optimizer
+        index = {id(v): i for i, v in enumerate(var_list)}
+        missing = [b.name for b in self.blocks if id(b.kernel) not in index]
+        if missing:
+            raise ValueError(f"optimizer built on variables that miss the kernels of {missing}")
+        split = optimizer.split_dim
+        n = len(self.blocks)
+        s = {"A": [], "G": [], "A_inv": [], "G_inv": []}
+        for b in self.blocks:
+            s["A"].append(optimizer.add_variable((b.a_dim, b.a_dim), name=f"{b.name}_A"))
+            s["G"].append(optimizer.add_variable((b.g_dim, b.g_dim), name=f"{b.name}_G"))
+            nb, size = split_layout(b.a_dim, split)
+            s["A_inv"].append(optimizer.add_variable(
+                (nb, size, size), initializer=_identity_blocks(nb, size), name=f"{b.name}_A_inv"))
+            nb, size = split_layout(b.g_dim, split)
+            s["G_inv"].append(optimizer.add_variable(
+                (nb, size, size), initializer=_identity_blocks(nb, size), name=f"{b.name}_G_inv"))
+
+        def vector(name, dtype, value):
+            return optimizer.add_variable(
+                (n,), initializer=keras.initializers.Constant(value), dtype=dtype, name=name)
+
+        def scalar(name, value=0):
+            return optimizer.add_variable(
+                (), initializer=keras.initializers.Constant(value), dtype="int64", name=name)
+
+        s["trace_a"] = vector("thor_trace_a", "float32", 0.0)
+        s["trace_g"] = vector("thor_trace_g", "float32", 0.0)
+        s["last_delta"] = vector("thor_last_delta", "float32", float("nan"))
+        s["refreshes"] = vector("thor_refreshes", "int64", 0)
+        s["reuses"] = vector("thor_reuses", "int64", 0)
+        s["frozen"] = vector("thor_frozen", "int64", 0)
+        s["frozen_at"] = vector("thor_frozen_at", "int64", -1)
+        s["last_refresh"] = vector("thor_last_refresh", "int64", -1)
+        s["next_cadence"] = scalar("thor_next_cadence_step")
+        s["cadence_points"] = scalar("thor_cadence_points")
+        s["nonfinite_steps"] = scalar("thor_nonfinite_steps")
+        s["epoch"] = scalar("thor_epoch")
+        self._state = s
+
+    @property
+    def state(self):
+        if self._state is None:
+            raise ValueError("the THOR state does not exist yet: compile and fit (or build the "
+                             "optimizer) first")
+        return self._state
+
+    def set_epoch(self, epoch):
+        if self._state is not None:
+            self._state["epoch"].assign(int(epoch))
+
+    # -- the per-step work (inside the traced train step) ---------------------------------------------
+    def train_update(self, tape, loss, variables, records, batch_size, sampled_loss=None):
+        """Gradients, curvature update and THOR update for one batch.
+
+        Args:
+          tape: the GradientTape that recorded the forward pass (persistent for sampled Fisher).
+          loss: the scaled training loss (what the gradients are taken of).
+          variables: the model's trainable variables.
+          records: ``{block name: [Record, ...]}`` captured in the forward pass.
+          batch_size: local batch size (scalar tensor).
+          sampled_loss: for ``fisher='sampled'``, the summed loss at sampled targets.
+        """
+        opt = self.optimizer
+        active = [b for b in self.blocks if records.get(b.name)]
+        zs = [r.z for b in active for r in records[b.name]]
+        all_grads = tape.gradient(loss, list(variables) + zs)
+        grads = list(all_grads[: len(variables)])
+        z_grads = [tf.zeros_like(z) if g is None else g
+                   for z, g in zip(zs, all_grads[len(variables):])]
+
+        checks = [tf.reduce_all(tf.math.is_finite(tf.cast(loss, tf.float32)))]
+        checks += [tf.reduce_all(tf.math.is_finite(g)) for g in grads + z_grads if g is not None]
+        ok = tf.reduce_all(tf.stack(checks))
+
+        scale = fisher.example_scale(self.model_loss(), batch_size, opt.loss_scale_factor)
+        output_grads, k = {}, 0
+        for b in active:
+            count = len(records[b.name])
+            output_grads[b.name] = [tf.cast(g, tf.float32) * scale for g in z_grads[k:k + count]]
+            k += count
+
+        def sampled_output_grads():
+            gs = tape.gradient(sampled_loss, zs)
+            out, k = {}, 0
+            for b in active:
+                count = len(records[b.name])
+                out[b.name] = [tf.zeros_like(z, tf.float32) if g is None else tf.cast(g, tf.float32)
+                               for z, g in zip(zs[k:k + count], gs[k:k + count])]
+                k += count
+            return out
+
+        self.curvature_step(active, records, output_grads, ok,
+                            sampled_output_grads if sampled_loss is not None else None)
+        pre = self.precondition(active, records, grads, variables)
+        state = self.state
+        state["nonfinite_steps"].assign_add(tf.cast(tf.logical_not(ok), tf.int64))
+        opt.apply_masked(pre, variables, ok)
+        return ok
+
+    def model_loss(self):
+        """The compiled loss (set by ``ThorModel.compile``), for the reduction to undo."""
+        return self.loss if self.loss is not None else "sparse_categorical_crossentropy"
+
+    def curvature_step(self, active, records, output_grads, ok, sampled_fn=None):
+        """At a due cadence point, apply the trace rule per layer and refresh where it says so."""
+        opt = self.optimizer
+        s = self.state
+        step = tf.cast(opt.iterations, tf.int64)
+        due = tf.logical_and(ok, step >= s["next_cadence"])
+
+        def cadence():
+            grads_for_g = sampled_fn() if sampled_fn is not None else output_grads
+            damping = opt.current_damping()
+            results = {}
+            for b in active:
+                i = self._block_index[b.name]
+                results[i] = self._layer_cadence(i, b, records[b.name], grads_for_g[b.name],
+                                                 damping, step)
+            self._record_decisions(results, step)
+            s["next_cadence"].assign(step + opt.cadence.interval(step, s["epoch"]))
+            s["cadence_points"].assign_add(1)
+            return tf.constant(0)
+
+        tf.cond(due, cadence, lambda: tf.constant(0))
+
+    def _layer_cadence(self, i, block, recs, gs, damping, step):
+        """Δ, decision and (if refreshing) new factors/inverses for one layer.
+
+        Returns ``(delta, refresh, freeze, trace_a_used, trace_g_used)`` scalar tensors.
+        """
+        opt = self.optimizer
+        s = self.state
+        beta = opt.factor_decay
+        frozen = s["frozen"][i] > 0
+        has_used = s["refreshes"][i] > 0
+        used_a, used_g = s["trace_a"][i], s["trace_g"][i]
+        per_factor = tf.sqrt(damping / block.positions(recs))
+
+        def work():
+            trace_a, trace_g = block.trace_a(recs), block.trace_g(gs)
+            if beta > 0:
+                trace_a = tf.where(has_used, beta * used_a + (1 - beta) * trace_a, trace_a)
+                trace_g = tf.where(has_used, beta * used_g + (1 - beta) * trace_g, trace_g)
+            new = scheduler.damped_trace_product(trace_a, trace_g, per_factor, block.a_dim, block.g_dim)
+            used = scheduler.damped_trace_product(used_a, used_g, per_factor, block.a_dim, block.g_dim)
+            delta = scheduler.relative_trace_change(new, used, has_used)
+            refresh, freeze = scheduler.decide(delta, opt.omega1, opt.omega2)
+            if opt.omega1 <= 0:  # THOR_NT: refresh at every cadence point, even when Δ == 0
+                refresh = tf.constant(True)
+                freeze = tf.constant(False)
+
+            def do_refresh():
+                factor_a = block.factor_a(recs)
+                factor_g = block.factor_g(gs)
+                if beta > 0:
+                    factor_a = tf.where(has_used, beta * s["A"][i] + (1 - beta) * factor_a, factor_a)
+                    factor_g = tf.where(has_used, beta * s["G"][i] + (1 - beta) * factor_g, factor_g)
+                inv_a = split_inverse(factor_a, per_factor, opt.split_dim, previous=s["A_inv"][i])
+                inv_g = split_inverse(factor_g, per_factor, opt.split_dim, previous=s["G_inv"][i])
+                s["A"][i].assign(factor_a)
+                s["G"][i].assign(factor_g)
+                s["A_inv"][i].assign(inv_a)
+                s["G_inv"][i].assign(inv_g)
+                return tf.linalg.trace(factor_a), tf.linalg.trace(factor_g)
+
+            trace_a_used, trace_g_used = tf.cond(
+                refresh, do_refresh, lambda: (tf.identity(used_a), tf.identity(used_g)))
+            return delta, refresh, freeze, trace_a_used, trace_g_used
+
+        def skip():  # frozen: no patches, no factor matmuls, no inversion
+            return (tf.constant(float("nan")), tf.constant(False), tf.constant(False),
+                    tf.identity(used_a), tf.identity(used_g))
+
+        return tf.cond(frozen, skip, work)
+
+    def _record_decisions(self, results, step):
+        """Write one cadence point's per-layer outcomes into the stat vectors."""
+        s = self.state
+        n = len(self.blocks)
+        present = np.zeros(n, bool)
+        present[list(results)] = True
+
+        def gather(k, fill, dtype):
+            return tf.stack([tf.cast(results[i][k], dtype) if i in results else tf.constant(fill, dtype)
+                             for i in range(n)])
+
+        delta = gather(0, float("nan"), tf.float32)
+        refresh = gather(1, False, tf.bool)
+        freeze = gather(2, False, tf.bool)
+        was_frozen = s["frozen"] > 0
+        evaluated = tf.logical_and(tf.logical_not(was_frozen), tf.constant(present))
+        reuse = tf.logical_and(evaluated, tf.logical_not(tf.logical_or(refresh, freeze)))
+        s["trace_a"].assign(tf.where(tf.constant(present), gather(3, 0.0, tf.float32), s["trace_a"]))
+        s["trace_g"].assign(tf.where(tf.constant(present), gather(4, 0.0, tf.float32), s["trace_g"]))
+        s["last_delta"].assign(tf.where(evaluated, delta, s["last_delta"]))
+        s["refreshes"].assign_add(tf.cast(refresh, tf.int64))
+        s["reuses"].assign_add(tf.cast(reuse, tf.int64))
+        s["last_refresh"].assign(tf.where(refresh, step, s["last_refresh"]))
+        s["frozen_at"].assign(tf.where(freeze, step, s["frozen_at"]))
+        s["frozen"].assign(tf.where(freeze, tf.ones_like(s["frozen"]), s["frozen"]))
+
+    def precondition(self, active, records, grads, variables):
+        """Replace each block's kernel/bias gradients by ``(1/P)·A_inv·M·G_inv`` (split inverses).
+
+        ``grads`` is aligned with ``variables``; variables without a block keep their gradient.
+        """
+        s = self.state
+        index = {id(v): k for k, v in enumerate(variables)}
+        usable = [b for b in active if grads[index[id(b.kernel)]] is not None]
+        if not usable:
+            return grads
+        matrices, operators = [], []
+        for b in usable:
+            i = self._block_index[b.name]
+            bias_grad = grads[index[id(b.bias)]] if b.bias is not None else None
+            if b.bias is not None and bias_grad is None:
+                bias_grad = tf.zeros_like(b.bias)
+            matrices.append(b.to_matrix(grads[index[id(b.kernel)]], bias_grad))
+            operators.append(algebra.KroneckerOperator(
+                algebra.BlockDiagonal(tf.convert_to_tensor(s["A_inv"][i]), b.a_dim),
+                algebra.BlockDiagonal(tf.convert_to_tensor(s["G_inv"][i]), b.g_dim),
+                scale=1.0 / b.positions(records[b.name])))
+        preconditioner = algebra.block_diagonal_mat(operators)
+        updates = algebra.mat_vec_prod(preconditioner, matrices, mode="right")
+        out = list(grads)
+        for b, update in zip(usable, updates):
+            kernel_update, bias_update = b.from_matrix(update)
+            k = index[id(b.kernel)]
+            out[k] = tf.cast(kernel_update, grads[k].dtype)
+            if b.bias is not None:
+                out[index[id(b.bias)]] = bias_update
+        return out
+
+    # -- introspection ---------------------------------------------------------------------------
+    def layer_stats(self):
+        """One dict per registered layer (host values; call between steps, not in the graph)."""
+        split = self.optimizer.split_dim if self.optimizer is not None else None
+        stats = []
+        state = self._state
+        for i, b in enumerate(self.blocks):
+            row = dict(b.describe())
+            row["split_dim"] = split
+            if state is not None:
+                row.update({
+                    "refreshes": int(state["refreshes"].numpy()[i]),
+                    "reuses": int(state["reuses"].numpy()[i]),
+                    "last_refresh_step": int(state["last_refresh"].numpy()[i]),
+                    "frozen": bool(state["frozen"].numpy()[i]),
+                    "frozen_at_step": int(state["frozen_at"].numpy()[i]),
+                    "last_delta": float(state["last_delta"].numpy()[i]),
+                })
+            else:
+                row.update({"refreshes": 0, "reuses": 0, "last_refresh_step": -1, "frozen": False,
+                            "frozen_at_step": -1, "last_delta": float("nan")})
+            stats.append(row)
+        return stats
+
+    def counters(self):
+        """Model-wide counters: cadence points, non-finite steps, next cadence step, epoch."""
+        s = self.state
+        return {k: int(s[k].numpy()) for k in ("cadence_points", "nonfinite_steps", "next_cadence",
+                                                "epoch")}
+
+    def factors(self, name):
+        """``{"A": ndarray, "G": ndarray}``: the undamped factors in use for layer ``name``."""
+        if name not in self._block_index:
+            raise ValueError(f"`name` must be one of the registered layers {list(self._block_index)}; "
+                             f"got {name!r}.")
+        i = self._block_index[name]
+        s = self.state
+        return {"A": s["A"][i].numpy(), "G": s["G"][i].numpy()}
+
+    def inverses(self, name):
+        """``{"A_inv": [nb, d, d], "G_inv": [nb, d, d]}`` split inverses for layer ``name``."""
+        if name not in self._block_index:
+            raise ValueError(f"`name` must be one of the registered layers {list(self._block_index)}; "
+                             f"got {name!r}.")
+        i = self._block_index[name]
+        s = self.state
+        return {"A_inv": s["A_inv"][i].numpy(), "G_inv": s["G_inv"][i].numpy()}
