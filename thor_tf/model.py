@@ -56,8 +56,6 @@ class ThorModel(keras.Model):
         object.__setattr__(self, "thor", engine)
         if verbose:
             print(engine.registration_table(self._default_optimizer.split_dim))
-        if model.inputs is not None and getattr(model, "_build_shapes_dict", None) is None:
-            pass
 
     def call(self, inputs, training=None):
         return self.model(inputs, training=training)
@@ -79,6 +77,16 @@ class ThorModel(keras.Model):
             self.optimizer.attach(self.thor)
             if self.optimizer.fisher == "sampled":
                 self._loss_spec = fisher.loss_spec(loss)
+
+    def compile_from_config(self, config):
+        # Keras skips compile on load for models with a custom ``compile``; ours only adds the
+        # THOR default and the engine binding, so restoring from the config is safe.
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.built:
+            self._build_thor_state()
+            if not self.optimizer.built:
+                self.optimizer.build(self.trainable_variables)
 
     # -- training ---------------------------------------------------------------------------------
     def _build_thor_state(self):

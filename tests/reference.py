@@ -1,0 +1,66 @@
+"""Float64 NumPy references built from first principles, for the engine's tests.
+
+Explicit per-example activations and gradients, explicit patches, explicit Kronecker products.
+Nothing here calls thor_tf.
+"""
+
+import numpy as np
+
+
+def same_padding(size, kernel, stride, dilation):
+    """TF 'SAME' padding (before, after) for one spatial axis."""
+    effective = (kernel - 1) * dilation + 1
+    out = -(-size // stride)
+    total = max((out - 1) * stride + effective - size, 0)
+    return total // 2, total - total // 2
+
+
+def conv_patches(x, kernel_size, strides, padding, dilation):
+    """Explicit im2col: x [N, H, W, C] -> patches [N, Ho, Wo, kh*kw*C] in (kh, kw, C) order."""
+    n, h, w, c = x.shape
+    kh, kw = kernel_size
+    sh, sw = strides
+    dh, dw = dilation
+    if padding == "same":
+        (pt, pb), (pl, pr) = same_padding(h, kh, sh, dh), same_padding(w, kw, sw, dw)
+    else:
+        pt = pb = pl = pr = 0
+    xp = np.zeros((n, h + pt + pb, w + pl + pr, c))
+    xp[:, pt:pt + h, pl:pl + w] = x
+    eh, ew = (kh - 1) * dh + 1, (kw - 1) * dw + 1
+    ho = (xp.shape[1] - eh) // sh + 1
+    wo = (xp.shape[2] - ew) // sw + 1
+    out = np.zeros((n, ho, wo, kh * kw * c))
+    for i in range(ho):
+        for j in range(wo):
+            feats = []
+            for a in range(kh):
+                for b in range(kw):
+                    feats.append(xp[:, i * sh + a * dh, j * sw + b * dw, :])
+            out[:, i, j] = np.concatenate(feats, axis=-1)
+    return out
+
+
+def homogeneous(rows, use_bias):
+    return np.concatenate([rows, np.ones((rows.shape[0], 1))], axis=1) if use_bias else rows
+
+
+def mean_outer(rows):
+    """Mean over rows of r rᵀ, one explicit outer product per row."""
+    total = np.zeros((rows.shape[1], rows.shape[1]))
+    for r in rows:
+        total += np.outer(r, r)
+    return total / rows.shape[0]
+
+
+def softmax(z):
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def block_diagonal_part(m, size):
+    """Copy of m with everything outside the diagonal blocks of `size` set to 0."""
+    out = np.zeros_like(m)
+    for s in range(0, m.shape[0], size):
+        out[s:s + size, s:s + size] = m[s:s + size, s:s + size]
+    return out

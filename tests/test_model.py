@@ -1,0 +1,312 @@
+"""Keras integration: wrap() contract, one trace, save/load, robustness, end-to-end training."""
+
+import os
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from sklearn.datasets import load_digits
+
+import thor_tf
+
+
+def _digits(n=None):
+    d = load_digits()
+    x = (d.images / 16.0).astype("float32")[..., None]
+    y = d.target.astype("int64")
+    return (x[:n], y[:n]) if n else (x, y)
+
+
+def _cnn(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((8, 8, 1)),
+        keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="conv"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(32, activation="relu", name="fc"),
+        keras.layers.Dense(10, activation="softmax", name="out"),
+    ])
+
+
+def _functional_nested(seed=0):
+    keras.utils.set_random_seed(seed)
+    inner = keras.Sequential([keras.Input((16,)), keras.layers.Dense(12, activation="tanh", name="inner_fc")],
+                             name="inner")
+    inp = keras.Input((8, 8, 1))
+    h = keras.layers.Conv2D(4, 3, strides=2, name="conv")(inp)
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    h = keras.layers.Flatten()(h)
+    h = keras.layers.Dense(16, activation="relu", name="fc")(h)
+    h = inner(h)
+    out = keras.layers.Dense(10, activation="softmax", name="out")(h)
+    return keras.Model(inp, out)
+
+
+class SubclassedNet(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.conv = keras.layers.Conv2D(6, 3, padding="same", activation="relu")
+        self.flat = keras.layers.Flatten()
+        self.fc = keras.layers.Dense(10, activation="softmax")
+
+    def call(self, x):
+        return self.fc(self.flat(self.conv(x)))
+
+
+def _subclassed(seed=0):
+    keras.utils.set_random_seed(seed)
+    m = SubclassedNet()
+    m(np.zeros((1, 8, 8, 1), "float32"))
+    return m
+
+
+@pytest.mark.parametrize("factory,blocks", [(_cnn, 3), (_functional_nested, 4), (_subclassed, 2)])
+def test_wrap_keeps_predictions_and_registers_layers(factory, blocks, capsys):
+    x, y = _digits(64)
+    model = factory()
+    before = model.predict(x, verbose=0)
+    wrapped = thor_tf.wrap(model)
+    table = capsys.readouterr().out
+    assert "Kronecker blocks" in table and "first order" in table
+    np.testing.assert_array_equal(wrapped.predict(x, verbose=0), before)
+    np.testing.assert_array_equal(model.predict(x, verbose=0), before)
+    assert len(wrapped.thor.blocks) == blocks
+    wrapped.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    history = wrapped.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+    stats = wrapped.thor.layer_stats()
+    assert len(stats) == blocks
+    for row in stats:
+        assert {"name", "kind", "a_dim", "g_dim", "split_dim", "refreshes", "last_refresh_step"} <= set(row)
+        assert row["refreshes"] >= 1 and row["last_refresh_step"] >= 0
+
+
+def test_batchnorm_is_listed_first_order(capsys):
+    thor_tf.wrap(_functional_nested())
+    out = capsys.readouterr().out
+    assert "first order: bn (BatchNormalization)" in out
+
+
+def test_train_step_traced_once_over_many_steps():
+    x, y = _digits(64 * 15)
+    wrapped = thor_tf.wrap(_cnn(), frequency=3, verbose=False)
+    wrapped.compile(loss="sparse_categorical_crossentropy")
+    traces = []
+    original = wrapped.train_step
+
+    def counting(data):
+        traces.append(1)
+        return original(data)
+
+    wrapped.train_step = counting
+    wrapped.fit(x, y, epochs=4, batch_size=64, verbose=0)  # 60 steps, decisions change
+    assert wrapped.optimizer.iterations.numpy() == 60
+    assert len(traces) == 1
+    stats = wrapped.thor.layer_stats()
+    assert sum(s["refreshes"] for s in stats) > len(stats)  # refreshes happened after step 0
+
+
+def test_thor_trains_digits_faster_than_sgd_momentum():
+    x, y = _digits()
+    losses = {}
+    for name in ("thor", "sgd"):
+        model = _cnn(seed=1)
+        if name == "thor":
+            model = thor_tf.wrap(model, learning_rate=0.02, momentum=0.9, damping=0.03, verbose=False)
+            model.compile(loss="sparse_categorical_crossentropy")
+        else:
+            model.compile(optimizer=keras.optimizers.SGD(0.02, momentum=0.9),
+                          loss="sparse_categorical_crossentropy")
+        keras.utils.set_random_seed(2)
+        model.fit(x, y, epochs=3, batch_size=64, verbose=0, shuffle=True)
+        losses[name] = model.evaluate(x, y, verbose=0)
+    assert losses["thor"] < 0.7 * losses["sgd"], losses
+
+
+@pytest.mark.parametrize("option,value", [
+    ("learning_rate", -1.0), ("momentum", 1.5), ("damping", 0.0), ("weight_decay", -0.1),
+    ("clip_norm", 0.0), ("frequency", 0), ("frequency", [(1, 10)]), ("preset", "fast"),
+    ("omega1", -0.1), ("split_dim", 0), ("split_dim", "/nonexistent/calibration.json"),
+    ("fisher", "exact"), ("factor_decay", 1.0), ("clipnorm", 1.0), ("exclude", "fc"),
+])
+def test_bad_options_raise_value_error_naming_the_option(option, value):
+    with pytest.raises(ValueError, match=option):
+        thor_tf.wrap(_cnn(), verbose=False, **{option: value})
+
+
+def test_omega2_above_omega1_raises():
+    with pytest.raises(ValueError, match="omega2"):
+        thor_tf.wrap(_cnn(), omega1=0.01, omega2=0.1, verbose=False)
+
+
+def test_unsupported_layer_trains_first_order_with_one_warning():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((8, 8)),
+        keras.layers.Conv1D(4, 3, name="temporal"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(10, activation="softmax", name="out"),
+    ])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped = thor_tf.wrap(model, verbose=False)
+    messages = [str(w.message) for w in caught if "thor_tf" in str(w.message)]
+    assert len(messages) == 1 and "temporal (Conv1D)" in messages[0]
+    assert [b.name for b in wrapped.thor.blocks] == ["out"]
+    x, y = _digits(64)
+    before = model.get_layer("temporal").kernel.numpy().copy()
+    wrapped.compile(loss="sparse_categorical_crossentropy")
+    wrapped.fit(x[..., 0], y, epochs=1, batch_size=32, verbose=0)
+    assert not np.allclose(model.get_layer("temporal").kernel.numpy(), before)
+
+
+def _snapshot(wrapped):
+    opt = wrapped.optimizer
+    return [v.numpy().copy() for v in wrapped.trainable_variables] + [v.numpy().copy() for v in opt.variables
+                                                                      if "iteration" not in v.name and "nonfinite" not in v.name]
+
+
+@pytest.mark.parametrize("poison", ["input", "loss"])
+def test_non_finite_batch_changes_nothing_and_training_goes_on(poison):
+    x, y = _digits(96)
+    wrapped = thor_tf.wrap(_cnn(), frequency=1, verbose=False)
+    wrapped.compile(loss="sparse_categorical_crossentropy")
+    wrapped.train_on_batch(x[:32], y[:32])
+    wrapped.train_on_batch(x[32:64], y[32:64])
+    before = _snapshot(wrapped)
+    bad_x = x[64:].copy()
+    if poison == "input":
+        bad_x[3, 2, 2, 0] = np.nan
+    else:
+        bad_x[5] = np.inf
+    wrapped.train_on_batch(bad_x, y[64:])
+    after = _snapshot(wrapped)
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+    assert wrapped.thor.counters()["nonfinite_steps"] == 1
+    loss = wrapped.train_on_batch(x[64:], y[64:])
+    assert np.isfinite(loss)
+    assert wrapped.thor.counters()["nonfinite_steps"] == 1
+    for name in ("conv", "fc", "out"):
+        for value in list(wrapped.thor.factors(name).values()) + list(wrapped.thor.inverses(name).values()):
+            assert np.all(np.isfinite(value))
+
+
+def test_save_and_load_keep_the_whole_optimizer_state(tmp_path):
+    x, y = _digits(128)
+    wrapped = thor_tf.wrap(_cnn(), learning_rate=0.03, frequency=2, verbose=False)
+    wrapped.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    wrapped.fit(x, y, epochs=1, batch_size=32, verbose=0)
+    path = os.path.join(tmp_path, "thor.keras")
+    wrapped.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded, thor_tf.ThorModel)
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), wrapped.predict(x, verbose=0), atol=1e-6)
+    assert loaded.optimizer.get_config()["learning_rate"] == pytest.approx(0.03)
+    for a, b in zip(wrapped.optimizer.variables, loaded.optimizer.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    np.testing.assert_array_equal(loaded.thor.factors("fc")["A"], wrapped.thor.factors("fc")["A"])
+    # Both continue identically from the restored state.
+    wrapped.train_on_batch(x[:32], y[:32])
+    loaded.train_on_batch(x[:32], y[:32])
+    np.testing.assert_allclose(loaded.get_layer(index=0).get_layer("fc").kernel.numpy(),
+                               wrapped.model.get_layer("fc").kernel.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_user_model_still_saves_and_loads_after_wrap(tmp_path):
+    model = _cnn()
+    thor_tf.wrap(model, verbose=False)
+    path = os.path.join(tmp_path, "plain.keras")
+    model.save(path)
+    x, _ = _digits(16)
+    np.testing.assert_allclose(keras.models.load_model(path).predict(x, verbose=0),
+                               model.predict(x, verbose=0), atol=1e-6)
+
+
+def test_tf_train_checkpoint_restores_optimizer_state(tmp_path):
+    x, y = _digits(64)
+    wrapped = thor_tf.wrap(_cnn(), preset="thor_nt", frequency=1, verbose=False)
+    wrapped.compile(loss="sparse_categorical_crossentropy")
+    wrapped.fit(x, y, epochs=1, batch_size=32, verbose=0)
+    ckpt = tf.train.Checkpoint(model=wrapped, optimizer=wrapped.optimizer)
+    path = ckpt.save(os.path.join(tmp_path, "ckpt"))
+    saved_a = wrapped.thor.factors("fc")["A"].copy()
+    saved_momentum = [v.numpy().copy() for v in wrapped.optimizer.variables]
+    wrapped.fit(x, y, epochs=1, batch_size=32, verbose=0)
+    assert not np.array_equal(saved_a, wrapped.thor.factors("fc")["A"])
+    ckpt.restore(path)
+    np.testing.assert_array_equal(saved_a, wrapped.thor.factors("fc")["A"])
+    for saved, v in zip(saved_momentum, wrapped.optimizer.variables):
+        np.testing.assert_array_equal(saved, v.numpy())
+
+
+def test_fit_with_validation_sample_weights_and_callbacks():
+    x, y = _digits(256)
+    wrapped = thor_tf.wrap(_cnn(), verbose=False)
+    wrapped.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    seen = []
+    cb = keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: seen.append(logs["val_accuracy"]))
+    weights = np.where(y % 2 == 0, 2.0, 0.5).astype("float32")
+    wrapped.fit(x, y, sample_weight=weights, validation_data=(x[:64], y[:64]), epochs=2,
+                batch_size=32, callbacks=[cb], verbose=0)
+    assert len(seen) == 2 and all(np.isfinite(seen))
+    loss, acc = wrapped.evaluate(x, y, verbose=0)
+    assert np.isfinite(loss) and 0 <= acc <= 1
+
+
+def test_other_optimizer_trains_like_plain_keras():
+    x, y = _digits(64)
+    wrapped = thor_tf.wrap(_cnn(), verbose=False)
+    wrapped.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy")
+    wrapped.fit(x, y, epochs=1, batch_size=32, verbose=0)
+    assert not isinstance(wrapped.optimizer, thor_tf.ThorOptimizer)
+
+
+def test_sampled_fisher_trains_and_refreshes():
+    x, y = _digits(256)
+    wrapped = thor_tf.wrap(_cnn(), fisher="sampled", preset="thor_nt", frequency=2, verbose=False)
+    wrapped.compile(loss="sparse_categorical_crossentropy")
+    first = wrapped.evaluate(x, y, verbose=0)
+    wrapped.fit(x, y, epochs=2, batch_size=32, verbose=0)
+    assert wrapped.evaluate(x, y, verbose=0) < first
+    assert all(s["refreshes"] == 8 for s in wrapped.thor.layer_stats())  # 16 steps / 2
+
+
+def test_sampled_fisher_rejects_unknown_loss():
+    wrapped = thor_tf.wrap(_cnn(), fisher="sampled", verbose=False)
+    with pytest.raises(ValueError, match="fisher='sampled'"):
+        wrapped.compile(loss="hinge")
+
+
+def test_factor_decay_is_seeded_by_the_first_batch():
+    x, y = _digits(64)
+    decayed = thor_tf.wrap(_cnn(), factor_decay=0.9, learning_rate=1e-6, verbose=False)
+    decayed.compile(loss="sparse_categorical_crossentropy")
+    plain = thor_tf.wrap(_cnn(), factor_decay=0.0, learning_rate=1e-6, verbose=False)
+    plain.compile(loss="sparse_categorical_crossentropy")
+    decayed.train_on_batch(x[:32], y[:32])
+    plain.train_on_batch(x[:32], y[:32])
+    first = decayed.thor.factors("fc")["A"].copy()
+    np.testing.assert_allclose(first, plain.thor.factors("fc")["A"], rtol=1e-6)
+    # Next cadence point: β·old + (1−β)·new.
+    decayed.optimizer.engine.state["next_cadence"].assign(1)
+    plain.optimizer.engine.state["next_cadence"].assign(1)
+    decayed.train_on_batch(x[32:], y[32:])
+    plain.train_on_batch(x[32:], y[32:])
+    np.testing.assert_allclose(decayed.thor.factors("fc")["A"],
+                               0.9 * first + 0.1 * plain.thor.factors("fc")["A"], rtol=1e-4, atol=1e-6)
+
+
+def test_mixed_precision_keeps_factors_float32():
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        x, y = _digits(64)
+        wrapped = thor_tf.wrap(_cnn(), verbose=False)
+        wrapped.compile(loss="sparse_categorical_crossentropy")
+        wrapped.fit(x, y, epochs=1, batch_size=32, verbose=0)
+        factors = wrapped.thor.factors("fc")
+        assert factors["A"].dtype == np.float32 and np.all(np.isfinite(factors["A"]))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
