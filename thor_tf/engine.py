@@ -6,8 +6,9 @@ capture (records of each registered layer) → blocks (factors A, G and split in
 The engine is structural: it knows the model's layers and blocks and runs the per-step work inside
 the traced train step. Its state variables are created on (and saved with) the optimizer:
 
-per block ``l``:  ``A_l`` [a, a], ``G_l`` [g, g] (factors in use, undamped), ``A_inv_l``
-[nb_a, d_a, d_a], ``G_inv_l`` [nb_g, d_g, d_g] (split inverses, identity before the first refresh);
+per block ``l``:  ``A_l`` [nb_a, d_a, d_a], ``G_l`` [nb_g, d_g, d_g] (the diagonal blocks of the
+undamped factors in use: the only part the split inverse needs, so the only part computed),
+``A_inv_l``, ``G_inv_l`` (same shapes: split inverses, identity before the first refresh);
 per model (vectors over blocks): traces in use, refresh / reuse counts, frozen flag and step, last
 refresh step, last Δ; scalars: next cadence step, cadence points, non-finite steps, epoch.
 
@@ -27,7 +28,7 @@ import tensorflow as tf
 
 from thor_tf import algebra, capture, fisher, scheduler
 from thor_tf.blocks import block_class_for
-from thor_tf.inverse import split_inverse, split_layout
+from thor_tf.inverse import invert_blocks, split_layout
 
 #: Layers whose parameters are first order by design (not worth a warning).
 _EXPECTED_FIRST_ORDER = (
@@ -144,14 +145,12 @@ class ThorEngine:
         n = len(self.blocks)
         s = {"A": [], "G": [], "A_inv": [], "G_inv": []}
         for b in self.blocks:
-            s["A"].append(optimizer.add_variable((b.a_dim, b.a_dim), name=f"{b.name}_A"))
-            s["G"].append(optimizer.add_variable((b.g_dim, b.g_dim), name=f"{b.name}_G"))
-            nb, size = split_layout(b.a_dim, split)
-            s["A_inv"].append(optimizer.add_variable(
-                (nb, size, size), initializer=_identity_blocks(nb, size), name=f"{b.name}_A_inv"))
-            nb, size = split_layout(b.g_dim, split)
-            s["G_inv"].append(optimizer.add_variable(
-                (nb, size, size), initializer=_identity_blocks(nb, size), name=f"{b.name}_G_inv"))
+            for factor, dim in (("A", b.a_dim), ("G", b.g_dim)):
+                nb, size = split_layout(dim, split)
+                s[factor].append(optimizer.add_variable((nb, size, size), name=f"{b.name}_{factor}"))
+                s[factor + "_inv"].append(optimizer.add_variable(
+                    (nb, size, size), initializer=_identity_blocks(nb, size),
+                    name=f"{b.name}_{factor}_inv"))
 
         def vector(name, dtype, value):
             return optimizer.add_variable(
@@ -288,18 +287,19 @@ class ThorEngine:
                 freeze = tf.constant(False)
 
             def do_refresh():
-                factor_a = block.factor_a(recs)
-                factor_g = block.factor_g(gs)
+                factor_a = block.factor_a(recs, opt.split_dim)  # [nb, d, d] diagonal blocks
+                factor_g = block.factor_g(gs, opt.split_dim)
                 if beta > 0:
                     factor_a = tf.where(has_used, beta * s["A"][i] + (1 - beta) * factor_a, factor_a)
                     factor_g = tf.where(has_used, beta * s["G"][i] + (1 - beta) * factor_g, factor_g)
-                inv_a = split_inverse(factor_a, per_factor, opt.split_dim, previous=s["A_inv"][i])
-                inv_g = split_inverse(factor_g, per_factor, opt.split_dim, previous=s["G_inv"][i])
+                inv_a = invert_blocks(factor_a, per_factor, block.a_dim, previous=s["A_inv"][i])
+                inv_g = invert_blocks(factor_g, per_factor, block.g_dim, previous=s["G_inv"][i])
                 s["A"][i].assign(factor_a)
                 s["G"][i].assign(factor_g)
                 s["A_inv"][i].assign(inv_a)
                 s["G_inv"][i].assign(inv_g)
-                return tf.linalg.trace(factor_a), tf.linalg.trace(factor_g)
+                return (tf.reduce_sum(tf.linalg.trace(factor_a)),
+                        tf.reduce_sum(tf.linalg.trace(factor_g)))
 
             trace_a_used, trace_g_used = tf.cond(
                 refresh, do_refresh, lambda: (tf.identity(used_a), tf.identity(used_g)))
@@ -400,19 +400,28 @@ class ThorEngine:
                                                 "epoch")}
 
     def factors(self, name):
-        """``{"A": ndarray, "G": ndarray}``: the undamped factors in use for layer ``name``."""
+        """``{"A": ndarray, "G": ndarray}``: the undamped factors in use for layer ``name``.
+
+        ``[a_dim, a_dim]`` and ``[g_dim, g_dim]``. Only the diagonal blocks of ``split_dim`` are
+        ever computed and used, so with ``split_dim`` below a factor's dimension the matrix is
+        block-diagonal (zeros elsewhere); with ``split_dim >= dim`` it is the full factor.
+        """
+        i = self._index_of(name)
+        s = self.state
+        block = self.blocks[i]
+        return {
+            "A": algebra.BlockDiagonal(tf.convert_to_tensor(s["A"][i]), block.a_dim).to_dense().numpy(),
+            "G": algebra.BlockDiagonal(tf.convert_to_tensor(s["G"][i]), block.g_dim).to_dense().numpy(),
+        }
+
+    def _index_of(self, name):
         if name not in self._block_index:
             raise ValueError(f"`name` must be one of the registered layers {list(self._block_index)}; "
                              f"got {name!r}.")
-        i = self._block_index[name]
-        s = self.state
-        return {"A": s["A"][i].numpy(), "G": s["G"][i].numpy()}
+        return self._block_index[name]
 
     def inverses(self, name):
         """``{"A_inv": [nb, d, d], "G_inv": [nb, d, d]}`` split inverses for layer ``name``."""
-        if name not in self._block_index:
-            raise ValueError(f"`name` must be one of the registered layers {list(self._block_index)}; "
-                             f"got {name!r}.")
-        i = self._block_index[name]
+        i = self._index_of(name)
         s = self.state
         return {"A_inv": s["A_inv"][i].numpy(), "G_inv": s["G_inv"][i].numpy()}

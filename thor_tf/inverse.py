@@ -3,7 +3,8 @@
 A factor ``F`` ([n, n], symmetric PSD) is damped, ``M = F + d·I``, cut into diagonal blocks of
 ``split_dim`` (the last block padded with the identity) and only those blocks are inverted, as one
 batched Cholesky over a ``[num_blocks, d, d]`` tensor. The result is the inverse of the
-block-diagonal part of ``M``; with ``split_dim >= n`` it is the exact inverse.
+block-diagonal part of ``M``; with ``split_dim >= n`` it is the exact inverse. Training never forms
+the off-diagonal part at all: :func:`thor_tf.blocks.block_gram` computes only the diagonal blocks.
 
 Robustness: a block whose float32 Cholesky fails (NaN/Inf, the way TF reports a non-positive-definite
 input) is retried in float64 with more damping; a block that still fails keeps the inverse it had
@@ -38,26 +39,28 @@ def _finite_per_block(blocks):
     return tf.reduce_all(tf.math.is_finite(blocks), axis=[1, 2])
 
 
-def split_inverse(factor, damping, split_dim: int, previous=None, retry_scale: float = 10.0):
-    """Inverse of the diagonal blocks of ``factor + damping·I``.
+def invert_blocks(blocks, damping, dim: int, previous=None, retry_scale: float = 10.0):
+    """Inverses of the damped diagonal blocks of a factor.
 
     Args:
-      factor: ``[n, n]`` float32 symmetric PSD factor (undamped).
+      blocks: ``[nb, d, d]`` float32 diagonal blocks of the undamped factor (symmetric PSD), as
+        :func:`thor_tf.blocks.block_gram` returns them; padding past ``dim`` is zero.
       damping: scalar tensor, the damping ``d`` added to this factor's diagonal.
-      split_dim: python int, block size (see :func:`split_layout`).
-      previous: ``[num_blocks, d, d]`` inverses to keep for blocks that cannot be inverted even in
+      dim: the factor's true dimension ``n`` (padding rows/cols beyond it become identity).
+      previous: ``[nb, d, d]`` inverses to keep for blocks that cannot be inverted even in
         float64 (default: the identity).
       retry_scale: how much the damping grows for the float64 retry.
 
     Returns:
-      ``[num_blocks, d, d]`` float32 inverses (padding rows/cols of the last block are identity).
+      ``[nb, d, d]`` float32 inverses of ``block + damping·I`` (padding rows/cols: identity).
     """
-    factor = tf.convert_to_tensor(factor, tf.float32)
-    n = int(factor.shape[-1])
-    num_blocks, size = split_layout(n, split_dim)
+    blocks = tf.convert_to_tensor(blocks, tf.float32)
+    num_blocks, size = int(blocks.shape[0]), int(blocks.shape[-1])
     damping = tf.cast(damping, tf.float32)
-    damped = factor + damping * tf.eye(n, dtype=tf.float32)
-    blocks = BlockDiagonal.from_dense(damped, size).blocks
+    # Damping on the true diagonal, 1 on the padding diagonal: padded rows stay decoupled.
+    real = tf.cast(tf.range(num_blocks * size) < dim, tf.float32)
+    diagonal = tf.reshape(damping * real + (1.0 - real), [num_blocks, size])
+    blocks = blocks + tf.linalg.diag(diagonal)
     inverse = _cholesky_inverse(blocks)
     ok = _finite_per_block(inverse)
     if previous is None:
@@ -76,3 +79,31 @@ def split_inverse(factor, damping, split_dim: int, previous=None, retry_scale: f
         return tf.where(ok[:, None, None], inverse, fixed)
 
     return tf.cond(tf.reduce_all(ok), lambda: inverse, retry)
+
+
+def split_inverse(factor, damping, split_dim: int, previous=None):
+    """Split inverse of a dense ``[n, n]`` factor: :func:`invert_blocks` of its diagonal blocks.
+
+    Args:
+      factor: ``[n, n]`` float32 symmetric PSD factor (undamped).
+      damping: scalar, added to the diagonal.
+      split_dim: block size (see :func:`split_layout`).
+      previous: see :func:`invert_blocks`.
+
+    Returns:
+      ``[nb, d, d]`` inverses of the damped diagonal blocks (for calibration and tests; training
+      calls :func:`invert_blocks` on blocks it computed directly).
+    """
+    factor = tf.convert_to_tensor(factor, tf.float32)
+    n = int(factor.shape[-1])
+    _, size = split_layout(n, split_dim)
+    blocks = BlockDiagonal.from_dense(factor, size).blocks
+    # from_dense pads with the identity; invert_blocks expects zero padding (it adds its own 1s).
+    return invert_blocks(_zero_padding(blocks, n), damping, n, previous=previous)
+
+
+def _zero_padding(blocks, dim):
+    num_blocks, size = int(blocks.shape[0]), int(blocks.shape[-1])
+    real = tf.cast(tf.range(num_blocks * size) < dim, blocks.dtype)
+    mask = tf.reshape(real, [num_blocks, size])
+    return blocks * mask[:, :, None] * mask[:, None, :]

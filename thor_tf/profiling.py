@@ -1,0 +1,106 @@
+"""Where a THOR step spends its time: capture + backward, traces, factors, inversion, preconditioning.
+
+``profile_step(model, x, y)`` times each part of the train step as its own ``tf.function`` on one
+batch (median of repeats after a warm-up run), per registered layer where the work is per layer.
+The parts are what the fused train step does; timing them apart shows what a refresh costs
+(factors + inversion) against what every step costs (forward/backward + preconditioning).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import tensorflow as tf
+
+from thor_tf import fisher
+from thor_tf.inverse import invert_blocks
+
+
+def _median_seconds(fn, repeats):
+    fn()  # trace + warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, out)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _layer_functions(block, recs, gs, factor_a, factor_g, damping, split_dim):
+    """tf.functions (no arguments: the captured tensors are constants) for one layer's work."""
+    traces = tf.function(lambda: (block.trace_a(recs), block.trace_g(gs)))
+    factors = tf.function(lambda: (block.factor_a(recs, split_dim), block.factor_g(gs, split_dim)))
+    inverse = tf.function(lambda: (invert_blocks(factor_a, damping, block.a_dim),
+                                   invert_blocks(factor_g, damping, block.g_dim)))
+    return traces, factors, inverse
+
+
+def profile_step(model, x, y, repeats=5):
+    """Seconds per part of a THOR step for one batch ``(x, y)``.
+
+    Args:
+      model: a compiled model returned by :func:`thor_tf.wrap`.
+      x, y: one batch.
+      repeats: timed repetitions per part (median reported).
+
+    Returns:
+      ``{"forward_backward": s, "precondition": s, "layers": {name: {"traces": s, "factors": s,
+      "inverse": s}}, "refresh_total": s}`` where ``refresh_total`` sums factors + inverse over
+      layers (the cost of refreshing every block once).
+    """
+    engine = model.thor
+    optimizer = model.optimizer
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    x = tf.convert_to_tensor(x)
+    y = tf.convert_to_tensor(y)
+    variables = model.trainable_variables
+
+    def forward_backward():
+        with tf.GradientTape() as tape:
+            with engine.store.record() as records:
+                y_pred = model(x, training=True)
+            loss = model.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
+        zs = [r.z for b in engine.blocks for r in records.get(b.name, [])]
+        grads = tape.gradient(loss, list(variables) + zs)
+        return records, grads[: len(variables)], grads[len(variables):]
+
+    @tf.function
+    def fb():
+        _, grads, z_grads = forward_backward()
+        return [g for g in grads + z_grads if g is not None]
+
+    result = {"forward_backward": _median_seconds(fb, repeats), "layers": {}}
+    scale = fisher.example_scale(engine.model_loss(), tf.shape(x)[0], optimizer.loss_scale_factor)
+
+    # Per-layer work timed on one concrete batch of captured tensors (no forward pass inside).
+    records, grads, z_grads = forward_backward()
+    refresh_total, k = 0.0, 0
+    for block in engine.blocks:
+        count = len(records.get(block.name, []))
+        if not count:
+            continue
+        recs = records[block.name]
+        gs = [g * scale for g in z_grads[k:k + count]]
+        k += count
+        damping = tf.sqrt(optimizer.current_damping() / block.positions(recs))
+        split = optimizer.split_dim
+        factor_a, factor_g = block.factor_a(recs, split), block.factor_g(gs, split)
+        traces, factors, inverse = _layer_functions(block, recs, gs, factor_a, factor_g, damping,
+                                                    split)
+        timings = {
+            "traces": _median_seconds(traces, repeats),
+            "factors": _median_seconds(factors, repeats),
+            "inverse": _median_seconds(inverse, repeats),
+        }
+        refresh_total += timings["factors"] + timings["inverse"]
+        result["layers"][block.name] = timings
+    result["refresh_total"] = refresh_total
+
+    active = [b for b in engine.blocks if records.get(b.name)]
+    precondition = tf.function(lambda: [
+        g for g in engine.precondition(active, records, grads, variables) if g is not None])
+    result["precondition"] = _median_seconds(precondition, repeats)
+    return result
