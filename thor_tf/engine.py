@@ -38,6 +38,23 @@ _EXPECTED_FIRST_ORDER = (
 )
 
 
+def _replica_context():
+    """The replica context when training on more than one replica, else None."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync <= 1:
+        return None
+    return context
+
+
+def _cross_replica_all(flag):
+    """Logical AND of a boolean over replicas, so that every replica takes the same branches."""
+    context = _replica_context()
+    if context is None:
+        return flag
+    failures = context.all_reduce(tf.distribute.ReduceOp.SUM, 1.0 - tf.cast(flag, tf.float32))
+    return failures < 0.5
+
+
 def _identity_blocks(num_blocks, size):
     def init(shape=None, dtype=None):
         return tf.eye(size, batch_shape=[num_blocks], dtype=dtype or "float32")
@@ -207,7 +224,7 @@ class ThorEngine:
 
         checks = [tf.reduce_all(tf.math.is_finite(tf.cast(loss, tf.float32)))]
         checks += [tf.reduce_all(tf.math.is_finite(g)) for g in grads + z_grads if g is not None]
-        ok = tf.reduce_all(tf.stack(checks))
+        ok = _cross_replica_all(tf.reduce_all(tf.stack(checks)))
 
         scale = fisher.example_scale(self.model_loss(), batch_size, opt.loss_scale_factor)
         output_grads, k = {}, 0
@@ -274,6 +291,8 @@ class ThorEngine:
         per_factor = tf.sqrt(damping / block.positions(recs))
 
         def work():
+            # Under a multi-replica strategy this runs per replica on its local batch: TF does not
+            # allow cross-replica all-reduce inside tf.cond (merge_call), see README "Limits".
             trace_a, trace_g = block.trace_a(recs), block.trace_g(gs)
             if beta > 0:
                 trace_a = tf.where(has_used, beta * used_a + (1 - beta) * trace_a, trace_a)

@@ -93,7 +93,8 @@ class ThorModel(keras.Model):
         # Create the optimizer's state eagerly: without a distribution strategy Keras would defer
         # it to the first trace, and the engine needs it before the optimizer's own ``apply``.
         if isinstance(self.optimizer, ThorOptimizer) and not self.optimizer.built:
-            self.optimizer.build(self.trainable_variables)
+            with self.distribute_strategy.scope():
+                self.optimizer.build(self.trainable_variables)
 
     def fit(self, *args, callbacks=None, **kwargs):
         self._build_thor_state()
