@@ -222,29 +222,32 @@ class ThorEngine:
         z_grads = [tf.zeros_like(z) if g is None else g
                    for z, g in zip(zs, all_grads[len(variables):])]
 
+        # Finite parameter gradients imply finite dL/dz (every dz enters a bias or kernel
+        # gradient, and NaN·0 is NaN), so the large z-gradients need no check of their own.
         checks = [tf.reduce_all(tf.math.is_finite(tf.cast(loss, tf.float32)))]
-        checks += [tf.reduce_all(tf.math.is_finite(g)) for g in grads + z_grads if g is not None]
+        checks += [tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None]
         ok = _cross_replica_all(tf.reduce_all(tf.stack(checks)))
 
-        scale = fisher.example_scale(self.model_loss(), batch_size, opt.loss_scale_factor)
-        output_grads, k = {}, 0
-        for b in active:
-            count = len(records[b.name])
-            output_grads[b.name] = [tf.cast(g, tf.float32) * scale for g in z_grads[k:k + count]]
-            k += count
-
-        def sampled_output_grads():
-            gs = tape.gradient(sampled_loss, zs)
+        def split_by_block(tensors):
             out, k = {}, 0
             for b in active:
                 count = len(records[b.name])
-                out[b.name] = [tf.zeros_like(z, tf.float32) if g is None else tf.cast(g, tf.float32)
-                               for z, g in zip(zs[k:k + count], gs[k:k + count])]
+                out[b.name] = tensors[k:k + count]
                 k += count
             return out
 
-        self.curvature_step(active, records, output_grads, ok,
-                            sampled_output_grads if sampled_loss is not None else None)
+        def output_grads():
+            # Built inside the cadence branch: no per-step work on the (large) z-gradients.
+            scale = fisher.example_scale(self.model_loss(), batch_size, opt.loss_scale_factor)
+            return split_by_block([tf.cast(g, tf.float32) * scale for g in z_grads])
+
+        def sampled_output_grads():
+            gs = tape.gradient(sampled_loss, zs)
+            return split_by_block([tf.zeros_like(z, tf.float32) if g is None else tf.cast(g, tf.float32)
+                                   for z, g in zip(zs, gs)])
+
+        self.curvature_step(active, records, ok,
+                            sampled_output_grads if sampled_loss is not None else output_grads)
         pre = self.precondition(active, records, grads, variables)
         state = self.state
         state["nonfinite_steps"].assign_add(tf.cast(tf.logical_not(ok), tf.int64))
@@ -255,15 +258,19 @@ class ThorEngine:
         """The compiled loss (set by ``ThorModel.compile``), for the reduction to undo."""
         return self.loss if self.loss is not None else "sparse_categorical_crossentropy"
 
-    def curvature_step(self, active, records, output_grads, ok, sampled_fn=None):
-        """At a due cadence point, apply the trace rule per layer and refresh where it says so."""
+    def curvature_step(self, active, records, ok, output_grads_fn):
+        """At a due cadence point, apply the trace rule per layer and refresh where it says so.
+
+        ``output_grads_fn()`` returns ``{block name: [per-example dℓ/dz, ...]}`` (empirical or
+        sampled); it is called only inside the cadence branch.
+        """
         opt = self.optimizer
         s = self.state
         step = tf.cast(opt.iterations, tf.int64)
         due = tf.logical_and(ok, step >= s["next_cadence"])
 
         def cadence():
-            grads_for_g = sampled_fn() if sampled_fn is not None else output_grads
+            grads_for_g = output_grads_fn()
             damping = opt.current_damping()
             results = {}
             for b in active:
@@ -311,6 +318,9 @@ class ThorEngine:
                 if beta > 0:
                     factor_a = tf.where(has_used, beta * s["A"][i] + (1 - beta) * factor_a, factor_a)
                     factor_g = tf.where(has_used, beta * s["G"][i] + (1 - beta) * factor_g, factor_g)
+                # A non-finite factor (e.g. a sampled-Fisher overflow) keeps the one in use.
+                factor_a = tf.where(tf.reduce_all(tf.math.is_finite(factor_a)), factor_a, s["A"][i])
+                factor_g = tf.where(tf.reduce_all(tf.math.is_finite(factor_g)), factor_g, s["G"][i])
                 inv_a = invert_blocks(factor_a, per_factor, block.a_dim, previous=s["A_inv"][i])
                 inv_g = invert_blocks(factor_g, per_factor, block.g_dim, previous=s["G_inv"][i])
                 s["A"][i].assign(factor_a)
