@@ -47,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--frequency", type=int, default=10, help="cadence interval in steps")
     p.add_argument("--learning-rate", type=float, default=0.05)
     p.add_argument("--damping", type=float, default=0.03)
+    p.add_argument("--trace-smoothing", type=float, default=0.0,
+                   help="running estimate of the traces for Δ (0: THOR's rule as published)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/bench_trace_rule.json")
     p.add_argument("--quick", action="store_true", help="digits, 1 epoch: a smoke test in seconds")
@@ -57,7 +59,8 @@ def run_preset(preset, ds, args):
     keras.utils.set_random_seed(args.seed)
     model = zoo.build("cnn", ds.input_shape, ds.num_classes)
     wrapped = thor_tf.wrap(model, preset=preset, frequency=args.frequency,
-                           learning_rate=args.learning_rate, damping=args.damping, verbose=False)
+                           learning_rate=args.learning_rate, damping=args.damping,
+                           trace_smoothing=args.trace_smoothing, verbose=False)
     wrapped.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     logger = TraceRuleLogger(summary=False)
     keras.utils.set_random_seed(args.seed + 1)

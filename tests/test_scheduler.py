@@ -20,11 +20,11 @@ def _linear_loss(y_true, y_pred):
     return tf.reduce_mean(y_true * y_pred, axis=-1)
 
 
-def _controlled(omega1, omega2, seed=0):
+def _controlled(omega1, omega2, seed=0, trace_smoothing=0.0):
     keras.utils.set_random_seed(seed)
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3, use_bias=False, name="fc")])
     wrapped = thor_tf.wrap(model, omega1=omega1, omega2=omega2, frequency=1, damping=LAMBDA,
-                           learning_rate=1e-3, verbose=False)
+                           learning_rate=1e-3, trace_smoothing=trace_smoothing, verbose=False)
     wrapped.compile(loss=_linear_loss)
     return wrapped
 
@@ -34,13 +34,18 @@ def _batch(seed=1):
     return rng.normal(size=(8, 6)).astype("float32"), rng.normal(size=(8, 3)).astype("float32")
 
 
-def _expected_decisions(x, y, scales, omega1, omega2):
-    """Simulate the rule in float64: tr(A + dI)·tr(G + dI) with d = √λ, A from the scaled inputs."""
+def _expected_decisions(x, y, scales, omega1, omega2, smoothing=0.0):
+    """Simulate the rule in float64: tr(A + dI)·tr(G + dI) with d = √λ, A from the scaled inputs;
+    with smoothing, tr A is the running estimate s·previous + (1 − s)·batch."""
     d = np.sqrt(LAMBDA)
     trace_g = np.mean(np.sum((y.astype(np.float64) / 3) ** 2, axis=1))  # g_n = y_n / K
-    decisions, deltas, used, frozen = [], [], None, False
+    decisions, deltas, used, frozen, smooth = [], [], None, False, None
     for s in scales:
         trace_a = np.mean(np.sum((s * x.astype(np.float64)) ** 2, axis=1))
+        if smoothing and smooth is not None and not frozen:
+            trace_a = smoothing * smooth + (1 - smoothing) * trace_a
+        if not frozen:
+            smooth = trace_a
         product = (trace_a + d * 6) * (trace_g + d * 3)
         if frozen:
             decisions.append("frozen")
@@ -89,6 +94,20 @@ def test_decisions_follow_the_rule_on_controlled_sequences():
     for later in factors[4:]:
         np.testing.assert_array_equal(later, factors[4])
     np.testing.assert_array_equal(factors[4], factors[2])  # last refreshed at step 2
+
+
+def test_trace_smoothing_compares_a_running_estimate():
+    x, y = _batch()
+    # One noisy batch (scale 1.2) between steady ones: without smoothing it triggers refreshes,
+    # with smoothing 0.8 the running estimate barely moves.
+    scales = [1.0, 1.0, 1.2, 1.0, 1.0]
+    plain, _ = _expected_decisions(x, y, scales, 0.05, 0.0)
+    smooth, smooth_deltas = _expected_decisions(x, y, scales, 0.05, 0.0, smoothing=0.8)
+    assert plain == ["refresh", "reuse", "refresh", "refresh", "reuse"]
+    assert smooth.count("refresh") < plain.count("refresh")
+    rows, _ = _run(_controlled(0.05, 0.0, trace_smoothing=0.8), x, y, scales)
+    assert [r["decision"] for r in rows] == smooth
+    np.testing.assert_allclose([r["delta"] for r in rows][1:], smooth_deltas[1:], rtol=1e-4, atol=1e-6)
 
 
 def test_boundaries_delta_equal_omega1_reuses_and_equal_omega2_does_not_freeze():

@@ -179,6 +179,8 @@ class ThorEngine:
 
         s["trace_a"] = vector("thor_trace_a", "float32", 0.0)
         s["trace_g"] = vector("thor_trace_g", "float32", 0.0)
+        s["trace_a_smooth"] = vector("thor_trace_a_smooth", "float32", 0.0)
+        s["trace_g_smooth"] = vector("thor_trace_g_smooth", "float32", 0.0)
         s["last_delta"] = vector("thor_last_delta", "float32", float("nan"))
         s["refreshes"] = vector("thor_refreshes", "int64", 0)
         s["reuses"] = vector("thor_reuses", "int64", 0)
@@ -287,20 +289,27 @@ class ThorEngine:
     def _layer_cadence(self, i, block, recs, gs, damping, step):
         """Δ, decision and (if refreshing) new factors/inverses for one layer.
 
-        Returns ``(delta, refresh, freeze, trace_a_used, trace_g_used)`` scalar tensors.
+        Returns ``(delta, refresh, freeze, trace_a_used, trace_g_used, trace_a_smooth,
+        trace_g_smooth)`` scalar tensors (see :mod:`thor_tf.scheduler` for the traces).
         """
         opt = self.optimizer
         s = self.state
         beta = opt.factor_decay
+        smoothing = opt.trace_smoothing
         frozen = s["frozen"][i] > 0
         has_used = s["refreshes"][i] > 0
         used_a, used_g = s["trace_a"][i], s["trace_g"][i]
+        smooth_a, smooth_g = s["trace_a_smooth"][i], s["trace_g_smooth"][i]
         per_factor = tf.sqrt(damping / block.positions(recs))
 
         def work():
             # Under a multi-replica strategy this runs per replica on its local batch: TF does not
             # allow cross-replica all-reduce inside tf.cond (merge_call), see README "Limits".
             trace_a, trace_g = block.trace_a(recs), block.trace_g(gs)
+            if smoothing > 0:  # running estimate of the current traces across cadence points
+                trace_a = tf.where(has_used, smoothing * smooth_a + (1 - smoothing) * trace_a, trace_a)
+                trace_g = tf.where(has_used, smoothing * smooth_g + (1 - smoothing) * trace_g, trace_g)
+            new_smooth_a, new_smooth_g = trace_a, trace_g
             if beta > 0:
                 trace_a = tf.where(has_used, beta * used_a + (1 - beta) * trace_a, trace_a)
                 trace_g = tf.where(has_used, beta * used_g + (1 - beta) * trace_g, trace_g)
@@ -327,16 +336,19 @@ class ThorEngine:
                 s["G"][i].assign(factor_g)
                 s["A_inv"][i].assign(inv_a)
                 s["G_inv"][i].assign(inv_g)
+                if smoothing > 0:  # the reference is the smoothed estimate at this refresh
+                    return tf.identity(trace_a), tf.identity(trace_g)
                 return (tf.reduce_sum(tf.linalg.trace(factor_a)),
                         tf.reduce_sum(tf.linalg.trace(factor_g)))
 
             trace_a_used, trace_g_used = tf.cond(
                 refresh, do_refresh, lambda: (tf.identity(used_a), tf.identity(used_g)))
-            return delta, refresh, freeze, trace_a_used, trace_g_used
+            return delta, refresh, freeze, trace_a_used, trace_g_used, new_smooth_a, new_smooth_g
 
         def skip():  # frozen: no patches, no factor matmuls, no inversion
             return (tf.constant(float("nan")), tf.constant(False), tf.constant(False),
-                    tf.identity(used_a), tf.identity(used_g))
+                    tf.identity(used_a), tf.identity(used_g), tf.identity(smooth_a),
+                    tf.identity(smooth_g))
 
         return tf.cond(frozen, skip, work)
 
@@ -359,6 +371,10 @@ class ThorEngine:
         reuse = tf.logical_and(evaluated, tf.logical_not(tf.logical_or(refresh, freeze)))
         s["trace_a"].assign(tf.where(tf.constant(present), gather(3, 0.0, tf.float32), s["trace_a"]))
         s["trace_g"].assign(tf.where(tf.constant(present), gather(4, 0.0, tf.float32), s["trace_g"]))
+        s["trace_a_smooth"].assign(
+            tf.where(tf.constant(present), gather(5, 0.0, tf.float32), s["trace_a_smooth"]))
+        s["trace_g_smooth"].assign(
+            tf.where(tf.constant(present), gather(6, 0.0, tf.float32), s["trace_g_smooth"]))
         s["last_delta"].assign(tf.where(evaluated, delta, s["last_delta"]))
         s["refreshes"].assign_add(tf.cast(refresh, tf.int64))
         s["reuses"].assign_add(tf.cast(reuse, tf.int64))

@@ -102,6 +102,9 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         model's predictive distribution, K-FAC's true Fisher; second backward on cadence steps only).
       factor_decay: 0 uses the current batch's factors (THOR); β in (0, 1) keeps a running average
         ``β·old + (1−β)·new`` seeded by the first batch.
+      trace_smoothing: 0 compares the current batch's traces (THOR's rule as published); s in
+        (0, 1) compares a running estimate ``s·old + (1−s)·batch`` of the traces, updated at every
+        cadence point, so that batch-to-batch noise does not read as a change of the block.
     """
 
     def __init__(
@@ -119,6 +122,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         split_dim=128,
         fisher="empirical",
         factor_decay=0.0,
+        trace_smoothing=0.0,
         name="thor",
         **kwargs,
     ):
@@ -143,6 +147,8 @@ class ThorOptimizer(keras.optimizers.Optimizer):
             raise ValueError(f"`fisher` must be one of {list(FISHER_TYPES)}; got {fisher!r}.")
         if isinstance(factor_decay, bool) or not isinstance(factor_decay, numbers.Real) or not 0 <= factor_decay < 1:
             raise ValueError(f"`factor_decay` must be a float in [0, 1); got {factor_decay!r}.")
+        if isinstance(trace_smoothing, bool) or not isinstance(trace_smoothing, numbers.Real) or not 0 <= trace_smoothing < 1:
+            raise ValueError(f"`trace_smoothing` must be a float in [0, 1); got {trace_smoothing!r}.")
         if weight_decay_exclude is not None and (
                 isinstance(weight_decay_exclude, str)
                 or not all(isinstance(p, str) for p in weight_decay_exclude)):
@@ -166,6 +172,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         self.split_dim = resolve_split_dim(split_dim)
         self.fisher = fisher
         self.factor_decay = float(factor_decay)
+        self.trace_smoothing = float(trace_smoothing)
         self.engine = None
         self._step_ok = None
 
@@ -254,6 +261,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
             "split_dim": self.split_dim,
             "fisher": self.fisher,
             "factor_decay": self.factor_decay,
+            "trace_smoothing": self.trace_smoothing,
         })
         for key in ("clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps"):
             config.pop(key, None)

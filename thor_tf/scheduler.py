@@ -29,6 +29,12 @@ captured rows without forming the factors (mean squared row norms).
 * ``Δ < ω2``: freeze the block for the rest of training (no factor work at all any more).
 
 A layer that has never been refreshed always refreshes (Δ is reported as +inf).
+
+Trace smoothing (option ``trace_smoothing = s``, default 0): with small batches a single batch's
+traces fluctuate by several percent, so Δ > ω1 = 0.01 mostly measures sampling noise. With s > 0
+the "new" traces are a running estimate ``s·previous + (1 − s)·batch`` updated at every cadence
+point of a non-frozen layer (two scalars per layer, no factor work), and the reference stored at a
+refresh is that estimate, so Δ measures drift of the block rather than noise.
 """
 
 from __future__ import annotations
