@@ -47,8 +47,9 @@ def parse_args(argv=None):
     p.add_argument("--frequency", type=int, default=10, help="cadence interval in steps")
     p.add_argument("--learning-rate", type=float, default=0.05)
     p.add_argument("--damping", type=float, default=0.03)
-    p.add_argument("--trace-smoothing", type=float, default=0.0,
-                   help="running estimate of the traces for Δ (0: THOR's rule as published)")
+    p.add_argument("--trace-smoothing", type=float, default=0.9,
+                   help="running estimate of the traces for Δ (the library default 0.9; 0: THOR's "
+                        "rule as published)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/bench_trace_rule.json")
     p.add_argument("--quick", action="store_true", help="digits, 1 epoch: a smoke test in seconds")

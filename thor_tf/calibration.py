@@ -14,7 +14,8 @@ on the machine that trains, and picks the dimension where they balance:
    inverse, ``b >= n`` for every factor);
 3. speed: ``p_b`` = seconds to invert all the model's damped factors split at ``b``, exactly as
    training does (:func:`time_split_inversion`); the *speed curve* is ``p_1 / p_b``
-   (:func:`normalize_speed`): 1 at ``b = 1`` (the fastest split) and falling as ``b`` grows;
+   (:func:`normalize_speed`): 1 at ``b = 1`` (normally the fastest split) and falling as ``b``
+   grows;
 4. the crossing of the two curves, linearly interpolated on a log2 axis between neighbouring
    candidates, rounded to the nearest candidate on that axis (:func:`find_crossing`; MindSpore's
    ResNet-50 on Ascend: crossing at 106 → 128).
@@ -26,11 +27,13 @@ the command-line front end (training warm-up, JSON and plot).
 
 Conventions: factors are symmetric PSD ``[n, n]`` matrices, undamped (as
 ``model.thor.factors(name)`` returns them from a model trained with ``split_dim`` at least its
-largest factor dimension: with a smaller split only the diagonal blocks are ever computed). The information loss is measured on the undamped
-factors (damping adds a multiple of the identity, which is block-diagonal at every size, so it
-only hides loss). Timing adds ``d = sqrt(λ)`` to every factor's diagonal (the engine uses
-``sqrt(λ/P)`` for a layer with ``P`` positions; the value changes the timing only if a Cholesky
-fails and takes the float64 retry path).
+largest factor dimension: with a smaller split only the diagonal blocks are ever computed). The
+information loss is measured on the undamped factors (damping adds a multiple of the identity,
+which is block-diagonal at every size, so it only hides loss). Timing adds ``d = sqrt(λ)`` to every
+factor's diagonal (the engine uses ``sqrt(λ/P)`` for a layer with ``P`` positions; the value
+changes the timing only if a Cholesky fails and takes the float64 retry path). The last block of a
+split is padded to a full block, so a candidate just below a factor's size can cost more than its
+exact inverse (576 at 512: two 512-blocks), and the speed curve need not be monotone.
 """
 
 from __future__ import annotations

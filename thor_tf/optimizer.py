@@ -29,6 +29,8 @@ from thor_tf.scheduler import PRESETS, CadenceSchedule
 
 FISHER_TYPES = ("empirical", "sampled")
 DEFAULT_FREQUENCY = 10
+#: Running estimate of the traces for the trace rule (0 = the rule as published); see README.
+DEFAULT_TRACE_SMOOTHING = 0.9
 
 
 def _is_schedule(value):
@@ -122,7 +124,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         split_dim=128,
         fisher="empirical",
         factor_decay=0.0,
-        trace_smoothing=0.0,
+        trace_smoothing=DEFAULT_TRACE_SMOOTHING,
         name="thor",
         **kwargs,
     ):
