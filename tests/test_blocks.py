@@ -147,7 +147,8 @@ def test_preconditioned_update_matches_reference(split_dim):
     g_damped = block_diagonal_part(mean_outer(g) + damp * np.eye(k), split_dim)
     expected = np.linalg.inv(a_damped) @ grad @ np.linalg.inv(g_damped)
 
-    wrapped = _wrap(model, learning_rate=1.0, momentum=0.0, damping=lam, split_dim=split_dim)
+    wrapped = _wrap(model, learning_rate=1.0, momentum=0.0, damping=lam, split_dim=split_dim,
+                    kl_clip=None)
     wrapped.compile(loss="sparse_categorical_crossentropy")
     wrapped.train_on_batch(x, y)
     w1 = np.concatenate([layer.kernel.numpy(), layer.bias.numpy()[None]], 0)
@@ -183,8 +184,35 @@ def test_conv_update_scaled_by_positions():
     expected = (np.linalg.inv(mean_outer(rows) + damp * np.eye(rows.shape[1])) @ grad
                 @ np.linalg.inv(mean_outer(g_rows) + damp * np.eye(f))) / positions
 
-    wrapped = _wrap(model, learning_rate=1.0, momentum=0.0, damping=lam)
+    wrapped = _wrap(model, learning_rate=1.0, momentum=0.0, damping=lam, kl_clip=None)
     wrapped.compile(loss="mse")
     wrapped.train_on_batch(x, y)
     w1 = np.concatenate([conv.kernel.numpy().reshape(-1, f), conv.bias.numpy()[None]], 0)
     np.testing.assert_allclose(w0 - w1, expected, rtol=2e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("kappa", [1e-4, 10.0])
+def test_kl_clip_scales_the_preconditioned_step(kappa):
+    """ν = min(1, sqrt(κ / (lr²·⟨Δ, ∇⟩))) over all blocks, then w1 = w0 − lr·ν·Δ."""
+    rng = np.random.default_rng(9)
+    n, d, k, lam, lr = 32, 12, 5, 0.1, 0.3
+    x = rng.normal(size=(n, d)).astype("float32")
+    y = rng.integers(0, k, size=n)
+    keras.utils.set_random_seed(10)
+    model = keras.Sequential([keras.Input((d,)), keras.layers.Dense(k, activation="softmax", name="out")])
+    layer = model.get_layer("out")
+    w0 = np.concatenate([layer.kernel.numpy(), layer.bias.numpy()[None]], 0).astype(np.float64)
+    xa = homogeneous(x.astype(np.float64), True)
+    g = softmax(xa @ w0) - np.eye(k)[y]
+    grad = xa.T @ g / n
+    damp = np.sqrt(lam)
+    delta = (np.linalg.inv(mean_outer(xa) + damp * np.eye(d + 1)) @ grad
+             @ np.linalg.inv(mean_outer(g) + damp * np.eye(k)))
+    nu = min(1.0, np.sqrt(kappa / (lr ** 2 * np.sum(delta * grad))))
+    wrapped = _wrap(model, learning_rate=lr, momentum=0.0, damping=lam, kl_clip=kappa)
+    wrapped.compile(loss="sparse_categorical_crossentropy")
+    wrapped.train_on_batch(x, y)
+    w1 = np.concatenate([layer.kernel.numpy(), layer.bias.numpy()[None]], 0)
+    np.testing.assert_allclose(w0 - w1, lr * nu * delta, rtol=2e-3, atol=1e-6)
+    assert wrapped.thor.counters()["kl_scale"] == pytest.approx(nu, rel=1e-3)
+    assert (nu < 1.0) == (kappa == 1e-4)

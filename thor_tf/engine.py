@@ -191,6 +191,8 @@ class ThorEngine:
         s["cadence_points"] = scalar("thor_cadence_points")
         s["nonfinite_steps"] = scalar("thor_nonfinite_steps")
         s["epoch"] = scalar("thor_epoch")
+        s["kl_scale"] = optimizer.add_variable(
+            (), initializer=keras.initializers.Constant(1.0), dtype="float32", name="thor_kl_scale")
         self._state = s
 
     @property
@@ -405,6 +407,7 @@ class ThorEngine:
                 scale=1.0 / b.positions(records[b.name])))
         preconditioner = algebra.block_diagonal_mat(operators)
         updates = algebra.mat_vec_prod(preconditioner, matrices, mode="right")
+        updates = self._kl_clip(updates, matrices)
         out = list(grads)
         for b, update in zip(usable, updates):
             kernel_update, bias_update = b.from_matrix(update)
@@ -413,6 +416,25 @@ class ThorEngine:
             if b.bias is not None:
                 out[index[id(b.bias)]] = bias_update
         return out
+
+    def _kl_clip(self, updates, matrices):
+        """Scale the preconditioned gradients so the step's predicted KL change stays <= κ.
+
+        K-FAC's trust region (Ba et al. 2017; kfac-pytorch's ``kl_clip``): with ``Δ = F⁻¹∇`` the
+        quadratic model of the KL change of a step ``lr·Δ`` is ``lr²·⟨Δ, ∇⟩``, so all blocks are
+        scaled by ``ν = min(1, sqrt(κ / (lr²·Σ_l⟨Δ_l, ∇_l⟩)))``. This keeps stale inverses (reused
+        between refreshes) from amplifying directions their batch did not see.
+        """
+        opt = self.optimizer
+        kappa = opt.kl_clip
+        if kappa is None:
+            return updates
+        lr = tf.cast(opt.learning_rate, tf.float32)
+        predicted = tf.square(lr) * algebra.vec_inner_prod(updates, matrices, mode="all")
+        nu = tf.minimum(1.0, tf.sqrt(kappa / tf.maximum(predicted, 1e-30)))
+        nu = tf.where(tf.math.is_finite(nu), nu, tf.ones_like(nu))
+        self.state["kl_scale"].assign(nu)
+        return [nu * u for u in updates]
 
     # -- introspection ---------------------------------------------------------------------------
     def layer_stats(self):
@@ -439,10 +461,13 @@ class ThorEngine:
         return stats
 
     def counters(self):
-        """Model-wide counters: cadence points, non-finite steps, next cadence step, epoch."""
+        """Model-wide counters: cadence points, non-finite steps, next cadence step, epoch, and the
+        last step's KL-clip scale ν (1.0: not clipped)."""
         s = self.state
-        return {k: int(s[k].numpy()) for k in ("cadence_points", "nonfinite_steps", "next_cadence",
-                                                "epoch")}
+        out = {k: int(s[k].numpy()) for k in ("cadence_points", "nonfinite_steps", "next_cadence",
+                                               "epoch")}
+        out["kl_scale"] = float(s["kl_scale"].numpy())
+        return out
 
     def factors(self, name):
         """``{"A": ndarray, "G": ndarray}``: the undamped factors in use for layer ``name``.

@@ -2,7 +2,8 @@
 
 The update of one variable, in THOR's order (each step a small function below):
 
-    Δ = precondition(∇w)          (done by the engine for variables with a Kronecker block)
+    Δ = precondition(∇w)          (done by the engine for variables with a Kronecker block,
+                                   scaled by K-FAC's KL clip ν <= 1)
     Δ = Δ + wd · w                (weight decay, not preconditioned; a filter chooses variables)
     Δ = clip_by_norm(Δ, c)        (optional, per tensor)
     v = μ v + Δ ;  w ← w − lr · v (momentum)
@@ -31,6 +32,8 @@ FISHER_TYPES = ("empirical", "sampled")
 DEFAULT_FREQUENCY = 10
 #: Running estimate of the traces for the trace rule (0 = the rule as published); see README.
 DEFAULT_TRACE_SMOOTHING = 0.9
+#: K-FAC's trust region on the preconditioned step (kfac-pytorch's default); see README.
+DEFAULT_KL_CLIP = 0.001
 
 
 def _is_schedule(value):
@@ -104,6 +107,8 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         model's predictive distribution, K-FAC's true Fisher; second backward on cadence steps only).
       factor_decay: 0 uses the current batch's factors (THOR); β in (0, 1) keeps a running average
         ``β·old + (1−β)·new`` seeded by the first batch.
+      kl_clip: κ of K-FAC's trust region: the preconditioned gradients are scaled by
+        ``min(1, sqrt(κ / (lr²·⟨Δ, ∇⟩)))``; None turns it off.
       trace_smoothing: 0 compares the current batch's traces (THOR's rule as published); s in
         (0, 1) compares a running estimate ``s·old + (1−s)·batch`` of the traces, updated at every
         cadence point, so that batch-to-batch noise does not read as a change of the block.
@@ -125,6 +130,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         fisher="empirical",
         factor_decay=0.0,
         trace_smoothing=DEFAULT_TRACE_SMOOTHING,
+        kl_clip=DEFAULT_KL_CLIP,
         name="thor",
         **kwargs,
     ):
@@ -151,6 +157,9 @@ class ThorOptimizer(keras.optimizers.Optimizer):
             raise ValueError(f"`factor_decay` must be a float in [0, 1); got {factor_decay!r}.")
         if isinstance(trace_smoothing, bool) or not isinstance(trace_smoothing, numbers.Real) or not 0 <= trace_smoothing < 1:
             raise ValueError(f"`trace_smoothing` must be a float in [0, 1); got {trace_smoothing!r}.")
+        if kl_clip is not None and (isinstance(kl_clip, bool) or not isinstance(kl_clip, numbers.Real)
+                                    or kl_clip <= 0):
+            raise ValueError(f"`kl_clip` must be None or a float > 0; got {kl_clip!r}.")
         if weight_decay_exclude is not None and (
                 isinstance(weight_decay_exclude, str)
                 or not all(isinstance(p, str) for p in weight_decay_exclude)):
@@ -175,6 +184,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         self.fisher = fisher
         self.factor_decay = float(factor_decay)
         self.trace_smoothing = float(trace_smoothing)
+        self.kl_clip = None if kl_clip is None else float(kl_clip)
         self.engine = None
         self._step_ok = None
 
@@ -264,6 +274,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
             "fisher": self.fisher,
             "factor_decay": self.factor_decay,
             "trace_smoothing": self.trace_smoothing,
+            "kl_clip": self.kl_clip,
         })
         for key in ("clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps"):
             config.pop(key, None)
