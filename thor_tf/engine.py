@@ -252,7 +252,7 @@ class ThorEngine:
 
         self.curvature_step(active, records, ok,
                             sampled_output_grads if sampled_loss is not None else output_grads)
-        pre = self.precondition(active, records, grads, variables)
+        pre = self.precondition(active, records, grads, variables, ok)
         state = self.state
         state["nonfinite_steps"].assign_add(tf.cast(tf.logical_not(ok), tf.int64))
         opt.apply_masked(pre, variables, ok)
@@ -384,7 +384,7 @@ class ThorEngine:
         s["frozen_at"].assign(tf.where(freeze, step, s["frozen_at"]))
         s["frozen"].assign(tf.where(freeze, tf.ones_like(s["frozen"]), s["frozen"]))
 
-    def precondition(self, active, records, grads, variables):
+    def precondition(self, active, records, grads, variables, ok=True):
         """Replace each block's kernel/bias gradients by ``(1/P)·A_inv·M·G_inv`` (split inverses).
 
         ``grads`` is aligned with ``variables``; variables without a block keep their gradient.
@@ -407,7 +407,7 @@ class ThorEngine:
                 scale=1.0 / b.positions(records[b.name])))
         preconditioner = algebra.block_diagonal_mat(operators)
         updates = algebra.mat_vec_prod(preconditioner, matrices, mode="right")
-        updates = self._kl_clip(updates, matrices)
+        updates = self._kl_clip(updates, matrices, ok)
         out = list(grads)
         for b, update in zip(usable, updates):
             kernel_update, bias_update = b.from_matrix(update)
@@ -417,7 +417,7 @@ class ThorEngine:
                 out[index[id(b.bias)]] = bias_update
         return out
 
-    def _kl_clip(self, updates, matrices):
+    def _kl_clip(self, updates, matrices, ok=True):
         """Scale the preconditioned gradients so the step's predicted KL change stays <= κ.
 
         K-FAC's trust region (Ba et al. 2017; kfac-pytorch's ``kl_clip``): with ``Δ = F⁻¹∇`` the
@@ -433,7 +433,7 @@ class ThorEngine:
         predicted = tf.square(lr) * algebra.vec_inner_prod(updates, matrices, mode="all")
         nu = tf.minimum(1.0, tf.sqrt(kappa / tf.maximum(predicted, 1e-30)))
         nu = tf.where(tf.math.is_finite(nu), nu, tf.ones_like(nu))
-        self.state["kl_scale"].assign(nu)
+        self.state["kl_scale"].assign(tf.where(ok, nu, self.state["kl_scale"]))
         return [nu * u for u in updates]
 
     # -- introspection ---------------------------------------------------------------------------
