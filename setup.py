@@ -41,6 +41,7 @@ setup(
     ],
     extras_require={
         "plots": ["matplotlib"],
-        "test": ["pytest", "matplotlib"],
+        "tensorboard": ["tensorboard"],  # TraceRuleLogger(log_dir=...)
+        "test": ["pytest", "matplotlib", "tensorboard"],
     },
 )

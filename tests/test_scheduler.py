@@ -211,3 +211,20 @@ def test_presets_set_omegas():
         opt = thor_tf.ThorOptimizer(preset=preset)
         assert (opt.omega1, opt.omega2) == (w1, w2)
     assert scheduler.PRESETS == {"thor": (0.01, 0.0), "thor_stop": (0.01, 0.001), "thor_nt": (0.0, 0.0)}
+
+
+def test_logger_writes_tensorboard_scalars(tmp_path, capsys):
+    x, y = _digits()
+    wrapped = thor_tf.wrap(_cnn(), frequency=5, verbose=False)
+    wrapped.compile(loss="sparse_categorical_crossentropy")
+    logger = TraceRuleLogger(log_dir=str(tmp_path / "tb"), summary=True)
+    wrapped.fit(x[:320], y[:320], batch_size=32, epochs=1, verbose=0, callbacks=[logger])
+    events = list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+    tags = set()
+    for event in tf.compat.v1.train.summary_iterator(str(events[0])):
+        tags.update(v.tag for v in event.summary.value)
+    assert {"thor/conv/decision", "thor/fc/delta", "thor/out/decision"} <= tags
+    table = capsys.readouterr().out
+    assert "refreshes" in table and "conv" in table
+    assert len(logger.rows) == 2 * 3  # 10 steps / frequency 5, three layers

@@ -31,6 +31,13 @@ class TraceRuleLogger(keras.callbacks.Callback):
 
     def __init__(self, csv_path=None, log_dir=None, summary=True):
         super().__init__()
+        if log_dir:
+            try:
+                import tensorboard  # noqa: F401  (tf.summary needs it; TF >= 2.20 does not ship it)
+            except ImportError as err:
+                raise ValueError(
+                    "`log_dir` needs the tensorboard package (pip install tensorboard, or "
+                    "thor_tf[tensorboard]); pass log_dir=None to write only the CSV.") from err
         self.csv_path = csv_path
         self.log_dir = log_dir
         self.summary = summary
