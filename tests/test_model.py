@@ -311,3 +311,17 @@ def test_mixed_precision_keeps_factors_float32():
         assert factors["A"].dtype == np.float32 and np.all(np.isfinite(factors["A"]))
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+def test_fit_warns_on_skipped_steps_and_stops_when_an_epoch_is_all_non_finite():
+    x, y = _digits(128)
+    wrapped = thor_tf.wrap(_cnn(), verbose=False)
+    wrapped.compile(loss="sparse_categorical_crossentropy")
+    some_bad = x.copy()
+    some_bad[:32] = np.nan  # first of four batches
+    with pytest.warns(UserWarning, match="1 of 4 steps in epoch 1"):
+        wrapped.fit(some_bad, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    all_bad = np.full_like(x, np.nan)
+    with pytest.warns(UserWarning, match="stopping training"):
+        history = wrapped.fit(all_bad, y, batch_size=32, epochs=5, verbose=0)
+    assert len(history.history["loss"]) == 1

@@ -11,6 +11,8 @@ curvature work as tensor decisions, and the update. It is traced once for the wh
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 import tensorflow as tf
 from keras.src.losses import loss as loss_module
@@ -25,14 +27,43 @@ WRAP_ONLY = ("exclude", "verbose")
 
 
 class _EpochTracker(keras.callbacks.Callback):
-    """Keeps the engine's epoch counter (for epoch-based ``frequency`` schedules) in step."""
+    """Internal callback of ``ThorModel.fit``: epoch counter and a watch on skipped steps.
+
+    Keeps the engine's epoch counter (for epoch-based ``frequency`` schedules) in step, warns once
+    per epoch when non-finite batches were skipped, and stops training when every step of an
+    epoch was skipped (a diverged run would otherwise go on silently, changing nothing). One
+    counter read per epoch; the train step itself never leaves the device.
+    """
 
     def __init__(self, engine):
         super().__init__()
         self._engine = engine
+        self._skipped_before = 0
+        self._steps_before = 0
+
+    def _skipped(self):
+        return self._engine.counters()["nonfinite_steps"] if self._engine._state is not None else 0
 
     def on_epoch_begin(self, epoch, logs=None):
         self._engine.set_epoch(epoch)
+        self._skipped_before = self._skipped()
+        self._steps_before = int(self.model.optimizer.iterations.numpy())
+
+    def on_epoch_end(self, epoch, logs=None):
+        skipped = self._skipped() - self._skipped_before
+        steps = int(self.model.optimizer.iterations.numpy()) - self._steps_before
+        if skipped == 0:
+            return
+        if steps > 0 and skipped >= steps:
+            warnings.warn(
+                f"thor_tf: every step of epoch {epoch + 1} had a non-finite loss or gradient and was "
+                f"skipped; stopping training (the weights are those of the last finite step). "
+                f"Lower the learning rate or raise `damping` / lower `kl_clip`.", stacklevel=2)
+            self.model.stop_training = True
+        else:
+            warnings.warn(
+                f"thor_tf: {skipped} of {steps} steps in epoch {epoch + 1} had a non-finite loss or "
+                f"gradient and were skipped (weights, momentum and factors unchanged).", stacklevel=2)
 
 
 @keras.saving.register_keras_serializable(package="thor_tf")
