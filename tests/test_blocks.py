@@ -216,3 +216,26 @@ def test_kl_clip_scales_the_preconditioned_step(kappa):
     np.testing.assert_allclose(w0 - w1, lr * nu * delta, rtol=2e-3, atol=1e-6)
     assert wrapped.thor.counters()["kl_scale"] == pytest.approx(nu, rel=1e-3)
     assert (nu < 1.0) == (kappa == 1e-4)
+
+
+def test_factor_examples_uses_the_first_examples_of_the_batch():
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(24, 6, 6, 2)).astype("float32")
+    y = rng.integers(0, 3, size=24)
+
+    def build():
+        keras.utils.set_random_seed(12)
+        return keras.Sequential([keras.Input((6, 6, 2)), keras.layers.Conv2D(3, 3, name="conv"),
+                                 keras.layers.Flatten(),
+                                 keras.layers.Dense(3, activation="softmax", name="out")])
+
+    sub = _wrap(build(), factor_examples=8, learning_rate=1e-3)
+    sub.compile(loss="sparse_categorical_crossentropy")
+    sub.train_on_batch(x, y)
+    first = _wrap(build(), learning_rate=1e-3)
+    first.compile(loss="sparse_categorical_crossentropy")
+    first.train_on_batch(x[:8], y[:8])
+    for name in ("conv", "out"):
+        for key in ("A", "G"):
+            np.testing.assert_allclose(sub.thor.factors(name)[key], first.thor.factors(name)[key],
+                                       rtol=1e-5, atol=1e-7)

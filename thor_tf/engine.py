@@ -303,6 +303,12 @@ class ThorEngine:
         used_a, used_g = s["trace_a"][i], s["trace_g"][i]
         smooth_a, smooth_g = s["trace_a_smooth"][i], s["trace_g_smooth"][i]
         per_factor = tf.sqrt(damping / block.positions(recs))
+        if opt.factor_examples is not None:
+            # Statistics from the first examples of the batch only (K-FAC's sub-batch): the
+            # batch order is random, and im2col + factor matmuls shrink in proportion.
+            k = opt.factor_examples
+            recs = [capture.Record(r.inputs[:k], r.z[:k]) for r in recs]
+            gs = [g[:k] for g in gs]
 
         def work():
             # Under a multi-replica strategy this runs per replica on its local batch: TF does not

@@ -109,6 +109,8 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         ``β·old + (1−β)·new`` seeded by the first batch.
       kl_clip: κ of K-FAC's trust region: the preconditioned gradients are scaled by
         ``min(1, sqrt(κ / (lr²·⟨Δ, ∇⟩)))``; None turns it off.
+      factor_examples: None uses the whole batch for the factors and traces; k uses its first k
+        examples (a sub-batch: Conv2D im2col and factor cost shrink in proportion).
       trace_smoothing: 0 compares the current batch's traces (THOR's rule as published); s in
         (0, 1) compares a running estimate ``s·old + (1−s)·batch`` of the traces, updated at every
         cadence point, so that batch-to-batch noise does not read as a change of the block.
@@ -131,6 +133,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         factor_decay=0.0,
         trace_smoothing=DEFAULT_TRACE_SMOOTHING,
         kl_clip=DEFAULT_KL_CLIP,
+        factor_examples=None,
         name="thor",
         **kwargs,
     ):
@@ -160,6 +163,9 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         if kl_clip is not None and (isinstance(kl_clip, bool) or not isinstance(kl_clip, numbers.Real)
                                     or kl_clip <= 0):
             raise ValueError(f"`kl_clip` must be None or a float > 0; got {kl_clip!r}.")
+        if factor_examples is not None and (isinstance(factor_examples, bool) or not isinstance(
+                factor_examples, numbers.Integral) or factor_examples < 1):
+            raise ValueError(f"`factor_examples` must be None or an int >= 1; got {factor_examples!r}.")
         if weight_decay_exclude is not None and (
                 isinstance(weight_decay_exclude, str)
                 or not all(isinstance(p, str) for p in weight_decay_exclude)):
@@ -185,6 +191,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         self.factor_decay = float(factor_decay)
         self.trace_smoothing = float(trace_smoothing)
         self.kl_clip = None if kl_clip is None else float(kl_clip)
+        self.factor_examples = None if factor_examples is None else int(factor_examples)
         self.engine = None
         self._step_ok = None
 
@@ -275,6 +282,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
             "factor_decay": self.factor_decay,
             "trace_smoothing": self.trace_smoothing,
             "kl_clip": self.kl_clip,
+            "factor_examples": self.factor_examples,
         })
         for key in ("clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps"):
             config.pop(key, None)
