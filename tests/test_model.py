@@ -325,3 +325,14 @@ def test_fit_warns_on_skipped_steps_and_stops_when_an_epoch_is_all_non_finite():
     with pytest.warns(UserWarning, match="stopping training"):
         history = wrapped.fit(all_bad, y, batch_size=32, epochs=5, verbose=0)
     assert len(history.history["loss"]) == 1
+
+
+def test_wrapping_twice_raises_and_detach_restores_the_layers():
+    model = _cnn()
+    wrapped = thor_tf.wrap(model, verbose=False)
+    with pytest.raises(ValueError, match="already wrapped"):
+        thor_tf.wrap(model, verbose=False)
+    wrapped.thor.detach()
+    assert "call" not in model.get_layer("fc").__dict__
+    rewrapped = thor_tf.wrap(model, verbose=False, learning_rate=0.01)
+    assert len(rewrapped.thor.blocks) == 3

@@ -117,6 +117,11 @@ class ThorEngine:
                 "thor_tf: no Kronecker block for " + ", ".join(unsupported)
                 + "; these layers get the first-order (momentum SGD) update.",
                 stacklevel=3)
+        patched = [b.layer.name for b in blocks if b.layer.__dict__.get("_thor_patched")]
+        if patched:
+            raise ValueError(
+                f"`model` is already wrapped (layers {patched} record for another ThorModel); "
+                f"wrap a model once, or call `wrapped.thor.detach()` before wrapping it again.")
         for block in blocks:
             capture.patch(block.layer, self.store, block.name)
 
