@@ -264,6 +264,9 @@ def add_common_arguments(parser, *, out, epochs, batch_size, thor_lr, thor_dampi
                         "off (default: thor_tf's default)")
     t.add_argument("--trace-smoothing", type=float, default=None,
                    help="trace-rule smoothing s in [0, 1) (default: thor_tf's default)")
+    t.add_argument("--factor-examples", type=int, default=None,
+                   help="factors from the first k examples of each batch (K-FAC sub-batch; "
+                        "default: the whole batch)")
     t.add_argument("--kfac-frequency", type=parse_frequency, default=kfac_frequency,
                    help=f"K-FAC cadence (default {kfac_frequency})")
     t.add_argument("--kfac-lr", type=float, default=None, help="K-FAC learning rate (default --thor-lr)")
@@ -322,6 +325,8 @@ def make_model(optimizer, lr, build_model, args, steps_per_epoch, show_table):
             options.update(trace_smoothing=args.trace_smoothing)
         if args.kl_clip is not None:
             options.update(kl_clip=None if args.kl_clip == "none" else args.kl_clip)
+        if args.factor_examples is not None:
+            options.update(factor_examples=args.factor_examples)
         wrapped = thor_tf.wrap(
             model, learning_rate=lr_value, momentum=0.9,
             damping=damping_schedule(args.lr_schedule, damping, args.epochs, steps_per_epoch),
@@ -763,7 +768,8 @@ def run_experiment(args, ds, build_model, model_name, title):
         kl_clip = args.kl_clip if args.kl_clip is not None else getattr(defaults, "kl_clip", None)
         print(f"THOR: lr {','.join(f'{v:g}' for v in args.thor_lr)}, damping {args.thor_damping:g}, "
               f"frequency {args.frequency}, momentum 0.9, split_dim {split}, "
-              f"trace_smoothing {smoothing:g}, kl_clip {kl_clip}", flush=True)
+              f"trace_smoothing {smoothing:g}, kl_clip {kl_clip}, "
+              f"factor_examples {args.factor_examples or 'all'}", flush=True)
     csv_log = CsvLog(out / "metrics.csv")
     results = []
     shown = False
