@@ -7,27 +7,11 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from sklearn.datasets import load_digits
 
 import thor_tf
+from digits_models import digits, small_cnn
 
 
-def _digits(n=None):
-    d = load_digits()
-    x = (d.images / 16.0).astype("float32")[..., None]
-    y = d.target.astype("int64")
-    return (x[:n], y[:n]) if n else (x, y)
-
-
-def _cnn(seed=0):
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([
-        keras.Input((8, 8, 1)),
-        keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="conv"),
-        keras.layers.Flatten(),
-        keras.layers.Dense(32, activation="relu", name="fc"),
-        keras.layers.Dense(10, activation="softmax", name="out"),
-    ])
 
 
 def _functional_nested(seed=0):
@@ -62,9 +46,9 @@ def _subclassed(seed=0):
     return m
 
 
-@pytest.mark.parametrize("factory,blocks", [(_cnn, 3), (_functional_nested, 4), (_subclassed, 2)])
+@pytest.mark.parametrize("factory,blocks", [(small_cnn, 3), (_functional_nested, 4), (_subclassed, 2)])
 def test_wrap_keeps_predictions_and_registers_layers(factory, blocks, capsys):
-    x, y = _digits(64)
+    x, y = digits(64)
     model = factory()
     before = model.predict(x, verbose=0)
     wrapped = thor_tf.wrap(model)
@@ -90,8 +74,8 @@ def test_batchnorm_is_listed_first_order(capsys):
 
 
 def test_train_step_traced_once_over_many_steps():
-    x, y = _digits(64 * 15)
-    wrapped = thor_tf.wrap(_cnn(), frequency=3, verbose=False)
+    x, y = digits(64 * 15)
+    wrapped = thor_tf.wrap(small_cnn(), frequency=3, verbose=False)
     wrapped.compile(loss="sparse_categorical_crossentropy")
     traces = []
     original = wrapped.train_step
@@ -109,10 +93,10 @@ def test_train_step_traced_once_over_many_steps():
 
 
 def test_thor_trains_digits_faster_than_sgd_momentum():
-    x, y = _digits()
+    x, y = digits()
     losses = {}
     for name in ("thor", "sgd"):
-        model = _cnn(seed=1)
+        model = small_cnn(seed=1)
         if name == "thor":
             model = thor_tf.wrap(model, learning_rate=0.02, momentum=0.9, damping=0.03, verbose=False)
             model.compile(loss="sparse_categorical_crossentropy")
@@ -134,12 +118,12 @@ def test_thor_trains_digits_faster_than_sgd_momentum():
 ])
 def test_bad_options_raise_value_error_naming_the_option(option, value):
     with pytest.raises(ValueError, match=option):
-        thor_tf.wrap(_cnn(), verbose=False, **{option: value})
+        thor_tf.wrap(small_cnn(), verbose=False, **{option: value})
 
 
 def test_omega2_above_omega1_raises():
     with pytest.raises(ValueError, match="omega2"):
-        thor_tf.wrap(_cnn(), omega1=0.01, omega2=0.1, verbose=False)
+        thor_tf.wrap(small_cnn(), omega1=0.01, omega2=0.1, verbose=False)
 
 
 def test_unsupported_layer_trains_first_order_with_one_warning():
@@ -156,7 +140,7 @@ def test_unsupported_layer_trains_first_order_with_one_warning():
     messages = [str(w.message) for w in caught if "thor_tf" in str(w.message)]
     assert len(messages) == 1 and "temporal (Conv1D)" in messages[0]
     assert [b.name for b in wrapped.thor.blocks] == ["out"]
-    x, y = _digits(64)
+    x, y = digits(64)
     before = model.get_layer("temporal").kernel.numpy().copy()
     wrapped.compile(loss="sparse_categorical_crossentropy")
     wrapped.fit(x[..., 0], y, epochs=1, batch_size=32, verbose=0)
@@ -171,8 +155,8 @@ def _snapshot(wrapped):
 
 @pytest.mark.parametrize("poison", ["input", "loss"])
 def test_non_finite_batch_changes_nothing_and_training_goes_on(poison):
-    x, y = _digits(96)
-    wrapped = thor_tf.wrap(_cnn(), frequency=1, verbose=False)
+    x, y = digits(96)
+    wrapped = thor_tf.wrap(small_cnn(), frequency=1, verbose=False)
     wrapped.compile(loss="sparse_categorical_crossentropy")
     wrapped.train_on_batch(x[:32], y[:32])
     wrapped.train_on_batch(x[32:64], y[32:64])
@@ -196,8 +180,8 @@ def test_non_finite_batch_changes_nothing_and_training_goes_on(poison):
 
 
 def test_save_and_load_keep_the_whole_optimizer_state(tmp_path):
-    x, y = _digits(128)
-    wrapped = thor_tf.wrap(_cnn(), learning_rate=0.03, frequency=2, verbose=False)
+    x, y = digits(128)
+    wrapped = thor_tf.wrap(small_cnn(), learning_rate=0.03, frequency=2, verbose=False)
     wrapped.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     wrapped.fit(x, y, epochs=1, batch_size=32, verbose=0)
     path = os.path.join(tmp_path, "thor.keras")
@@ -217,18 +201,18 @@ def test_save_and_load_keep_the_whole_optimizer_state(tmp_path):
 
 
 def test_user_model_still_saves_and_loads_after_wrap(tmp_path):
-    model = _cnn()
+    model = small_cnn()
     thor_tf.wrap(model, verbose=False)
     path = os.path.join(tmp_path, "plain.keras")
     model.save(path)
-    x, _ = _digits(16)
+    x, _ = digits(16)
     np.testing.assert_allclose(keras.models.load_model(path).predict(x, verbose=0),
                                model.predict(x, verbose=0), atol=1e-6)
 
 
 def test_tf_train_checkpoint_restores_optimizer_state(tmp_path):
-    x, y = _digits(64)
-    wrapped = thor_tf.wrap(_cnn(), preset="thor_nt", frequency=1, verbose=False)
+    x, y = digits(64)
+    wrapped = thor_tf.wrap(small_cnn(), preset="thor_nt", frequency=1, verbose=False)
     wrapped.compile(loss="sparse_categorical_crossentropy")
     wrapped.fit(x, y, epochs=1, batch_size=32, verbose=0)
     ckpt = tf.train.Checkpoint(model=wrapped, optimizer=wrapped.optimizer)
@@ -244,8 +228,8 @@ def test_tf_train_checkpoint_restores_optimizer_state(tmp_path):
 
 
 def test_fit_with_validation_sample_weights_and_callbacks():
-    x, y = _digits(256)
-    wrapped = thor_tf.wrap(_cnn(), verbose=False)
+    x, y = digits(256)
+    wrapped = thor_tf.wrap(small_cnn(), verbose=False)
     wrapped.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     seen = []
     cb = keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: seen.append(logs["val_accuracy"]))
@@ -258,16 +242,16 @@ def test_fit_with_validation_sample_weights_and_callbacks():
 
 
 def test_other_optimizer_trains_like_plain_keras():
-    x, y = _digits(64)
-    wrapped = thor_tf.wrap(_cnn(), verbose=False)
+    x, y = digits(64)
+    wrapped = thor_tf.wrap(small_cnn(), verbose=False)
     wrapped.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy")
     wrapped.fit(x, y, epochs=1, batch_size=32, verbose=0)
     assert not isinstance(wrapped.optimizer, thor_tf.ThorOptimizer)
 
 
 def test_sampled_fisher_trains_and_refreshes():
-    x, y = _digits(256)
-    wrapped = thor_tf.wrap(_cnn(), fisher="sampled", preset="thor_nt", frequency=2, verbose=False)
+    x, y = digits(256)
+    wrapped = thor_tf.wrap(small_cnn(), fisher="sampled", preset="thor_nt", frequency=2, verbose=False)
     wrapped.compile(loss="sparse_categorical_crossentropy")
     first = wrapped.evaluate(x, y, verbose=0)
     wrapped.fit(x, y, epochs=2, batch_size=32, verbose=0)
@@ -276,16 +260,16 @@ def test_sampled_fisher_trains_and_refreshes():
 
 
 def test_sampled_fisher_rejects_unknown_loss():
-    wrapped = thor_tf.wrap(_cnn(), fisher="sampled", verbose=False)
+    wrapped = thor_tf.wrap(small_cnn(), fisher="sampled", verbose=False)
     with pytest.raises(ValueError, match="fisher='sampled'"):
         wrapped.compile(loss="hinge")
 
 
 def test_factor_decay_is_seeded_by_the_first_batch():
-    x, y = _digits(64)
-    decayed = thor_tf.wrap(_cnn(), factor_decay=0.9, learning_rate=1e-6, verbose=False)
+    x, y = digits(64)
+    decayed = thor_tf.wrap(small_cnn(), factor_decay=0.9, learning_rate=1e-6, verbose=False)
     decayed.compile(loss="sparse_categorical_crossentropy")
-    plain = thor_tf.wrap(_cnn(), factor_decay=0.0, learning_rate=1e-6, verbose=False)
+    plain = thor_tf.wrap(small_cnn(), factor_decay=0.0, learning_rate=1e-6, verbose=False)
     plain.compile(loss="sparse_categorical_crossentropy")
     decayed.train_on_batch(x[:32], y[:32])
     plain.train_on_batch(x[:32], y[:32])
@@ -303,8 +287,8 @@ def test_factor_decay_is_seeded_by_the_first_batch():
 def test_mixed_precision_keeps_factors_float32():
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
     try:
-        x, y = _digits(64)
-        wrapped = thor_tf.wrap(_cnn(), verbose=False)
+        x, y = digits(64)
+        wrapped = thor_tf.wrap(small_cnn(), verbose=False)
         wrapped.compile(loss="sparse_categorical_crossentropy")
         wrapped.fit(x, y, epochs=1, batch_size=32, verbose=0)
         factors = wrapped.thor.factors("fc")
@@ -314,8 +298,8 @@ def test_mixed_precision_keeps_factors_float32():
 
 
 def test_fit_warns_on_skipped_steps_and_stops_when_an_epoch_is_all_non_finite():
-    x, y = _digits(128)
-    wrapped = thor_tf.wrap(_cnn(), verbose=False)
+    x, y = digits(128)
+    wrapped = thor_tf.wrap(small_cnn(), verbose=False)
     wrapped.compile(loss="sparse_categorical_crossentropy")
     some_bad = x.copy()
     some_bad[:32] = np.nan  # first of four batches
@@ -328,7 +312,7 @@ def test_fit_warns_on_skipped_steps_and_stops_when_an_epoch_is_all_non_finite():
 
 
 def test_wrapping_twice_raises_and_detach_restores_the_layers():
-    model = _cnn()
+    model = small_cnn()
     wrapped = thor_tf.wrap(model, verbose=False)
     with pytest.raises(ValueError, match="already wrapped"):
         thor_tf.wrap(model, verbose=False)

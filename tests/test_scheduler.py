@@ -6,9 +6,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from sklearn.datasets import load_digits
 
 import thor_tf
+from digits_models import digits, small_cnn
 from thor_tf import scheduler
 from thor_tf.callbacks import TraceRuleLogger
 
@@ -136,25 +136,11 @@ def test_decide_function_boundaries():
     assert freeze.numpy().tolist() == [False, False, False, False, True, False]
 
 
-def _digits():
-    d = load_digits()
-    return (d.images / 16.0).astype("float32")[..., None], d.target
-
-
-def _cnn():
-    keras.utils.set_random_seed(0)
-    return keras.Sequential([
-        keras.Input((8, 8, 1)),
-        keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="conv"),
-        keras.layers.Flatten(),
-        keras.layers.Dense(32, activation="relu", name="fc"),
-        keras.layers.Dense(10, activation="softmax", name="out"),
-    ])
 
 
 def test_thor_nt_refreshes_every_layer_at_every_cadence_point():
-    x, y = _digits()
-    wrapped = thor_tf.wrap(_cnn(), preset="thor_nt", frequency=4, verbose=False)
+    x, y = digits()
+    wrapped = thor_tf.wrap(small_cnn(), preset="thor_nt", frequency=4, verbose=False)
     wrapped.compile(loss="sparse_categorical_crossentropy")
     wrapped.fit(x[:640], y[:640], batch_size=32, epochs=2, verbose=0)  # 40 steps → 10 points
     assert wrapped.thor.counters()["cadence_points"] == 10
@@ -163,10 +149,10 @@ def test_thor_nt_refreshes_every_layer_at_every_cadence_point():
 
 
 def test_thor_refreshes_fewer_blocks_than_thor_nt_and_both_train():
-    x, y = _digits()
+    x, y = digits()
     results = {}
     for preset in ("thor", "thor_nt"):
-        wrapped = thor_tf.wrap(_cnn(), preset=preset, frequency=2, learning_rate=0.02, verbose=False)
+        wrapped = thor_tf.wrap(small_cnn(), preset=preset, frequency=2, learning_rate=0.02, verbose=False)
         wrapped.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
         start = wrapped.evaluate(x, y, verbose=0)[0]
         keras.utils.set_random_seed(1)
@@ -181,8 +167,8 @@ def test_thor_refreshes_fewer_blocks_than_thor_nt_and_both_train():
 
 
 def test_one_trace_while_decisions_change_and_epoch_schedule_thins_refreshes(tmp_path):
-    x, y = _digits()
-    wrapped = thor_tf.wrap(_cnn(), frequency=[(0, 1), (1, 5)], omega1=0.02, omega2=0.0,
+    x, y = digits()
+    wrapped = thor_tf.wrap(small_cnn(), frequency=[(0, 1), (1, 5)], omega1=0.02, omega2=0.0,
                            verbose=False)
     wrapped.compile(loss="sparse_categorical_crossentropy")
     traces = []
@@ -203,7 +189,7 @@ def test_one_trace_while_decisions_change_and_epoch_schedule_thins_refreshes(tmp
 @pytest.mark.parametrize("frequency", [0, -3, 2.5, [(1, 5)], [(0, 5), (0, 3)], [(0, 0)], "10"])
 def test_bad_frequency_raises(frequency):
     with pytest.raises(ValueError, match="frequency"):
-        thor_tf.wrap(_cnn(), frequency=frequency, verbose=False)
+        thor_tf.wrap(small_cnn(), frequency=frequency, verbose=False)
 
 
 def test_presets_set_omegas():
@@ -214,8 +200,8 @@ def test_presets_set_omegas():
 
 
 def test_logger_writes_tensorboard_scalars(tmp_path, capsys):
-    x, y = _digits()
-    wrapped = thor_tf.wrap(_cnn(), frequency=5, verbose=False)
+    x, y = digits()
+    wrapped = thor_tf.wrap(small_cnn(), frequency=5, verbose=False)
     wrapped.compile(loss="sparse_categorical_crossentropy")
     logger = TraceRuleLogger(log_dir=str(tmp_path / "tb"), summary=True)
     wrapped.fit(x[:320], y[:320], batch_size=32, epochs=1, verbose=0, callbacks=[logger])
