@@ -1,24 +1,14 @@
-"""thor_tf: THOR / K-FAC Kronecker-factored natural gradient for Keras 3 on TensorFlow 2."""
+"""thor_tf: THOR / K-FAC Kronecker-factored natural gradient for Keras 3 on TensorFlow 2.
 
-from importlib import metadata
+TensorFlow itself is not a hard requirement, as with TensorFlow Probability: `tensorflow`,
+`tensorflow-cpu` and the CUDA builds all provide the same `tensorflow` module, and pip cannot tell
+that one satisfies a requirement on another, so requiring any of them by name pulls a second,
+conflicting copy over the build the user chose. Install one first (the README uses
+`tensorflow-cpu`), or use the extras `thor_tf[cpu]` / `thor_tf[gpu]`. `import thor_tf` checks that
+TensorFlow >= 2.16 (Keras 3) is present and says what to install otherwise.
+"""
 
 from setuptools import find_packages, setup
-
-
-def tensorflow_requirement():
-    """Require TensorFlow only if no TensorFlow build is installed yet.
-
-    `tensorflow`, `tensorflow-cpu` and the GPU builds all provide the `tensorflow` module; requiring
-    one by name would pull a second copy over the one the user chose (CPU-only here and in CI).
-    """
-    for dist in ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tf-nightly", "tf-nightly-cpu"):
-        try:
-            metadata.version(dist)
-            return [f"{dist}>=2.16"]
-        except metadata.PackageNotFoundError:
-            continue
-    return ["tensorflow>=2.16"]
-
 
 setup(
     name="thor_tf",
@@ -32,14 +22,14 @@ setup(
     packages=find_packages(include=["thor_tf", "thor_tf.*"]),
     python_requires=">=3.10",
     install_requires=[
-        # TF >= 2.16 ships Keras 3 as `keras`.
-        *tensorflow_requirement(),
         "keras>=3.0",
         "numpy",
         "scipy",
         "scikit-learn",  # load_digits: the embedded offline dataset
     ],
     extras_require={
+        "cpu": ["tensorflow-cpu>=2.16"],
+        "gpu": ["tensorflow[and-cuda]>=2.16"],
         "plots": ["matplotlib"],
         "tensorboard": ["tensorboard"],  # TraceRuleLogger(log_dir=...)
         "test": ["pytest", "matplotlib", "tensorboard"],

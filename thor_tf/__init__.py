@@ -11,11 +11,25 @@ Public API: :func:`wrap`, :class:`ThorModel`, :class:`ThorOptimizer`, the schedu
 (:mod:`thor_tf.algebra`) and the dataset loaders (:mod:`thor_tf.data`).
 """
 
-from thor_tf import algebra
-from thor_tf.model import ThorModel, wrap
-from thor_tf.optimizer import ThorOptimizer
-from thor_tf.scheduler import PRESETS
-from thor_tf import schedules
+def _check_tensorflow():
+    try:
+        import tensorflow as tf
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "thor_tf needs TensorFlow >= 2.16 (Keras 3): pip install 'tensorflow-cpu>=2.16' "
+            "(or 'tensorflow[and-cuda]>=2.16' for GPUs), or pip install 'thor_tf[cpu]'.") from err
+    major, minor = (int(p) for p in tf.__version__.split(".")[:2])
+    if (major, minor) < (2, 16):  # pragma: no cover
+        raise ImportError(f"thor_tf needs TensorFlow >= 2.16 (Keras 3); found {tf.__version__}.")
+
+
+_check_tensorflow()
+
+from thor_tf import algebra  # noqa: E402
+from thor_tf.model import ThorModel, wrap  # noqa: E402
+from thor_tf.optimizer import ThorOptimizer  # noqa: E402
+from thor_tf.scheduler import PRESETS  # noqa: E402
+from thor_tf import schedules  # noqa: E402
 
 __all__ = ["wrap", "ThorModel", "ThorOptimizer", "PRESETS", "algebra", "schedules"]
 __version__ = "0.1.0"
