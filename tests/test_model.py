@@ -320,3 +320,21 @@ def test_wrapping_twice_raises_and_detach_restores_the_layers():
     assert "call" not in model.get_layer("fc").__dict__
     rewrapped = thor_tf.wrap(model, verbose=False, learning_rate=0.01)
     assert len(rewrapped.thor.blocks) == 3
+
+
+def test_save_and_load_with_schedules_and_frequency_pairs(tmp_path):
+    from thor_tf.schedules import ThorDampingDecay, ThorPolynomialDecay
+
+    x, y = digits(64)
+    wrapped = thor_tf.wrap(small_cnn(), learning_rate=ThorPolynomialDecay(0.05, 10, 4.0, 2),
+                           damping=ThorDampingDecay(0.03, 0.5, 2), frequency=[(0, 2), (3, 5)],
+                           verbose=False)
+    wrapped.compile(loss="sparse_categorical_crossentropy")
+    wrapped.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    path = os.path.join(tmp_path, "sched.keras")
+    wrapped.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded.optimizer.damping, ThorDampingDecay)
+    assert loaded.optimizer.cadence.get_config() == [[0, 2], [3, 5]]
+    assert float(loaded.optimizer.learning_rate) == pytest.approx(float(wrapped.optimizer.learning_rate))
+    assert float(loaded.optimizer.current_damping()) == pytest.approx(float(wrapped.optimizer.current_damping()))

@@ -22,10 +22,6 @@ from thor_tf import fisher
 from thor_tf.engine import ThorEngine
 from thor_tf.optimizer import ThorOptimizer
 
-#: Options of ``wrap`` that configure the engine rather than the optimizer.
-WRAP_ONLY = ("exclude", "verbose")
-
-
 class _EpochTracker(keras.callbacks.Callback):
     """Internal callback of ``ThorModel.fit``: epoch counter and a watch on skipped steps.
 
@@ -81,7 +77,6 @@ class ThorModel(keras.Model):
         # Validate every option up front: a throwaway optimizer raises ValueError on bad input.
         self._default_optimizer = ThorOptimizer(**thor_options)
         self.model = model
-        self._thor_options = thor_options
         self._exclude = list(exclude or [])
         engine = ThorEngine(model, exclude=self._exclude)
         object.__setattr__(self, "thor", engine)
@@ -167,11 +162,8 @@ class ThorModel(keras.Model):
         config = dict(config)
         model = keras.saving.deserialize_keras_object(config.pop("model"),
                                                       custom_objects=custom_objects)
-        options = dict(config.pop("thor_options") or {})
-        for key in ("name", "is_legacy_optimizer"):
-            options.pop(key, None)
-        options = ThorOptimizer.from_config(options).get_config()
-        options.pop("name", None)
+        # Round-trip through the optimizer so that serialized schedules come back as objects.
+        options = ThorOptimizer.from_config(dict(config.pop("thor_options") or {})).get_config()
         return cls(model, thor_options=_constructor_options(options), verbose=False, **config)
 
 
