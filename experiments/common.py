@@ -236,6 +236,9 @@ def add_common_arguments(parser, *, out, epochs, batch_size, thor_lr, thor_dampi
                    help="learning-rate schedule of every optimizer: constant, or THOR's "
                         "polynomial decay lr0*(1-epoch/(1.25*epochs))^4.9687 "
                         f"(default {lr_schedule})")
+    g.add_argument("--baseline-lr-schedule", choices=("constant", "poly"), default=None,
+                   help="schedule of SGD/Adam when it should differ from --lr-schedule (THOR's "
+                        "steep polynomial decay stalls first-order methods on short runs)")
     g.add_argument("--weight-decay", type=float, default=0.0,
                    help="L2 weight decay on kernels (THOR: coupled, added to the update; "
                         "SGD: Keras weight_decay; Adam becomes AdamW). Default 0")
@@ -307,7 +310,10 @@ def make_model(optimizer, lr, build_model, args, steps_per_epoch, show_table):
     import thor_tf
 
     model = build_model()
-    lr_value = lr_schedule(args.lr_schedule, lr, args.epochs, steps_per_epoch)
+    kind = args.lr_schedule
+    if optimizer in FIRST_ORDER and args.baseline_lr_schedule is not None:
+        kind = args.baseline_lr_schedule
+    lr_value = lr_schedule(kind, lr, args.epochs, steps_per_epoch)
     metrics = ["accuracy"]
     if optimizer in THOR_FAMILY:
         damping = args.thor_damping
@@ -756,7 +762,8 @@ def run_experiment(args, ds, build_model, model_name, title):
     grid = run_grid(args)
     steps = math.ceil(ds.x_train.shape[0] / args.batch_size)
     print(f"{title}: {len(grid)} configuration(s) x {len(args.seeds)} seed(s), {args.epochs} "
-          f"epoch(s) of {steps} steps (batch {args.batch_size}), lr schedule {args.lr_schedule}; "
+          f"epoch(s) of {steps} steps (batch {args.batch_size}), lr schedule {args.lr_schedule}"
+          f"{'' if args.baseline_lr_schedule is None else ' (sgd/adam: ' + args.baseline_lr_schedule + ')'}; "
           f"output in {out}", flush=True)
     if any(name in THOR_FAMILY for name, _ in grid):
         from thor_tf import ThorOptimizer
