@@ -261,6 +261,23 @@ def _not_local(name: str, looked_at: Sequence[str], how: str):
     )
 
 
+def _keras_download(name: str, looked_at: Sequence[str], how: str, download: bool):
+    """``(tr_x, tr_y, te_x, te_y)`` from ``keras.datasets.<name>.load_data()`` (needs internet).
+
+    Raises the offline RuntimeError (what was looked at, how to get the data) when ``download``
+    is False or the download fails.
+    """
+    if not download:
+        raise _not_local(name, looked_at, how)
+    try:
+        import keras
+
+        (tr_x, tr_y), (te_x, te_y) = getattr(keras.datasets, name).load_data()
+    except Exception as e:  # network, SSL, HTTP errors all look different
+        raise _download_failed(name, looked_at, how, e) from e
+    return tr_x, tr_y, te_x, te_y
+
+
 def _load_fashion_mnist(download: bool):
     d = _find_dir(_fashion_dirs(), _FASHION_FILES)
     if d is not None:
@@ -272,14 +289,7 @@ def _load_fashion_mnist(download: bool):
         f"{DEBIAN_FASHION_MNIST_DIR}), or copy {', '.join(_FASHION_FILES)} into "
         f"{os.path.join(KERAS_DATASETS_DIRS[0], 'fashion-mnist')}"
     )
-    if not download:
-        raise _not_local("fashion_mnist", looked, how)
-    try:
-        import keras
-
-        (tr_x, tr_y), (te_x, te_y) = keras.datasets.fashion_mnist.load_data()
-    except Exception as e:  # network, SSL, HTTP errors all look different
-        raise _download_failed("fashion_mnist", looked, how, e) from e
+    tr_x, tr_y, te_x, te_y = _keras_download("fashion_mnist", looked, how, download)
     return tr_x, tr_y, te_x, te_y, "keras.datasets.fashion_mnist (downloaded)"
 
 
@@ -290,14 +300,7 @@ def _load_mnist(download: bool):
             return f["x_train"], f["y_train"], f["x_test"], f["y_test"], f"npz file {p}"
     looked = _mnist_files()
     how = f"copy mnist.npz (keys x_train, y_train, x_test, y_test) to {looked[0]}"
-    if not download:
-        raise _not_local("mnist", looked, how)
-    try:
-        import keras
-
-        (tr_x, tr_y), (te_x, te_y) = keras.datasets.mnist.load_data()
-    except Exception as e:
-        raise _download_failed("mnist", looked, how, e) from e
+    tr_x, tr_y, te_x, te_y = _keras_download("mnist", looked, how, download)
     return tr_x, tr_y, te_x, te_y, "keras.datasets.mnist (downloaded)"
 
 
@@ -322,14 +325,7 @@ def _load_cifar10(download: bool):
         "extract cifar-10-python.tar.gz (from https://www.cs.toronto.edu/~kriz/) "
         f"so that {os.path.join(looked[0], 'data_batch_1')} exists"
     )
-    if not download:
-        raise _not_local("cifar10", looked, how)
-    try:
-        import keras
-
-        (tr_x, tr_y), (te_x, te_y) = keras.datasets.cifar10.load_data()
-    except Exception as e:
-        raise _download_failed("cifar10", looked, how, e) from e
+    tr_x, tr_y, te_x, te_y = _keras_download("cifar10", looked, how, download)
     if tr_x.shape[-1] != 3:  # Keras honours image_data_format="channels_first"
         tr_x, te_x = tr_x.transpose(0, 2, 3, 1), te_x.transpose(0, 2, 3, 1)
     return tr_x, tr_y, te_x, te_y, "keras.datasets.cifar10 (downloaded)"
