@@ -330,9 +330,6 @@ class ThorEngine:
             used = scheduler.damped_trace_product(used_a, used_g, per_factor, block.a_dim, block.g_dim)
             delta = scheduler.relative_trace_change(new, used, has_used)
             refresh, freeze = scheduler.decide(delta, opt.omega1, opt.omega2)
-            if opt.omega1 <= 0:  # THOR_NT: refresh at every cadence point, even when Δ == 0
-                refresh = tf.constant(True)
-                freeze = tf.constant(False)
 
             def do_refresh():
                 factor_a = block.factor_a(recs, opt.split_dim)  # [nb, d, d] diagonal blocks

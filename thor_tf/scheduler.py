@@ -65,7 +65,11 @@ def decide(delta, omega1, omega2):
     """``(refresh, freeze)`` booleans of THOR's rule; ``reuse`` is neither.
 
     refresh: Δ > ω1. freeze: Δ < ω2 (never for a layer without a block in use: Δ = inf).
+    ω1 = 0 (THOR_NT) refreshes at every cadence point, even when Δ is exactly 0.
     """
+    if omega1 <= 0:
+        refresh = tf.ones_like(delta, dtype=tf.bool)
+        return refresh, tf.logical_not(refresh)
     refresh = delta > omega1
     freeze = tf.logical_and(tf.logical_not(refresh), delta < omega2)
     return refresh, freeze
