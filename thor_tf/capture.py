@@ -71,11 +71,17 @@ class CaptureStore:
             records.setdefault(key, []).append(Record(inputs, z))
 
 
-def unsupported_reason(layer) -> str | None:
-    """Why ``layer`` (a Dense or Conv2D) cannot get a Kronecker block, or None if it can."""
-    if not layer.trainable or layer.kernel is None:
+def unsupported_reason(layer, check_trainable=True) -> str | None:
+    """Why ``layer`` (a Dense or Conv2D) cannot get a Kronecker block, or None if it can.
+
+    With ``check_trainable=False`` only structural reasons count (a frozen layer can be unfrozen
+    later; the engine decides per compile which layers train).
+    """
+    if layer.kernel is None:
+        return "not built"
+    if check_trainable and not layer.trainable:
         return "not trainable"
-    if not getattr(layer.kernel, "trainable", True):
+    if check_trainable and not getattr(layer.kernel, "trainable", True):
         return "kernel not trainable"
     if getattr(layer, "lora_enabled", False):
         return "LoRA enabled"

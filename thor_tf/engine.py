@@ -26,7 +26,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from thor_tf import algebra, capture, fisher, scheduler
+from thor_tf import _keras_compat, algebra, capture, fisher, scheduler
 from thor_tf.blocks import block_class_for
 from thor_tf.inverse import invert_blocks, split_layout
 
@@ -55,6 +55,21 @@ def _cross_replica_all(flag):
     return failures < 0.5
 
 
+def _values(gradient):
+    """The dense values of a gradient (``IndexedSlices`` from an embedding lookup: its rows)."""
+    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+
+
+def _unscale(gradient, loss_scale):
+    """``gradient / loss_scale`` (None passes through; ``IndexedSlices`` stay sparse)."""
+    if gradient is None or loss_scale is None:
+        return gradient
+    if isinstance(gradient, tf.IndexedSlices):
+        values = gradient.values / tf.cast(loss_scale, gradient.values.dtype)
+        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+    return gradient / tf.cast(loss_scale, gradient.dtype)
+
+
 def _identity_blocks(num_blocks, size):
     def init(shape=None, dtype=None):
         return tf.eye(size, batch_shape=[num_blocks], dtype=dtype or "float32")
@@ -70,7 +85,7 @@ class ThorEngine:
       exclude: layer names that should stay first order even if supported.
     """
 
-    def __init__(self, model, exclude=()):
+    def __init__(self, model, exclude=(), split_dim=None):
         if not model.built or not model.trainable_variables:
             raise ValueError(
                 "`model` must be built (call it on data or give it an Input) and have trainable "
@@ -79,37 +94,43 @@ class ThorEngine:
         self.store = capture.CaptureStore()
         self.optimizer = None
         self.loss = None
-        exclude = set(exclude or ())
-        variable_index = {id(v): i for i, v in enumerate(model.trainable_variables)}
+        #: ``split_dim`` given to ``wrap`` (reported before an optimizer is attached).
+        self.split_dim = split_dim
+        #: Print the registration table when the blocks change (set by ``wrap``'s ``verbose``).
+        self.verbose = False
+        self._exclude = set(exclude or ())
 
-        blocks, first_order = [], []
-        for layer in model._flatten_layers(include_self=False, recursive=True):
-            own = [v for v in getattr(layer, "_trainable_variables", []) if v.trainable]
+        # Candidates: every layer with a block type and no structural reason against one,
+        # trainable or not. They are all patched once, here, so that a layer frozen at wrap time
+        # and unfrozen later (transfer learning) gets its block at the next compile.
+        candidates, self._structural_first_order = [], []
+        for layer in _keras_compat.flatten_layers(model):
             block_class = block_class_for(layer)
-            if block_class is not None:
-                reason = "excluded" if layer.name in exclude else capture.unsupported_reason(layer)
-                if reason is None:
-                    blocks.append(block_class(layer.name, layer))
-                    continue
-                if own and layer.trainable:
-                    first_order.append((layer, reason))
+            if block_class is None:
                 continue
-            if own and layer.trainable and not isinstance(layer, keras.Model):
-                first_order.append((layer, None))
-        blocks.sort(key=lambda b: variable_index[id(b.kernel)])
-        names = [b.name for b in blocks]
+            reason = "excluded" if layer.name in self._exclude else capture.unsupported_reason(
+                layer, check_trainable=False)
+            if reason is None:
+                candidates.append(block_class(layer.name, layer))
+            else:
+                self._structural_first_order.append((layer, reason))
+        weight_index = {id(v): i for i, v in enumerate(model.weights)}
+        candidates.sort(key=lambda b: weight_index[id(b.kernel)])
+        names = [b.name for b in candidates]
         if len(set(names)) != len(names):
             # Layer names are unique within a model but nested models may repeat them.
-            for i, block in enumerate(blocks):
+            for i, block in enumerate(candidates):
                 block.name = f"{i}:{block.name}"
-        self.blocks = blocks
-        self.first_order = first_order
-        self._block_index = {b.name: i for i, b in enumerate(blocks)}
+        self.candidates = candidates
+        self.blocks, self.first_order, self.frozen_layers = [], [], []
+        self._block_index = {}
         self._state = None
+        self._shown_selection = None
+        self.select_blocks(model.trainable_variables)
 
         unsupported = [
             f"{layer.name} ({type(layer).__name__}{': ' + reason if reason else ''})"
-            for layer, reason in first_order
+            for layer, reason in self.first_order
             if not isinstance(layer, _EXPECTED_FIRST_ORDER) and reason != "excluded"
         ]
         if unsupported:
@@ -117,13 +138,53 @@ class ThorEngine:
                 "thor_tf: no Kronecker block for " + ", ".join(unsupported)
                 + "; these layers get the first-order (momentum SGD) update.",
                 stacklevel=3)
-        patched = [b.layer.name for b in blocks if b.layer.__dict__.get("_thor_patched")]
+        patched = [b.layer.name for b in candidates if b.layer.__dict__.get("_thor_patched")]
         if patched:
             raise ValueError(
                 f"`model` is already wrapped (layers {patched} record for another ThorModel); "
                 f"wrap a model once, or call `wrapped.thor.detach()` before wrapping it again.")
-        for block in blocks:
+        for block in candidates:
             capture.patch(block.layer, self.store, block.name)
+
+    def select_blocks(self, trainable_variables):
+        """Choose the blocks for the variables an optimizer trains: the candidates whose kernel is
+        among ``trainable_variables`` (ordered as they are). Called at wrap, at every ``compile``
+        and when the optimizer is built, so that freezing or unfreezing layers between compiles
+        (transfer learning) changes which layers have blocks.
+
+        Returns True when the selection differs from the last one shown (the table is due again).
+        """
+        if self._state is not None:
+            raise ValueError("the THOR state exists already: blocks are chosen before the optimizer "
+                             "is built (compile again after changing `trainable`)")
+        index = {id(v): i for i, v in enumerate(trainable_variables)}
+        blocks = sorted((b for b in self.candidates if id(b.kernel) in index),
+                        key=lambda b: index[id(b.kernel)])
+        chosen = {id(b) for b in blocks}
+        first_order, frozen = [], []
+        for layer, reason in self._structural_first_order:
+            own = [v for v in getattr(layer, "_trainable_variables", []) if id(v) in index]
+            if own:
+                first_order.append((layer, reason))
+        for b in self.candidates:
+            if id(b) not in chosen:
+                frozen.append(b.layer)
+        block_layers = {id(b.layer) for b in self.candidates} | {
+            id(layer) for layer, _ in self._structural_first_order}
+        for layer in _keras_compat.flatten_layers(self.model):
+            if id(layer) in block_layers or isinstance(layer, keras.Model):
+                continue
+            own = [v for v in getattr(layer, "_trainable_variables", []) if id(v) in index]
+            if own:
+                first_order.append((layer, None))
+        self.blocks = blocks
+        self.first_order = first_order
+        self.frozen_layers = frozen
+        self._block_index = {b.name: i for i, b in enumerate(blocks)}
+        selection = tuple(b.name for b in blocks)
+        changed = selection != self._shown_selection
+        self._shown_selection = selection
+        return changed
 
     # -- registration ----------------------------------------------------------------------------
     def registration_table(self, split_dim):
@@ -148,21 +209,22 @@ class ThorEngine:
             lines.append("  first order: " + ", ".join(items))
         else:
             lines.append("  first order: none")
+        if self.frozen_layers:
+            lines.append("  not trained (trainable=False): "
+                         + ", ".join(layer.name for layer in self.frozen_layers))
         return "\n".join(lines)
 
     def detach(self):
         """Restore every patched layer's own ``call``."""
-        for block in self.blocks:
+        for block in self.candidates:
             capture.unpatch(block.layer)
 
     # -- state -----------------------------------------------------------------------------------
     def build_state(self, optimizer, var_list):
         """Create the curvature state on ``optimizer`` (called from its ``build``)."""
         self.optimizer = optimizer
-        index = {id(v): i for i, v in enumerate(var_list)}
-        missing = [b.name for b in self.blocks if id(b.kernel) not in index]
-        if missing:
-            raise ValueError(f"optimizer built on variables that miss the kernels of {missing}")
+        if self.select_blocks(var_list) and self.verbose:
+            print(self.registration_table(optimizer.split_dim))
         split = optimizer.split_dim
         n = len(self.blocks)
         s = {"A": [], "G": [], "A_inv": [], "G_inv": []}
@@ -200,6 +262,12 @@ class ThorEngine:
             (), initializer=keras.initializers.Constant(1.0), dtype="float32", name="thor_kl_scale")
         self._state = s
 
+    def reset_state(self):
+        """Forget the state of a previous optimizer (``compile`` again: a new optimizer builds its
+        own factors, inverses, counters and momentum, as Keras' optimizers do)."""
+        self._state = None
+        self.optimizer = None
+
     @property
     def state(self):
         if self._state is None:
@@ -212,7 +280,8 @@ class ThorEngine:
             self._state["epoch"].assign(int(epoch))
 
     # -- the per-step work (inside the traced train step) ---------------------------------------------
-    def train_update(self, tape, loss, variables, records, batch_size, sampled_loss=None):
+    def train_update(self, tape, loss, variables, records, batch_size, loss_scale=None,
+                     sampled_loss=None):
         """Gradients, curvature update and THOR update for one batch.
 
         Args:
@@ -221,20 +290,29 @@ class ThorEngine:
           variables: the model's trainable variables.
           records: ``{block name: [Record, ...]}`` captured in the forward pass.
           batch_size: local batch size (scalar tensor).
+          loss_scale: the factor ``loss`` was multiplied by (``loss_scale_factor`` and/or the
+            dynamic scale of a ``LossScaleOptimizer``; float32 scalar tensor or None). Gradients
+            and ``dL/dz`` are divided by it first, so that nothing downstream (preconditioning,
+            KL clip, G) depends on the loss scale.
           sampled_loss: for ``fisher='sampled'``, the summed loss at sampled targets.
+
+        Returns:
+          ``ok``: boolean scalar tensor, False when the loss or a gradient was non-finite (then no
+          weight, momentum, factor, inverse, trace or counter other than ``nonfinite_steps``
+          changed; the same on every replica).
         """
         opt = self.optimizer
         active = [b for b in self.blocks if records.get(b.name)]
         zs = [r.z for b in active for r in records[b.name]]
         all_grads = tape.gradient(loss, list(variables) + zs)
-        grads = list(all_grads[: len(variables)])
+        grads = [_unscale(g, loss_scale) for g in all_grads[: len(variables)]]
         z_grads = [tf.zeros_like(z) if g is None else g
                    for z, g in zip(zs, all_grads[len(variables):])]
 
         # Finite parameter gradients imply finite dL/dz (every dz enters a bias or kernel
         # gradient, and NaN·0 is NaN), so the large z-gradients need no check of their own.
         checks = [tf.reduce_all(tf.math.is_finite(tf.cast(loss, tf.float32)))]
-        checks += [tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None]
+        checks += [tf.reduce_all(tf.math.is_finite(_values(g))) for g in grads if g is not None]
         ok = _cross_replica_all(tf.reduce_all(tf.stack(checks)))
 
         def split_by_block(tensors):
@@ -247,7 +325,7 @@ class ThorEngine:
 
         def output_grads():
             # Built inside the cadence branch: no per-step work on the (large) z-gradients.
-            scale = fisher.example_scale(self.model_loss(), batch_size, opt.loss_scale_factor)
+            scale = fisher.example_scale(self.model_loss(), batch_size, loss_scale)
             return split_by_block([tf.cast(g, tf.float32) * scale for g in z_grads])
 
         def sampled_output_grads():
@@ -447,7 +525,7 @@ class ThorEngine:
     # -- introspection ---------------------------------------------------------------------------
     def layer_stats(self):
         """One dict per registered layer (host values; call between steps, not in the graph)."""
-        split = self.optimizer.split_dim if self.optimizer is not None else None
+        split = self.optimizer.split_dim if self.optimizer is not None else self.split_dim
         stats = []
         state = self._state
         for i, b in enumerate(self.blocks):

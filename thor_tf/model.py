@@ -15,10 +15,7 @@ import warnings
 
 import keras
 import tensorflow as tf
-from keras.src.losses import loss as loss_module
-from keras.src.trainers.data_adapters import data_adapter_utils
-
-from thor_tf import fisher
+from thor_tf import _keras_compat, fisher
 from thor_tf.engine import ThorEngine
 from thor_tf.optimizer import ThorOptimizer
 
@@ -46,20 +43,33 @@ class _EpochTracker(keras.callbacks.Callback):
         self._steps_before = int(self.model.optimizer.iterations.numpy())
 
     def on_epoch_end(self, epoch, logs=None):
+        # Skipped steps do not count in ``iterations``: the epoch ran ``taken + skipped`` batches.
         skipped = self._skipped() - self._skipped_before
-        steps = int(self.model.optimizer.iterations.numpy()) - self._steps_before
+        taken = int(self.model.optimizer.iterations.numpy()) - self._steps_before
         if skipped == 0:
             return
-        if steps > 0 and skipped >= steps:
+        total = taken + skipped
+        loss_scaled = isinstance(self.model.optimizer, keras.optimizers.LossScaleOptimizer)
+        if taken == 0:
             warnings.warn(
                 f"thor_tf: every step of epoch {epoch + 1} had a non-finite loss or gradient and was "
                 f"skipped; stopping training (the weights are those of the last finite step). "
                 f"Lower the learning rate or raise `damping` / lower `kl_clip`.", stacklevel=2)
             self.model.stop_training = True
-        else:
+        elif not loss_scaled:
+            # Under dynamic loss scaling, overflow steps are how the scale is found (Keras skips
+            # them silently too); the counter still has them.
             warnings.warn(
-                f"thor_tf: {skipped} of {steps} steps in epoch {epoch + 1} had a non-finite loss or "
-                f"gradient and were skipped (weights, momentum and factors unchanged).", stacklevel=2)
+                f"thor_tf: {skipped} of {total} steps in epoch {epoch + 1} had a non-finite loss or "
+                f"gradient and were skipped (nothing changed: weights, momentum, factors, "
+                f"moving statistics, iterations, loss and metrics).", stacklevel=2)
+
+
+def find_thor_optimizer(optimizer):
+    """The ``ThorOptimizer`` in ``optimizer`` (itself, or inside a ``LossScaleOptimizer``), or None."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    return optimizer if isinstance(optimizer, ThorOptimizer) else None
 
 
 @keras.saving.register_keras_serializable(package="thor_tf")
@@ -78,8 +88,10 @@ class ThorModel(keras.Model):
         self._default_optimizer = ThorOptimizer(**thor_options)
         self.model = model
         self._exclude = list(exclude or [])
-        engine = ThorEngine(model, exclude=self._exclude)
+        engine = ThorEngine(model, exclude=self._exclude, split_dim=self._default_optimizer.split_dim)
+        engine.verbose = bool(verbose)
         object.__setattr__(self, "thor", engine)
+        self.built = True  # the wrapped model is built (ThorEngine checks it)
         if verbose:
             print(engine.registration_table(self._default_optimizer.split_dim))
 
@@ -92,16 +104,32 @@ class ThorModel(keras.Model):
             self.model.build(input_shape)
         self.built = True
 
+    @property
+    def thor_optimizer(self):
+        """The ``ThorOptimizer`` this model trains with (also inside a ``LossScaleOptimizer``,
+        which Keras' ``compile`` wraps around it under the ``mixed_float16`` policy), or None."""
+        return find_thor_optimizer(getattr(self, "optimizer", None))
+
     # -- compile -------------------------------------------------------------------------------------
     def compile(self, optimizer=None, loss=None, **kwargs):
-        """``compile`` with THOR as the default optimizer (``optimizer=None`` or ``"thor"``)."""
+        """``compile`` with THOR as the default optimizer (``optimizer=None`` or ``"thor"``).
+
+        Blocks are chosen here for the layers that are trainable now: freeze or unfreeze layers,
+        then compile again (as Keras requires); the registration table is printed again when the
+        set of blocks changes.
+        """
         if optimizer is None or optimizer == "thor":
             optimizer = ThorOptimizer.from_config(self._default_optimizer.get_config())
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
         self.thor.loss = loss
-        if isinstance(self.optimizer, ThorOptimizer):
-            self.optimizer.attach(self.thor)
-            if self.optimizer.fisher == "sampled":
+        thor = self.thor_optimizer
+        if thor is not None:
+            if not thor.built:
+                self.thor.reset_state()
+                if self.thor.select_blocks(self.trainable_variables) and self.thor.verbose:
+                    print(self.thor.registration_table(thor.split_dim))
+            thor.attach(self.thor)
+            if thor.fisher == "sampled":
                 self._loss_spec = fisher.loss_spec(loss)
 
     def compile_from_config(self, config):
@@ -118,7 +146,7 @@ class ThorModel(keras.Model):
     def _build_thor_state(self):
         # Create the optimizer's state eagerly: without a distribution strategy Keras would defer
         # it to the first trace, and the engine needs it before the optimizer's own ``apply``.
-        if isinstance(self.optimizer, ThorOptimizer) and not self.optimizer.built:
+        if self.thor_optimizer is not None and not self.optimizer.built:
             with self.distribute_strategy.scope():
                 self.optimizer.build(self.trainable_variables)
 
@@ -128,25 +156,58 @@ class ThorModel(keras.Model):
         callbacks.append(_EpochTracker(self.thor))
         return super().fit(*args, callbacks=callbacks, **kwargs)
 
+    def _forward_state_variables(self):
+        """Non-trainable variables the forward pass may change (moving statistics, RNG states).
+
+        Weights of layers with ``trainable=False`` are left out: Keras does not update a frozen
+        layer's state (BatchNormalization runs in inference mode), and copying a large frozen base
+        at every step would cost as much as the step.
+        """
+        frozen = set()
+        for layer in _keras_compat.flatten_layers(self.model, include_self=True):
+            if not layer.trainable:
+                frozen.update(id(v) for v in layer.weights)
+        return [v for v in self.model.non_trainable_variables if id(v) not in frozen]
+
     def train_step(self, data):
-        if not isinstance(self.optimizer, ThorOptimizer):
+        thor = self.thor_optimizer
+        if thor is None:
             return super().train_step(data)
         self._build_thor_state()  # custom loops calling train_step directly
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        sampled = self.optimizer.fisher == "sampled"
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        sampled = thor.fisher == "sampled"
         batch_size = tf.shape(next(i for i in tf.nest.flatten(x) if i is not None))[0]
+        loss_scaler = self.optimizer if self.optimizer is not thor else None
+        # The forward pass updates moving statistics before the step can know whether the batch
+        # is finite: keep their values to put back on a skipped step.
+        forward_state = self._forward_state_variables()
+        saved_state = [tf.identity(v) for v in forward_state]
         with tf.GradientTape(persistent=sampled) as tape:
             with self.thor.store.record() as records:
                 y_pred = self(x, training=True)
-            loss = self._compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
-            self._loss_tracker.update_state(
-                loss_module.unscale_loss_for_distribution(loss), sample_weight=batch_size)
+            loss = _keras_compat.compute_loss(self, x, y, y_pred, sample_weight)
             sampled_loss = fisher.sampled_loss(self._loss_spec, y_pred) if sampled else None
-            loss = self.optimizer.scale_loss(loss)
-        self.thor.train_update(tape, loss, self.trainable_variables, records, batch_size,
-                               sampled_loss=sampled_loss)
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            scaled_loss = self.optimizer.scale_loss(loss)
+        loss_scale = _loss_scale(self.optimizer, thor)
+        ok = self.thor.train_update(tape, scaled_loss, self.trainable_variables, records, batch_size,
+                                    loss_scale=loss_scale, sampled_loss=sampled_loss)
+        _restore_unless(ok, forward_state, saved_state)
+        if loss_scaler is not None:
+            _update_dynamic_loss_scale(loss_scaler, ok)
+
+        def track():
+            # A skipped batch stays out of the epoch's loss and metric averages (as under Keras'
+            # LossScaleOptimizer the step never happened): History and TerminateOnNaN see the
+            # steps THOR took.
+            tracker = _keras_compat.loss_tracker(self)
+            if tracker is not None:
+                tracker.update_state(_keras_compat.unscale_loss_for_distribution(loss),
+                                     sample_weight=batch_size)
+            self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            return tf.constant(0)
+
+        tf.cond(ok, track, lambda: tf.constant(0))
+        return self.get_metrics_result()
 
     # -- serialization ------------------------------------------------------------------------------
     def get_config(self):
@@ -167,6 +228,54 @@ class ThorModel(keras.Model):
         return cls(model, thor_options=_constructor_options(options), verbose=False, **config)
 
 
+def _loss_scale(optimizer, thor):
+    """What the train step's loss was multiplied by: ``loss_scale_factor`` of THOR, or the dynamic
+    scale of the ``LossScaleOptimizer`` around it (which turns the inner factor off). None: 1."""
+    if optimizer is not thor:
+        return tf.cast(optimizer.dynamic_scale, tf.float32)
+    if thor.loss_scale_factor is not None:
+        return tf.constant(float(thor.loss_scale_factor), tf.float32)
+    return None
+
+
+def _restore_unless(ok, variables, saved):
+    """Put ``saved`` values back into ``variables`` where the step was skipped (``ok`` False)."""
+    if not variables:
+        return
+    if tf.distribute.get_strategy().num_replicas_in_sync > 1:
+        # Writes inside a per-replica tf.cond may not synchronize: masked writes instead.
+        for v, value in zip(variables, saved):
+            v.assign(tf.where(ok, tf.convert_to_tensor(v), value))
+        return
+
+    def restore():
+        for v, value in zip(variables, saved):
+            v.assign(value)
+        return tf.constant(0)
+
+    tf.cond(ok, lambda: tf.constant(0), restore)
+
+
+def _update_dynamic_loss_scale(loss_scaler, ok):
+    """Keras' ``LossScaleOptimizer`` rule, applied for the step THOR took or skipped: a skipped
+    (overflowing) step halves the scale, ``dynamic_growth_steps`` finite steps in a row double it.
+
+    The scale variables are not replicated per replica (aggregation "none"), so under a strategy
+    the update is made once in cross-replica context, as Keras does.
+    """
+
+    def update(strategy, ok):
+        ok = strategy.experimental_local_results(ok)[0]
+        counter, scale = loss_scaler.step_counter, loss_scaler.dynamic_scale
+        grow = tf.logical_and(ok, tf.equal(counter, loss_scaler.dynamic_growth_steps - 1))
+        factor = tf.where(grow, 2.0, tf.where(ok, 1.0, 0.5))
+        counter.assign(tf.where(tf.logical_and(ok, tf.logical_not(grow)), counter + 1,
+                                tf.zeros_like(counter)))
+        scale.assign(scale * tf.cast(factor, scale.dtype))
+
+    tf.distribute.get_replica_context().merge_call(update, args=(ok,))
+
+
 def _constructor_options(config):
     """ThorOptimizer config -> constructor kwargs (schedules deserialized)."""
     options = dict(config)
@@ -184,14 +293,21 @@ def wrap(model, **options):
 
     Args:
       model: a built ``keras.Model`` (Sequential, Functional or subclassed).
-      **options: ``ThorOptimizer`` arguments (``learning_rate``, ``momentum``, ``damping``,
-        ``weight_decay``, ``weight_decay_exclude``, ``clip_norm``, ``frequency``, ``preset``,
-        ``omega1``, ``omega2``, ``split_dim``, ``fisher``, ``factor_decay``, and Keras optimizer
-        arguments such as ``loss_scale_factor``), plus ``exclude`` (layer names kept first order)
-        and ``verbose`` (print the registration table, default True).
+      **options: every ``ThorOptimizer`` argument (defaults in the README's option table):
+        ``learning_rate`` (float or schedule), ``momentum``, ``damping`` (float or schedule),
+        ``weight_decay``, ``weight_decay_exclude``, ``clip_norm``, ``frequency`` (int, list of
+        ``(epoch, interval)`` pairs or callable), ``preset`` (``"thor"``, ``"thor_stop"``,
+        ``"thor_nt"``), ``omega1``, ``omega2``, ``split_dim`` (int or calibration JSON path),
+        ``fisher`` (``"empirical"`` or ``"sampled"``), ``factor_decay``, ``kl_clip`` (κ or None),
+        ``factor_examples`` (None or k), ``trace_smoothing``; Keras optimizer arguments such as
+        ``loss_scale_factor``; plus ``exclude`` (layer names kept first order) and ``verbose``
+        (print the registration table, default True).
 
     Returns:
-      A :class:`ThorModel`; ``compile`` it without an optimizer to train with THOR.
+      A :class:`ThorModel`; ``compile`` it without an optimizer to train with THOR. Under the
+      ``mixed_float16`` policy Keras wraps THOR in a ``LossScaleOptimizer``; THOR finds itself
+      inside it (``model.thor_optimizer``). Blocks are chosen at each ``compile`` for the layers
+      trainable then.
     """
     if not isinstance(model, keras.Model):
         raise ValueError(f"`model` must be a keras.Model; got {type(model).__name__}.")

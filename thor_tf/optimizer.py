@@ -226,12 +226,22 @@ class ThorOptimizer(keras.optimizers.Optimizer):
 
     # -- the update chain ----------------------------------------------------------------------------
     def apply_masked(self, grads, variables, ok):
-        """``apply`` with every weight and momentum update masked by the boolean tensor ``ok``."""
+        """``apply`` of already unscaled gradients, every change masked by the boolean ``ok``.
+
+        The engine divides the gradients by the loss scale before preconditioning (the KL clip
+        must see true gradients), so Keras' own unscaling by ``loss_scale_factor`` is switched off
+        here. A skipped step (``ok`` False) changes no weight and no momentum, and does not count
+        in ``iterations`` (the convention of Keras' ``LossScaleOptimizer``): learning-rate and
+        damping schedules and the cadence do not move over skipped batches.
+        """
         self._step_ok = ok
+        loss_scale_factor, self.loss_scale_factor = self.loss_scale_factor, None
         try:
             self.apply(grads, variables)
         finally:
             self._step_ok = None
+            self.loss_scale_factor = loss_scale_factor
+        self.iterations.assign_sub(tf.cast(tf.logical_not(ok), self.iterations.dtype))
 
     def _weight_decay_term(self, update, variable):
         if self.thor_weight_decay and self._use_weight_decay(variable):

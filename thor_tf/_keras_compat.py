@@ -1,0 +1,45 @@
+"""The few Keras internals thor_tf needs, in one place.
+
+Everything else in thor_tf uses public Keras API. What is here has no public equivalent (checked
+against Keras 3.15.1 / TensorFlow 2.21, and the floor tested by ``.ci/floor``); when Keras changes,
+this is the one module to adapt.
+
+* :func:`flatten_layers` - ``Layer._flatten_layers``: every sub-layer of a model, including the
+  layers of subclassed models and nested models (``model.layers`` lists only the top level).
+* :func:`loss_tracker` - ``Trainer._loss_tracker``: the ``Mean`` metric behind the ``loss`` entry
+  of the progress bar and ``History`` (our train step updates it, as Keras' own does).
+* :func:`compute_loss` - ``Trainer._compute_loss``: calls the public ``compute_loss`` with the
+  ``training`` argument only where the (possibly user-overridden) signature accepts it.
+* :func:`unscale_loss_for_distribution` - ``keras.src.losses.loss``: Keras divides the loss by
+  the number of replicas under a ``tf.distribute`` strategy; the tracked loss undoes that.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+def flatten_layers(layer, include_self=False, recursive=True):
+    """All sub-layers of ``layer`` depth first (nested and subclassed models included)."""
+    return list(layer._flatten_layers(include_self=include_self, recursive=recursive))
+
+
+def loss_tracker(model):
+    """The model's ``loss`` metric (a ``keras.metrics.Mean``), or None before compile."""
+    return getattr(model, "_loss_tracker", None)
+
+
+def compute_loss(model, x, y, y_pred, sample_weight):
+    """The training loss as Keras' own train step computes it (``training=True``)."""
+    if hasattr(model, "_compute_loss"):
+        return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                   training=True)
+    return model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+
+
+def unscale_loss_for_distribution(loss):
+    """``loss`` times the number of replicas in sync (Keras divides by it under a strategy)."""
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    if replicas > 1:
+        loss = loss * tf.cast(replicas, loss.dtype)
+    return loss
