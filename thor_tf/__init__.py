@@ -8,7 +8,8 @@ One line turns a Keras model into one that trains with THOR::
 
 Public API: :func:`wrap`, :class:`ThorModel`, :class:`ThorOptimizer`, the schedules
 (:mod:`thor_tf.schedules`), the trace-rule presets (:data:`PRESETS`), the block algebra
-(:mod:`thor_tf.algebra`) and the dataset loaders (:mod:`thor_tf.data`).
+(:mod:`thor_tf.algebra`), the layer-type registry (:func:`register_block`,
+:class:`KroneckerBlock`) and the dataset loaders (:mod:`thor_tf.data`).
 """
 
 def _check_tensorflow():
@@ -26,10 +27,12 @@ def _check_tensorflow():
 _check_tensorflow()
 
 from thor_tf import algebra  # noqa: E402
+from thor_tf.blocks import KroneckerBlock, register_block  # noqa: E402
 from thor_tf.model import ThorModel, wrap  # noqa: E402
 from thor_tf.optimizer import ThorOptimizer  # noqa: E402
 from thor_tf.scheduler import PRESETS  # noqa: E402
 from thor_tf import schedules  # noqa: E402
 
-__all__ = ["wrap", "ThorModel", "ThorOptimizer", "PRESETS", "algebra", "schedules"]
+__all__ = ["wrap", "ThorModel", "ThorOptimizer", "PRESETS", "algebra", "schedules",
+           "register_block", "KroneckerBlock"]
 __version__ = "0.1.0"

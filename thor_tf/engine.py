@@ -108,8 +108,8 @@ class ThorEngine:
             block_class = block_class_for(layer)
             if block_class is None:
                 continue
-            reason = "excluded" if layer.name in self._exclude else capture.unsupported_reason(
-                layer, check_trainable=False)
+            reason = ("excluded" if layer.name in self._exclude
+                      else block_class.unsupported_reason(layer))
             if reason is None:
                 candidates.append(block_class(layer.name, layer))
             else:
@@ -144,7 +144,7 @@ class ThorEngine:
                 f"`model` is already wrapped (layers {patched} record for another ThorModel); "
                 f"wrap a model once, or call `wrapped.thor.detach()` before wrapping it again.")
         for block in candidates:
-            capture.patch(block.layer, self.store, block.name)
+            capture.patch(block, self.store)
 
     def select_blocks(self, trainable_variables):
         """Choose the blocks for the variables an optimizer trains: the candidates whose kernel is
@@ -190,14 +190,15 @@ class ThorEngine:
     def registration_table(self, split_dim):
         """The one table ``wrap`` prints: layers, block kinds, factor sizes, splits, fallbacks."""
 
-        def split_text(dim):
-            nb, size = split_layout(dim, split_dim)
+        def split_text(dim, size):
+            nb, size = split_layout(dim, size)
             return f"{size}x{nb}" if nb > 1 else f"{size}"
 
         rows = [("layer", "block", "A", "G", "split A", "split G")]
         for b in self.blocks:
-            rows.append((b.name, b.kind, str(b.a_dim), str(b.g_dim), split_text(b.a_dim),
-                         split_text(b.g_dim)))
+            split_a, split_g = b.split_sizes(split_dim)
+            rows.append((b.name, b.kind, str(b.a_dim), str(b.g_dim), split_text(b.a_dim, split_a),
+                         split_text(b.g_dim, split_g)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"thor_tf: {len(self.blocks)} layers with Kronecker blocks "
                  f"(split_dim {split_dim}; split shown as size x blocks)"]
@@ -229,8 +230,8 @@ class ThorEngine:
         n = len(self.blocks)
         s = {"A": [], "G": [], "A_inv": [], "G_inv": []}
         for b in self.blocks:
-            for factor, dim in (("A", b.a_dim), ("G", b.g_dim)):
-                nb, size = split_layout(dim, split)
+            for factor, dim, size in zip(("A", "G"), (b.a_dim, b.g_dim), b.split_sizes(split)):
+                nb, size = split_layout(dim, size)
                 s[factor].append(optimizer.add_variable((nb, size, size), name=f"{b.name}_{factor}"))
                 s[factor + "_inv"].append(optimizer.add_variable(
                     (nb, size, size), initializer=_identity_blocks(nb, size),

@@ -51,9 +51,9 @@ def profile_step(model, x, y, repeats=5):
       layers (the cost of refreshing every block once).
     """
     engine = model.thor
-    optimizer = model.optimizer
-    if not optimizer.built:
-        optimizer.build(model.trainable_variables)
+    if not model.optimizer.built:
+        model.optimizer.build(model.trainable_variables)
+    optimizer = model.thor_optimizer  # also inside a LossScaleOptimizer
     x = tf.convert_to_tensor(x)
     y = tf.convert_to_tensor(y)
     variables = model.trainable_variables

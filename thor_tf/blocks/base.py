@@ -1,4 +1,4 @@
-"""Kronecker curvature blocks: one per registered layer, one subclass per layer type.
+"""The Kronecker block contract: what every layer type's block provides.
 
 For a layer with (homogeneous) inputs ``ā`` and back-propagated output gradients ``g = dℓ/dz`` of the
 per-example loss ``ℓ``, the Fisher block is approximated by ``A ⊗ G`` with
@@ -25,7 +25,6 @@ All statistics are computed in float32 whatever the layer's compute dtype.
 from __future__ import annotations
 
 import tensorflow as tf
-import keras
 
 
 def block_gram(rows, split_dim=None):
@@ -54,16 +53,58 @@ def block_gram(rows, split_dim=None):
 class KroneckerBlock:
     """Base class: shapes, gradient reshaping and factor statistics from captured rows.
 
-    Subclasses implement :meth:`input_rows` and :meth:`input_sq_norm_sum` for their layer type.
+    One subclass per layer type owns everything specific to it (registered with
+    :func:`thor_tf.register_block`):
+
+    * :meth:`unsupported_reason` (classmethod): why a layer of the type gets no block (shown in the
+      registration table), None if it can have one;
+    * :meth:`pre_activation`: the layer's output before its activation, computed from the
+      layer's own variables exactly as the layer computes it (the capture records it and the tape
+      differentiates against it); :meth:`activate` applies the activation;
+    * :meth:`input_rows` and :meth:`input_sq_norm_sum`: the rows of A and their cheap trace;
+    * optionally :meth:`to_matrix` / :meth:`from_matrix` when the kernel is not ``[..., out]``
+      with the contracted axes first.
     """
 
     kind = "kronecker"
+
+    @classmethod
+    def unsupported_reason(cls, layer):
+        """Why ``layer`` cannot get this block (a short phrase), or None if it can.
+
+        Structural reasons only: trainability can change between compiles and is decided per
+        compile by the engine.
+        """
+        if getattr(layer, "kernel", None) is None:
+            return "not built"
+        if getattr(layer, "lora_enabled", False):
+            return "LoRA enabled"
+        policy = getattr(layer, "dtype_policy", None)
+        if getattr(policy, "quantization_mode", None):
+            return "quantized"
+        return None
+
+    def split_sizes(self, split_dim):
+        """``(split of A, split of G)``: the diagonal block sizes this block's factors are stored
+        and inverted in, for the model's ``split_dim``. A block whose A is diagonal by structure
+        (Embedding) returns 1 for A: V 1×1 blocks, O(V) memory and work."""
+        return split_dim, split_dim
+
+    def pre_activation(self, inputs):
+        """``z`` for one call of the layer on ``inputs`` (compute dtype)."""
+        raise NotImplementedError
+
+    def activate(self, z):
+        """The layer's output from its pre-activation ``z``."""
+        activation = getattr(self.layer, "activation", None)
+        return activation(z) if activation is not None else z
 
     def __init__(self, name: str, layer):
         self.name = name
         self.layer = layer
         self.kernel = layer.kernel
-        self.bias = layer.bias if getattr(layer, "use_bias", False) else None
+        # The bias is folded into A as the homogeneous coordinate when the layer has one.
+        self.bias = getattr(layer, "bias", None)
         kernel_shape = tuple(int(s) for s in self.kernel.shape)
         self.kernel_shape = kernel_shape
         self.in_dim = 1
@@ -120,12 +161,12 @@ class KroneckerBlock:
         rows = tf.concat([self.input_rows(r.inputs) for r in records], axis=0)
         if self.bias is not None:
             rows = tf.concat([rows, tf.ones_like(rows[:, :1])], axis=1)
-        return block_gram(rows, split_dim)
+        return block_gram(rows, None if split_dim is None else self.split_sizes(split_dim)[0])
 
     def factor_g(self, output_grads, split_dim=None):
         """Diagonal blocks of ``G = mean_rows g gᵀ`` (``output_grads`` already per-example)."""
         rows = tf.concat([self.output_rows(g) for g in output_grads], axis=0)
-        return block_gram(rows, split_dim)
+        return block_gram(rows, None if split_dim is None else self.split_sizes(split_dim)[1])
 
     def trace_a(self, records):
         """``tr(A)`` = mean squared norm of the homogeneous input rows, without forming A."""
@@ -143,61 +184,3 @@ class KroneckerBlock:
         return {"name": self.name, "kind": self.kind, "a_dim": self.a_dim, "g_dim": self.g_dim}
 
 
-class DenseBlock(KroneckerBlock):
-    """Dense: rows are the input vectors (``[N, in]``, or ``[N, ..., in]`` flattened to rows)."""
-
-    kind = "dense"
-
-    def input_rows(self, inputs):
-        return tf.reshape(tf.cast(inputs, tf.float32), [-1, self.in_dim])
-
-    def input_sq_norm_sum(self, inputs):
-        x = tf.cast(inputs, tf.float32)
-        rows = tf.cast(tf.reduce_prod(tf.shape(x)[:-1]), tf.float32)
-        return tf.reduce_sum(tf.square(x)), rows
-
-
-class Conv2DBlock(KroneckerBlock):
-    """Conv2D (channels_last, groups=1) by im2col: one row per example and output position."""
-
-    kind = "conv2d"
-
-    def __init__(self, name, layer):
-        super().__init__(name, layer)
-        self.kh, self.kw = (int(k) for k in layer.kernel_size)
-        self.strides = [1, int(layer.strides[0]), int(layer.strides[1]), 1]
-        self.rates = [1, int(layer.dilation_rate[0]), int(layer.dilation_rate[1]), 1]
-        self.padding = layer.padding.upper()
-
-    def input_rows(self, inputs):
-        x = tf.cast(inputs, tf.float32)
-        patches = tf.image.extract_patches(
-            x, sizes=[1, self.kh, self.kw, 1], strides=self.strides, rates=self.rates,
-            padding=self.padding)
-        return tf.reshape(patches, [-1, self.in_dim])
-
-    def input_sq_norm_sum(self, inputs):
-        # Σ over patches of ||patch||² = a one-channel convolution of Σ_c x² with a ones kernel:
-        # each output position sums the squares under its receptive field. No patches formed.
-        x = tf.cast(inputs, tf.float32)
-        energy = tf.reduce_sum(tf.square(x), axis=-1, keepdims=True)
-        ones = tf.ones([self.kh, self.kw, 1, 1], tf.float32)
-        per_position = tf.nn.conv2d(
-            energy, ones, strides=self.strides, padding=self.padding, dilations=self.rates)
-        rows = tf.cast(tf.reduce_prod(tf.shape(per_position)[:-1]), tf.float32)
-        return tf.reduce_sum(per_position), rows
-
-
-BLOCK_TYPES = (
-    # Conv2D before Dense is irrelevant (no subclassing between them) but order is the lookup order.
-    (keras.layers.Conv2D, Conv2DBlock),
-    (keras.layers.Dense, DenseBlock),
-)
-
-
-def block_class_for(layer):
-    """The block class for ``layer`` or None (exact Keras Dense/Conv2D and their subclasses)."""
-    for layer_type, block_type in BLOCK_TYPES:
-        if isinstance(layer, layer_type):
-            return block_type
-    return None

@@ -1,0 +1,63 @@
+"""Kronecker curvature blocks: one class per layer type, registered in one place.
+
+For a layer with (homogeneous) inputs ``ā`` and back-propagated output gradients ``g = dℓ/dz`` of the
+per-example loss ``ℓ``, the Fisher block is approximated by ``A ⊗ G`` with
+
+    A = mean over rows of ā āᵀ      [a_dim, a_dim]    (ā = [a, 1] when the bias is folded in)
+    G = mean over rows of g gᵀ      [g_dim, g_dim]
+
+(:mod:`thor_tf.blocks.base` states the shapes, orientation and damping conventions.) The registry
+maps a Keras layer class to its block class; a layer gets the block of the first class in its
+method resolution order that is registered, so subclasses of a registered layer inherit its block
+unless they register their own. Users add layer types with :func:`register_block` without editing
+the library (the README has a worked example).
+"""
+
+from __future__ import annotations
+
+import keras
+
+from thor_tf.blocks.base import KroneckerBlock, block_gram
+from thor_tf.blocks.conv2d import Conv2DBlock
+from thor_tf.blocks.dense import DenseBlock
+
+_REGISTRY: dict = {}
+
+
+def register_block(layer_class, block_class):
+    """Give every layer of ``layer_class`` (and its subclasses) a ``block_class`` block.
+
+    Args:
+      layer_class: a ``keras.layers.Layer`` subclass.
+      block_class: a :class:`KroneckerBlock` subclass implementing ``pre_activation`` and
+        ``input_rows`` / ``input_sq_norm_sum`` (and ``unsupported_reason`` if some layers of the
+        type cannot have a block).
+
+    Registering a class again replaces its block. Models wrapped before keep their blocks.
+    """
+    if not (isinstance(layer_class, type) and issubclass(layer_class, keras.layers.Layer)):
+        raise ValueError(f"`layer_class` must be a keras.layers.Layer subclass; got {layer_class!r}.")
+    if not (isinstance(block_class, type) and issubclass(block_class, KroneckerBlock)):
+        raise ValueError(
+            f"`block_class` must be a thor_tf.blocks.KroneckerBlock subclass; got {block_class!r}.")
+    _REGISTRY[layer_class] = block_class
+
+
+def registered_blocks():
+    """``{layer class: block class}``: a copy of the registry."""
+    return dict(_REGISTRY)
+
+
+def block_class_for(layer):
+    """The block class for ``layer`` (nearest registered class in its MRO), or None."""
+    for cls in type(layer).__mro__:
+        if cls in _REGISTRY:
+            return _REGISTRY[cls]
+    return None
+
+
+register_block(keras.layers.Dense, DenseBlock)
+register_block(keras.layers.Conv2D, Conv2DBlock)
+
+__all__ = ["KroneckerBlock", "DenseBlock", "Conv2DBlock", "block_gram", "register_block",
+           "registered_blocks", "block_class_for"]
