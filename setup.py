@@ -19,19 +19,23 @@ setup(
     ),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["thor_tf", "thor_tf.*"]),
+    # The library is the optimizer (thor_tf); the experiments' datasets, models and runners are a
+    # second package, thor_tf_experiments, kept in experiments/ and needing the extra below.
+    packages=find_packages(include=["thor_tf", "thor_tf.*"]) + ["thor_tf_experiments"],
+    package_dir={"thor_tf_experiments": "experiments"},
     python_requires=">=3.10",
     install_requires=[
         "keras>=3.0",
         "numpy",
         "scipy",
-        "scikit-learn",  # load_digits: the embedded offline dataset
     ],
     extras_require={
         "cpu": ["tensorflow-cpu>=2.16"],
         "gpu": ["tensorflow[and-cuda]>=2.16"],
         "plots": ["matplotlib"],
+        # scikit-learn: load_digits, the embedded offline dataset of the experiments and tests
+        "experiments": ["scikit-learn", "matplotlib"],
         "tensorboard": ["tensorboard"],  # TraceRuleLogger(log_dir=...)
-        "test": ["pytest", "matplotlib", "tensorboard"],
+        "test": ["pytest", "scikit-learn", "matplotlib", "tensorboard"],
     },
 )

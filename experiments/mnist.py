@@ -13,7 +13,7 @@ A comparison (medians over seeds, SGD and Adam over a small learning-rate grid):
 Outputs in ``--out`` (default ``runs/mnist``): ``metrics.csv`` (one row per epoch x optimizer x
 seed x lr), ``summary.json`` (best configuration per optimizer, time-to-target, run metadata),
 ``accuracy_vs_epoch.png``, ``accuracy_vs_time.png``, ``loss_vs_epoch.png``, ``loss_vs_time.png``
-and ``curves.png`` (all four). See ``experiments/common.py`` for the rules of the comparison.
+and ``curves.png`` (all four). See ``experiments/runner.py`` for the rules of the comparison.
 
 THOR defaults here: lr 0.02 (constant), damping 0.03, frequency 10 (a cadence point every 10
 steps), momentum 0.9; split_dim, trace_smoothing and kl_clip are thor_tf's defaults (flags below
@@ -27,12 +27,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import common  # noqa: E402  (also puts the repository root on sys.path)
+from thor_tf_experiments import cli, runner  # noqa: E402
 
 DATASETS = ("auto", "fashion_mnist", "mnist", "digits")
 MODELS = ("mlp", "mlp_wide", "cnn")
@@ -46,10 +44,10 @@ def parse_args(argv=None):
                         help="default auto: fashion_mnist when installed, else digits "
                              "(--quick: digits)")
     parser.add_argument("--model", choices=MODELS, default="cnn", help="default cnn")
-    common.add_common_arguments(
+    cli.add_common_arguments(
         parser, out="runs/mnist", epochs=3, batch_size=128, thor_lr=0.02, thor_damping=0.03,
         frequency=10, kfac_frequency=2, lr_schedule="constant",
-        lr_grid_text=common.grid_text(common.DEFAULT_LR_GRID, common.QUICK_LR_GRID))
+        lr_grid_text=cli.grid_text(cli.DEFAULT_LR_GRID, cli.QUICK_LR_GRID))
     args = parser.parse_args(argv)
     if args.quick:
         # Tiny: digits (1437 train / 360 test, 8x8), 2 epochs of 23 steps, small grid.
@@ -63,12 +61,12 @@ def parse_args(argv=None):
             args.dataset = "digits"
     if args.dataset is None:
         args.dataset = "auto"
-    return common.finish_args(args)
+    return cli.finish_args(args)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    from thor_tf import data, zoo
+    from thor_tf_experiments import datasets as data, models as zoo
 
     ds = data.load_dataset(args.dataset, max_train=args.max_train, max_test=args.max_test,
                            verbose=True, seed=0)
@@ -77,7 +75,7 @@ def main(argv=None):
         return zoo.build(args.model, ds.input_shape, ds.num_classes)
 
     title = f"{args.model} on {ds.name} ({ds.num_train} train / {ds.num_test} test)"
-    common.run_experiment(args, ds, build_model, args.model, title)
+    runner.run_experiment(args, ds, build_model, args.model, title)
 
 
 if __name__ == "__main__":

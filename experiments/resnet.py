@@ -1,7 +1,7 @@
 """THOR on ResNets: CIFAR-style ResNet-20/32/56 (or ImageNet-style ResNet-50) vs SGD / Adam / K-FAC.
 
 Images are 32x32: CIFAR-10 as is, Fashion-MNIST zero-padded from 28x28, digits upsampled from 8x8
-(``thor_tf.data.load_dataset(..., pad_to=32)``). BatchNorm layers train first order inside THOR
+(``thor_tf_experiments.datasets.load_dataset(..., pad_to=32)``). BatchNorm layers train first order inside THOR
 (automatic); every Conv2D and the classifier Dense get a Kronecker block.
 
 Schedules (``--lr-schedule poly``, the default): THOR's MindSpore ResNet-50 schedules rescaled to the
@@ -35,12 +35,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import common  # noqa: E402  (also puts the repository root on sys.path)
+from thor_tf_experiments import cli, runner  # noqa: E402
 
 DATASETS = ("auto", "cifar10", "fashion_mnist", "digits")
 # With the polynomial decay, the best lr0 sits higher than with a constant rate: on a 2-epoch
@@ -61,10 +59,10 @@ def parse_args(argv=None):
                              "ImageNet-style bottleneck ResNet-50 (for GPU users)")
     parser.add_argument("--depth", type=int, choices=(20, 32, 56), default=20,
                         help="depth of the CIFAR ResNet (default 20)")
-    common.add_common_arguments(
+    cli.add_common_arguments(
         parser, out="runs/resnet", epochs=5, batch_size=128, thor_lr=0.2, thor_damping=0.03,
         frequency=10, kfac_frequency=2, lr_schedule="poly",
-        lr_grid_text=common.grid_text(LR_GRID, QUICK_LR_GRID))
+        lr_grid_text=cli.grid_text(LR_GRID, QUICK_LR_GRID))
     args = parser.parse_args(argv)
     if args.quick:
         # Tiny: ResNet-20, 1 epoch over 384 images (6 steps of 64), 256 test images, one lr for
@@ -73,12 +71,12 @@ def parse_args(argv=None):
         args = parser.parse_args(argv)
         if args.dataset is None:
             args.dataset = "digits"
-    return common.finish_args(args, LR_GRID, QUICK_LR_GRID)
+    return cli.finish_args(args, LR_GRID, QUICK_LR_GRID)
 
 
 def resolve_dataset(name):
     """``auto`` -> cifar10 when cached locally, else the loader's auto (fashion_mnist / digits)."""
-    from thor_tf import data
+    from thor_tf_experiments import datasets as data
 
     if name in (None, "auto"):
         if data.available_locally("cifar10"):
@@ -90,7 +88,7 @@ def resolve_dataset(name):
 
 def main(argv=None):
     args = parse_args(argv)
-    from thor_tf import data, zoo
+    from thor_tf_experiments import datasets as data, models as zoo
 
     ds = data.load_dataset(resolve_dataset(args.dataset), max_train=args.max_train,
                            max_test=args.max_test, pad_to=32, verbose=True, seed=0)
@@ -100,7 +98,7 @@ def main(argv=None):
         return zoo.build(model_name, ds.input_shape, ds.num_classes)
 
     title = f"{model_name} on {ds.name} 32x32 ({ds.num_train} train / {ds.num_test} test)"
-    common.run_experiment(args, ds, build_model, model_name, title)
+    runner.run_experiment(args, ds, build_model, model_name, title)
 
 
 if __name__ == "__main__":

@@ -19,18 +19,16 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import thor_tf  # noqa: E402
-from thor_tf import data, zoo  # noqa: E402
+from thor_tf_experiments import datasets as data, models as zoo  # noqa: E402
 from thor_tf.callbacks import TraceRuleLogger, summary_table  # noqa: E402
 from thor_tf.profiling import profile_step  # noqa: E402
 

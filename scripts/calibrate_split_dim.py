@@ -31,7 +31,6 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 ZOO_MODELS = ("cnn", "resnet20", "resnet50")
 DATA_CHOICES = ("auto", "fashion_mnist", "digits", "mnist", "random")
@@ -49,7 +48,7 @@ def parse_args(argv=None):
              "(default: cnn)")
     parser.add_argument(
         "--data", choices=DATA_CHOICES, default=None,
-        help="training data for the warm-up: a thor_tf.data dataset, or 'random' (random inputs "
+        help="training data for the warm-up: a thor_tf_experiments.datasets dataset, or 'random' (random inputs "
              "of the model's input shape, random labels). Default: 'auto' (Fashion-MNIST if "
              "installed, else digits) for cnn/resnet20, 'random' for resnet50 and saved models; "
              "'digits' with --quick")
@@ -88,7 +87,7 @@ def parse_args(argv=None):
                         help="JSON output path; the plot goes next to it with a .png suffix "
                              "(default runs/calibration_<model>.json)")
     parser.add_argument("--allow-download", action="store_true",
-                        help="let thor_tf.data download a dataset that is not installed")
+                        help="let thor_tf_experiments.datasets download a dataset that is not installed")
     parser.add_argument("--replot", metavar="JSON", default=None,
                         help="only redraw the plot (and print the table) of an existing calibration "
                              "JSON; no training, no timing")
@@ -140,9 +139,9 @@ def _load_saved(path):
 
 
 def _real_data(name, args, image_size, channels=None):
-    """``(x, y, num_classes)`` from thor_tf.data, padded/upsampled to ``image_size``."""
+    """``(x, y, num_classes)`` from thor_tf_experiments.datasets, padded/upsampled to ``image_size``."""
     import numpy as np
-    from thor_tf import data
+    from thor_tf_experiments import datasets as data
 
     ds = data.load_dataset(name, max_train=args.max_train, max_test=1, pad_to=image_size,
                            seed=args.seed, download=args.allow_download)
@@ -166,7 +165,7 @@ def _random_data(shape, num_classes, n, seed):
 
 def prepare(args):
     """``(keras model, x, y, description)`` for the warm-up."""
-    from thor_tf import zoo
+    from thor_tf_experiments import models as zoo
 
     saved = args.model not in ZOO_MODELS
     data_name = args.data or ("digits" if args.quick and not saved else

@@ -5,7 +5,6 @@ the scripts, and check the files they write. Together they take about a minute o
 """
 
 import csv
-import importlib.util
 import json
 import math
 import os
@@ -19,17 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "experiments"
 
 
-def _load_common():
-    spec = importlib.util.spec_from_file_location("thor_experiments_common",
-                                                  EXPERIMENTS / "common.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-common = _load_common()
-time_to_target = common.time_to_target
+from thor_tf_experiments import cli, reports
+from thor_tf_experiments.reports import time_to_target
 
 
 # --------------------------------------------------------------------------- time_to_target
@@ -66,26 +56,26 @@ def test_time_to_target_without_target_and_bad_lengths():
 
 
 def test_median_or_none_counts_never_as_infinite():
-    assert common.median_or_none([3, 1, 2]) == 2
-    assert common.median_or_none([1, None, 2]) == 2      # 2 of 3 seeds reached it
-    assert common.median_or_none([1, None, None]) is None  # most seeds never reached it
-    assert common.median_or_none([]) is None
+    assert reports.median_or_none([3, 1, 2]) == 2
+    assert reports.median_or_none([1, None, 2]) == 2      # 2 of 3 seeds reached it
+    assert reports.median_or_none([1, None, None]) is None  # most seeds never reached it
+    assert reports.median_or_none([]) is None
 
 
 def test_lr_grid_parsing():
-    grid = common.parse_lr_grid(["sgd=0.5,0.1", "adam=1e-4"], common.DEFAULT_LR_GRID)
+    grid = cli.parse_lr_grid(["sgd=0.5,0.1", "adam=1e-4"], cli.DEFAULT_LR_GRID)
     assert grid == {"sgd": (0.5, 0.1), "adam": (1e-4,)}
-    grid = common.parse_lr_grid(["adam=1e-4;sgd=0.2"], common.DEFAULT_LR_GRID)
+    grid = cli.parse_lr_grid(["adam=1e-4;sgd=0.2"], cli.DEFAULT_LR_GRID)
     assert grid == {"sgd": (0.2,), "adam": (1e-4,)}
-    assert common.parse_lr_grid(None, common.DEFAULT_LR_GRID) == common.DEFAULT_LR_GRID
+    assert cli.parse_lr_grid(None, cli.DEFAULT_LR_GRID) == cli.DEFAULT_LR_GRID
     with pytest.raises(Exception, match="sgd and adam"):
-        common.parse_lr_grid(["thor=0.1"], common.DEFAULT_LR_GRID)
+        cli.parse_lr_grid(["thor=0.1"], cli.DEFAULT_LR_GRID)
 
 
 # --------------------------------------------------------------------------- --quick runs
 
 def _run_quick(script, out, optimizers):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")  # the scripts import the installed packages
     proc = subprocess.run(
         [sys.executable, str(EXPERIMENTS / script), "--quick", "--optimizers", optimizers,
          "--out", str(out)],
@@ -97,7 +87,7 @@ def _run_quick(script, out, optimizers):
 def _check_outputs(out, optimizers, epochs, stdout):
     with open(out / "metrics.csv", newline="") as fh:
         reader = csv.DictReader(fh)
-        assert tuple(reader.fieldnames) == common.CSV_FIELDS
+        assert tuple(reader.fieldnames) == reports.CSV_FIELDS
         rows = list(reader)
     seen = {r["optimizer"] for r in rows}
     assert seen == set(optimizers)
@@ -135,7 +125,7 @@ def _check_outputs(out, optimizers, epochs, stdout):
     assert summary["optimizers"]["sgd"]["epochs_to_target"] is not None
     assert "layer_stats" in summary["optimizers"]["thor"]
 
-    for fname in common.PLOT_FILES:
+    for fname in reports.PLOT_FILES:
         path = out / fname
         assert path.is_file() and path.stat().st_size > 1000, fname
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -9,7 +9,8 @@ One line turns a Keras model into one that trains with THOR::
 Public API: :func:`wrap`, :class:`ThorModel`, :class:`ThorOptimizer`, the schedules
 (:mod:`thor_tf.schedules`), the trace-rule presets (:data:`PRESETS`), the block algebra
 (:mod:`thor_tf.algebra`), the layer-type registry (:func:`register_block`,
-:class:`KroneckerBlock`) and the dataset loaders (:mod:`thor_tf.data`).
+:class:`KroneckerBlock`). Datasets and the model zoo of the experiments live in the separate
+package ``thor_tf_experiments`` (``experiments/``).
 """
 
 def _check_tensorflow():

@@ -1,0 +1,11 @@
+"""thor_tf_experiments: the comparison experiments of thor_tf (datasets, models, runners).
+
+Installed with the project as ``thor_tf_experiments`` (its folder is ``experiments/``); the
+library itself (``thor_tf``) does not depend on it. Its extra requirements (scikit-learn for the
+embedded digits, matplotlib for plots) come with ``pip install -e ".[experiments]"``.
+
+* :mod:`.datasets` - MNIST-family and CIFAR-10 loaders with offline paths;
+* :mod:`.models` - the model zoo (MLP, CNN, CIFAR ResNets, ResNet-50);
+* :mod:`.cli`, :mod:`.runner`, :mod:`.reports` - command line, training runs, summary/plots;
+* ``mnist.py``, ``resnet.py``: the comparison scripts (``python experiments/mnist.py``).
+"""

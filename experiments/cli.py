@@ -1,0 +1,194 @@
+"""Command line of the comparison scripts: options, grids and their parsing.
+
+The rules of the comparison are in :mod:`thor_tf_experiments.runner`."""
+
+from __future__ import annotations
+
+import argparse
+
+OPTIMIZERS = ("thor", "thor_stop", "thor_nt", "kfac", "sgd", "adam")
+THOR_FAMILY = ("thor", "thor_stop", "thor_nt", "kfac")
+FIRST_ORDER = ("sgd", "adam")
+DEFAULT_LR_GRID = {"sgd": (0.01, 0.03, 0.1), "adam": (3e-4, 1e-3, 3e-3)}
+QUICK_LR_GRID = {"sgd": (0.03, 0.1), "adam": (1e-3, 3e-3)}
+
+
+def parse_floats(text):
+    try:
+        values = [float(v) for v in str(text).replace(" ", "").split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers; got {text!r}")
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers; got {text!r}")
+    return values
+
+
+def parse_ints(text):
+    try:
+        values = [int(v) for v in str(text).replace(" ", "").split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers; got {text!r}")
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one integer; got {text!r}")
+    return values
+
+
+def parse_optimizers(text):
+    names = [v for v in str(text).replace(" ", "").split(",") if v]
+    bad = [n for n in names if n not in OPTIMIZERS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(
+            f"optimizers must be a comma list from {', '.join(OPTIMIZERS)}; got {text!r}")
+    return list(dict.fromkeys(names))
+
+
+def parse_lr_grid(specs, base):
+    """``["sgd=0.01,0.1", "adam=1e-3"]`` (or ``"sgd=...;adam=..."``) over the ``base`` grid."""
+    grid = {k: tuple(v) for k, v in base.items()}
+    for spec in specs or []:
+        for part in str(spec).split(";"):
+            part = part.strip()
+            if not part:
+                continue
+            if "=" not in part:
+                raise argparse.ArgumentTypeError(
+                    f"--lr-grid takes NAME=LR[,LR...] with NAME sgd or adam, e.g. "
+                    f"'sgd=0.01,0.03;adam=1e-3'; got {part!r}")
+            name, values = part.split("=", 1)
+            name = name.strip()
+            if name not in FIRST_ORDER:
+                raise argparse.ArgumentTypeError(
+                    f"--lr-grid applies to sgd and adam (THOR variants use --thor-lr); got {name!r}")
+            grid[name] = tuple(parse_floats(values))
+    return grid
+
+
+def grid_text(grid, quick_grid):
+    """Help text of a script's default and --quick grids."""
+    def one(g):
+        return " ".join(f"{k}={','.join(f'{v:g}' for v in vs)}" for k, vs in g.items())
+    return f"{one(grid)}; --quick: {one(quick_grid)}"
+
+
+def _split_dim(text):
+    try:
+        return int(text)
+    except ValueError:
+        return str(text)  # a calibration JSON path; thor_tf validates it
+
+
+def _kl_clip(text):
+    if str(text).lower() in ("none", "off", "0"):
+        return "none"
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--kl-clip takes a float > 0 or 'none'; got {text!r}")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"--kl-clip takes a float > 0 or 'none'; got {text!r}")
+    return value
+
+
+def parse_frequency(text):
+    """``10`` or ``0:10,2:50`` (epoch:interval pairs) -> int or list of pairs."""
+    text = str(text).replace(" ", "")
+    try:
+        if ":" not in text:
+            value = int(text)
+            if value < 1:
+                raise ValueError
+            return value
+        pairs = [tuple(int(x) for x in p.split(":")) for p in text.split(",") if p]
+        if any(len(p) != 2 for p in pairs):
+            raise ValueError
+        return pairs
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"frequency must be an int >= 1 or epoch:interval pairs such as 0:10,2:50; got {text!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+def add_common_arguments(parser, *, out, epochs, batch_size, thor_lr, thor_damping, frequency,
+                         kfac_frequency, lr_schedule, lr_grid_text, max_train=None, max_test=None):
+    """The flags both scripts share (script-specific defaults passed in)."""
+    g = parser.add_argument_group("comparison")
+    g.add_argument("--optimizers", type=parse_optimizers, default=["thor"],
+                   help=f"comma list from {','.join(OPTIMIZERS)} (default: thor)")
+    g.add_argument("--seeds", type=parse_ints, default=[0],
+                   help="comma list of seeds; medians over seeds are reported (default: 0)")
+    g.add_argument("--epochs", type=int, default=epochs, help=f"default {epochs}")
+    g.add_argument("--batch-size", type=int, default=batch_size, help=f"default {batch_size}")
+    g.add_argument("--target-acc", type=float, default=None,
+                   help="test accuracy for time-to-target (default: the final test accuracy of "
+                        "the best first-order baseline, sgd/adam, of this run)")
+    g.add_argument("--lr-grid", action="append", default=None, metavar="NAME=LR,...",
+                   help="learning rates for sgd/adam, e.g. 'sgd=0.01,0.03,0.1;adam=3e-4,1e-3' "
+                        f"(repeatable; default {lr_grid_text})")
+    g.add_argument("--lr-schedule", choices=("constant", "poly"), default=lr_schedule,
+                   help="learning-rate schedule of every optimizer: constant, or THOR's "
+                        "polynomial decay lr0*(1-epoch/(1.25*epochs))^4.9687 "
+                        f"(default {lr_schedule})")
+    g.add_argument("--baseline-lr-schedule", choices=("constant", "poly"), default=None,
+                   help="schedule of SGD/Adam when it should differ from --lr-schedule (THOR's "
+                        "steep polynomial decay stalls first-order methods on short runs)")
+    g.add_argument("--weight-decay", type=float, default=0.0,
+                   help="L2 weight decay on kernels (THOR: coupled, added to the update; "
+                        "SGD: Keras weight_decay; Adam becomes AdamW). Default 0")
+    g.add_argument("--max-train", type=int, default=max_train,
+                   help="use a random training subset of this size (default: all)")
+    g.add_argument("--max-test", type=int, default=max_test,
+                   help="use a random test subset of this size (default: all)")
+    g.add_argument("--out", default=out, help=f"output directory (default {out})")
+    g.add_argument("--quick", action="store_true",
+                   help="tiny smoke run (< 2 min on 2 CPU cores)")
+    g.add_argument("--verbose", action="store_true",
+                   help="Keras progress bars and the THOR registration table of every model")
+
+    t = parser.add_argument_group("THOR / K-FAC")
+    t.add_argument("--thor-lr", type=parse_floats, default=[thor_lr],
+                   help=f"learning rate(s) of the THOR variants, comma list (default {thor_lr})")
+    t.add_argument("--thor-damping", type=float, default=thor_damping,
+                   help=f"damping λ (initial value when --lr-schedule poly) (default {thor_damping})")
+    t.add_argument("--frequency", type=parse_frequency, default=frequency,
+                   help=f"THOR cadence: int or epoch:interval pairs (default {frequency})")
+    t.add_argument("--split-dim", type=_split_dim, default=None,
+                   help="split inverse block size, or a calibration JSON from "
+                        "scripts/calibrate_split_dim.py (default: thor_tf's default)")
+    t.add_argument("--kl-clip", type=_kl_clip, default=None,
+                   help="K-FAC trust region κ on the preconditioned step, or 'none' to turn it "
+                        "off (default: thor_tf's default)")
+    t.add_argument("--trace-smoothing", type=float, default=None,
+                   help="trace-rule smoothing s in [0, 1) (default: thor_tf's default)")
+    t.add_argument("--factor-examples", type=int, default=None,
+                   help="factors from the first k examples of each batch (K-FAC sub-batch; "
+                        "default: the whole batch)")
+    t.add_argument("--kfac-frequency", type=parse_frequency, default=kfac_frequency,
+                   help=f"K-FAC cadence (default {kfac_frequency})")
+    t.add_argument("--kfac-lr", type=float, default=None, help="K-FAC learning rate (default --thor-lr)")
+    t.add_argument("--kfac-damping", type=float, default=None,
+                   help="K-FAC damping (default --thor-damping)")
+    return parser
+
+
+# --------------------------------------------------------------------------------------------
+# Models and optimizers
+# --------------------------------------------------------------------------------------------
+
+def finish_args(args, default_grid=None, quick_grid=None):
+    """Validate and complete the shared arguments (after the script applied --quick).
+
+    ``--lr-grid`` entries override the script's grid (``quick_grid`` under ``--quick``, else
+    ``default_grid``; both default to this module's grids)."""
+    if args.epochs < 1:
+        raise SystemExit("--epochs must be >= 1")
+    if args.batch_size < 1:
+        raise SystemExit("--batch-size must be >= 1")
+    try:
+        base = (quick_grid or QUICK_LR_GRID) if args.quick else (default_grid or DEFAULT_LR_GRID)
+        args.lr_grid = parse_lr_grid(args.lr_grid, base)
+    except argparse.ArgumentTypeError as err:
+        raise SystemExit(f"error: {err}")
+    return args

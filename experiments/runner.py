@@ -1,0 +1,282 @@
+"""Training runs of the comparison scripts (``mnist.py``, ``resnet.py``, ``transformer.py``).
+
+One *run* trains one optimizer configuration (optimizer, learning rate, seed) for ``--epochs``
+epochs. After every epoch the test set is evaluated (not timed) and one row goes to
+``metrics.csv``. When all runs are done, ``summary.json``, the plots and a table are written.
+
+Optimizers (``--optimizers``, comma separated):
+
+==============  ===============================================================================
+``thor``        ``thor_tf.wrap(model, preset="thor")``: empirical Fisher, trace rule (ω1, ω2) =
+                (0.01, 0) at every ``--frequency``-th step
+``thor_stop``   preset ``"thor_stop"``: (ω1, ω2) = (0.01, 0.001), layers may freeze
+``thor_nt``     preset ``"thor_nt"``: refresh every layer at every cadence point (no trace rule)
+``kfac``        K-FAC as the engine can do it: ``fisher="sampled"`` (true Fisher, labels drawn from
+                the model), ``factor_decay=0.95`` (running average of the factors),
+                preset ``"thor_nt"``, frequent refreshes (``--kfac-frequency``)
+``sgd``         ``keras.optimizers.SGD(lr, momentum=0.9)`` on the plain (unwrapped) model
+``adam``        ``keras.optimizers.Adam(lr)`` on the plain model
+==============  ===============================================================================
+
+Fairness rules: for a given seed every optimizer starts from the same initial weights
+(``keras.utils.set_random_seed(seed)`` right before the model is built) and sees the training
+examples in the same order (one NumPy permutation per epoch drawn from ``seed``). SGD and Adam get
+a small learning-rate grid (``--lr-grid``); the THOR variants get the learning rates of
+``--thor-lr`` (one value by default). Every run of the grid is kept in ``metrics.csv``; the summary
+reports, per optimizer, the learning rate with the best median (over seeds) final test accuracy.
+
+``metrics.csv`` columns: optimizer, lr (initial lr under a schedule), seed, epoch (from 1),
+train_loss (Keras' mean over the epoch's batches), test_loss, test_acc, epoch_seconds (training
+only), cumulative_seconds, refreshes (Kronecker-block refreshes so far, summed over layers; 0 for
+SGD/Adam). The ``--max-train``/``--max-test`` subsets do not depend on the seed.
+
+Time-to-target (:func:`time_to_target`): the first epoch whose test accuracy is ``>= target`` and
+the cumulative *training* wall time at the end of that epoch (evaluation excluded, graph tracing
+of the first epoch included, as a user would pay it). Accuracy is only measured at epoch ends, so
+the answer is an upper bound with epoch granularity; no interpolation between epochs is done.
+The default target is the final test accuracy of the best first-order baseline (SGD or Adam) of
+the same run, so no guessed number enters the comparison; ``--target-acc`` overrides it.
+"""
+
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from thor_tf_experiments.cli import FIRST_ORDER, THOR_FAMILY
+from thor_tf_experiments.reports import (PLOT_FILES, CsvLog, RunResult, plot_curves, summarize,
+                                         summary_table, write_summary)
+
+LOSS = "sparse_categorical_crossentropy"
+WEIGHT_DECAY_EXCLUDE = ["bias", "gamma", "beta"]
+
+# MindSpore's THOR ResNet-50 (GPU config) schedule shape, rescaled to the run (see lr_schedule()).
+THOR_LR_POWER = 4.9687            # lr = lr0 · (1 − epoch/end_epoch)^power
+THOR_LR_END_FACTOR = 50 / 40      # end_epoch = 1.25 × the run's epochs (50 for 40 epochs)
+THOR_DAMPING_TOTAL_DECAY = 0.5467 ** 4  # damping at the last epoch / λ0 (0.5467 per 10 of 40 epochs)
+
+
+
+def lr_schedule(kind, lr0, epochs, steps_per_epoch):
+    """The learning rate (float or schedule) of every optimizer for ``--lr-schedule``."""
+    if kind == "constant":
+        return float(lr0)
+    from thor_tf.schedules import ThorPolynomialDecay
+    # MindSpore's ResNet-50 THOR: 40 epochs, end_epoch 50, power 4.9687. The late double halving
+    # (decay_epochs 39) is left out: at 39/40 of the run the polynomial has already decayed lr
+    # to ~1e-4·lr0.
+    return ThorPolynomialDecay(float(lr0), THOR_LR_END_FACTOR * epochs, THOR_LR_POWER,
+                               steps_per_epoch)
+
+
+def damping_schedule(kind, damping0, epochs, steps_per_epoch):
+    """THOR's damping (float or ``ThorDampingDecay``), rescaled so the decay over the run equals
+    MindSpore's over 40 epochs (×0.5467⁴ ≈ 0.089): rate per 10 epochs = 0.5467^(40/epochs)."""
+    if kind == "constant":
+        return float(damping0)
+    from thor_tf.schedules import ThorDampingDecay
+    rate = THOR_DAMPING_TOTAL_DECAY ** (10.0 / max(epochs, 1))
+    return ThorDampingDecay(float(damping0), rate, steps_per_epoch)
+
+
+def make_model(optimizer, lr, build_model, args, steps_per_epoch, show_table):
+    """Build the model (the caller has seeded), wrap/compile it for ``optimizer``."""
+    import keras
+    import thor_tf
+
+    model = build_model()
+    kind = args.lr_schedule
+    if optimizer in FIRST_ORDER and args.baseline_lr_schedule is not None:
+        kind = args.baseline_lr_schedule
+    lr_value = lr_schedule(kind, lr, args.epochs, steps_per_epoch)
+    metrics = ["accuracy"]
+    if optimizer in THOR_FAMILY:
+        damping = args.thor_damping
+        options = dict(preset=optimizer, frequency=args.frequency)
+        if optimizer == "kfac":
+            damping = args.kfac_damping if args.kfac_damping is not None else args.thor_damping
+            options = dict(preset="thor_nt", fisher="sampled", factor_decay=0.95,
+                           frequency=args.kfac_frequency)
+        if args.weight_decay:
+            options.update(weight_decay=args.weight_decay,
+                           weight_decay_exclude=WEIGHT_DECAY_EXCLUDE)
+        if args.split_dim is not None:
+            options.update(split_dim=args.split_dim)
+        if args.trace_smoothing is not None:
+            options.update(trace_smoothing=args.trace_smoothing)
+        if args.kl_clip is not None:
+            options.update(kl_clip=None if args.kl_clip == "none" else args.kl_clip)
+        if args.factor_examples is not None:
+            options.update(factor_examples=args.factor_examples)
+        wrapped = thor_tf.wrap(
+            model, learning_rate=lr_value, momentum=0.9,
+            damping=damping_schedule(args.lr_schedule, damping, args.epochs, steps_per_epoch),
+            verbose=show_table, **options)
+        wrapped.compile(loss=LOSS, metrics=metrics)
+        return wrapped
+    if optimizer == "sgd":
+        opt = keras.optimizers.SGD(lr_value, momentum=0.9,
+                                   weight_decay=args.weight_decay or None)
+    elif optimizer == "adam":
+        if args.weight_decay:
+            opt = keras.optimizers.AdamW(lr_value, weight_decay=args.weight_decay)
+        else:
+            opt = keras.optimizers.Adam(lr_value)
+    else:
+        raise ValueError(f"unknown optimizer {optimizer!r}")
+    if args.weight_decay:
+        opt.exclude_from_weight_decay(var_names=WEIGHT_DECAY_EXCLUDE)
+    model.compile(optimizer=opt, loss=LOSS, metrics=metrics)
+    return model
+
+
+def thor_totals(model):
+    """``(refreshes, reuses, frozen layers)`` summed over layers; zeros for first-order models."""
+    engine = getattr(model, "thor", None)
+    if engine is None:
+        return 0, 0, 0
+    stats = engine.layer_stats()  # zeros before the optimizer state exists
+    return (sum(s["refreshes"] for s in stats), sum(s["reuses"] for s in stats),
+            sum(bool(s["frozen"]) for s in stats))
+
+
+def _epoch_timer():
+    import keras
+
+    class EpochTimer(keras.callbacks.Callback):
+        """Wall time of the training part of one epoch (on_epoch_begin -> on_epoch_end)."""
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.seconds = time.perf_counter() - self.start
+            self.logs = dict(logs or {})
+
+    return EpochTimer()
+
+
+class _NoRetracingWarning:
+    """Drops TF's "triggered tf.function retracing" warning: every run builds a fresh model, and
+    TF counts their train functions together, so the warning is noise here."""
+
+    @staticmethod
+    def filter(record):
+        return "triggered tf.function retracing" not in record.getMessage()
+
+
+def train_run(optimizer, lr, seed, build_model, ds, args, csv_log, show_table=False):
+    """Train one configuration; one CSV row and one printed line per epoch."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    logger = tf.get_logger()
+    if not any(isinstance(f, _NoRetracingWarning) for f in logger.filters):
+        logger.addFilter(_NoRetracingWarning())
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(seed)  # same initial weights for every optimizer
+    n = ds.x_train.shape[0]
+    steps_per_epoch = math.ceil(n / args.batch_size)
+    model = make_model(optimizer, lr, build_model, args, steps_per_epoch, show_table)
+    order = np.random.default_rng([seed, 2024])  # same data order for every optimizer
+    result = RunResult(optimizer, float(lr), int(seed), steps_per_epoch=steps_per_epoch)
+    tag = f"[{optimizer} lr={lr:g} seed={seed}]"
+    cumulative = 0.0
+    for epoch in range(args.epochs):
+        perm = order.permutation(n)
+        x, y = ds.x_train[perm], ds.y_train[perm]
+        timer = _epoch_timer()
+        model.fit(x, y, batch_size=args.batch_size, epochs=epoch + 1, initial_epoch=epoch,
+                  shuffle=False, verbose=1 if args.verbose else 0, callbacks=[timer])
+        cumulative += timer.seconds
+        evaluation = model.evaluate(ds.x_test, ds.y_test, batch_size=1024, verbose=0,
+                                    return_dict=True)
+        refreshes, reuses, frozen = thor_totals(model)
+        row = {
+            "optimizer": optimizer, "lr": float(lr), "seed": int(seed), "epoch": epoch + 1,
+            "train_loss": float(timer.logs.get("loss", float("nan"))),
+            "test_loss": float(evaluation["loss"]),
+            "test_acc": float(evaluation.get("accuracy", evaluation.get("compile_metrics", 0))),
+            "epoch_seconds": round(timer.seconds, 4),
+            "cumulative_seconds": round(cumulative, 4),
+            "refreshes": int(refreshes),
+        }
+        result.rows.append(row)
+        csv_log.write(row)
+        extra = ""
+        if optimizer in THOR_FAMILY:
+            extra = f"  refreshes {refreshes} reuses {reuses} frozen {frozen}"
+            nonfinite = model.thor.counters()["nonfinite_steps"]
+            if nonfinite:  # THOR skips such steps; many of them mean the run has diverged
+                extra += f"  NON-FINITE STEPS SKIPPED {nonfinite}"
+        print(f"{tag} epoch {epoch + 1}/{args.epochs}  train_loss {row['train_loss']:.4f}  "
+              f"test_loss {row['test_loss']:.4f}  test_acc {row['test_acc']:.4f}  "
+              f"time {timer.seconds:.1f}s (total {cumulative:.1f}s){extra}", flush=True)
+    if optimizer in THOR_FAMILY:
+        result.layer_stats = model.thor.layer_stats()
+        result.counters = model.thor.counters()
+    return result
+
+
+def run_grid(args):
+    """``[(optimizer, lr), ...]`` in the order of ``--optimizers``."""
+    grid = []
+    for name in args.optimizers:
+        if name in FIRST_ORDER:
+            lrs = args.lr_grid[name]
+        elif name == "kfac" and args.kfac_lr is not None:
+            lrs = [args.kfac_lr]
+        else:
+            lrs = args.thor_lr
+        grid += [(name, float(lr)) for lr in lrs]
+    return grid
+
+
+def run_experiment(args, ds, build_model, model_name, title):
+    """Train every (optimizer, lr, seed), then write summary.json, plots, and print the table."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    grid = run_grid(args)
+    steps = math.ceil(ds.x_train.shape[0] / args.batch_size)
+    print(f"{title}: {len(grid)} configuration(s) x {len(args.seeds)} seed(s), {args.epochs} "
+          f"epoch(s) of {steps} steps (batch {args.batch_size}), lr schedule {args.lr_schedule}"
+          f"{'' if args.baseline_lr_schedule is None else ' (sgd/adam: ' + args.baseline_lr_schedule + ')'}; "
+          f"output in {out}", flush=True)
+    if any(name in THOR_FAMILY for name, _ in grid):
+        from thor_tf import ThorOptimizer
+
+        defaults = ThorOptimizer()  # what thor_tf uses for the options not given here
+        split = args.split_dim if args.split_dim is not None else defaults.split_dim
+        smoothing = (args.trace_smoothing if args.trace_smoothing is not None
+                     else getattr(defaults, "trace_smoothing", 0.0))
+        kl_clip = args.kl_clip if args.kl_clip is not None else getattr(defaults, "kl_clip", None)
+        print(f"THOR: lr {','.join(f'{v:g}' for v in args.thor_lr)}, damping {args.thor_damping:g}, "
+              f"frequency {args.frequency}, momentum 0.9, split_dim {split}, "
+              f"trace_smoothing {smoothing:g}, kl_clip {kl_clip}, "
+              f"factor_examples {args.factor_examples or 'all'}", flush=True)
+    csv_log = CsvLog(out / "metrics.csv")
+    results = []
+    shown = False
+    try:
+        for seed in args.seeds:
+            for name, lr in grid:
+                show = args.verbose or (name in THOR_FAMILY and not shown)
+                shown = shown or name in THOR_FAMILY
+                results.append(train_run(name, lr, seed, build_model, ds, args, csv_log,
+                                         show_table=show))
+    finally:
+        csv_log.close()
+    dataset_info = {"name": ds.name, "source": ds.source, "num_train": int(ds.x_train.shape[0]),
+                    "num_test": int(ds.x_test.shape[0]), "input_shape": list(ds.input_shape),
+                    "num_classes": int(ds.num_classes)}
+    summary = summarize(results, args, dataset_info, model_name)
+    write_summary(summary, out)
+    plot_curves(results, summary, out, title)
+    print()
+    print(summary_table(summary))
+    print(f"\nwrote {out / 'metrics.csv'}, {out / 'summary.json'} and "
+          f"{', '.join(PLOT_FILES)} in {out}")
+    return summary
