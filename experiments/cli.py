@@ -112,11 +112,12 @@ def parse_frequency(text):
 # --------------------------------------------------------------------------------------------
 
 def add_common_arguments(parser, *, out, epochs, batch_size, thor_lr, thor_damping, frequency,
-                         kfac_frequency, lr_schedule, lr_grid_text, max_train=None, max_test=None):
+                         kfac_frequency, lr_schedule, lr_grid_text, max_train=None, max_test=None,
+                         optimizers=("thor",)):
     """The flags both scripts share (script-specific defaults passed in)."""
     g = parser.add_argument_group("comparison")
-    g.add_argument("--optimizers", type=parse_optimizers, default=["thor"],
-                   help=f"comma list from {','.join(OPTIMIZERS)} (default: thor)")
+    g.add_argument("--optimizers", type=parse_optimizers, default=list(optimizers),
+                   help=f"comma list from {','.join(OPTIMIZERS)} (default: {','.join(optimizers)})")
     g.add_argument("--seeds", type=parse_ints, default=[0],
                    help="comma list of seeds; medians over seeds are reported (default: 0)")
     g.add_argument("--epochs", type=int, default=epochs, help=f"default {epochs}")

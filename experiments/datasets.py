@@ -439,7 +439,9 @@ def load_dataset(
             name = "digits"
             reason = (
                 "auto: fashion_mnist not found locally (looked in "
-                f"{', '.join(_fashion_dirs())}); using digits (scikit-learn, embedded)"
+                f"{', '.join(_fashion_dirs())}); using digits (scikit-learn, embedded). "
+                "For Fashion-MNIST: apt-get install -y dataset-fashion-mnist (Debian/Ubuntu), or "
+                "with internet python -c 'import keras; keras.datasets.fashion_mnist.load_data()'"
             )
         if verbose:
             print(reason)
