@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import argparse
 
-OPTIMIZERS = ("thor", "thor_stop", "thor_nt", "kfac", "sgd", "adam")
+OPTIMIZERS = ("thor", "thor_stop", "thor_nt", "kfac", "sgd", "adam", "adamw")
 THOR_FAMILY = ("thor", "thor_stop", "thor_nt", "kfac")
-FIRST_ORDER = ("sgd", "adam")
-DEFAULT_LR_GRID = {"sgd": (0.01, 0.03, 0.1), "adam": (3e-4, 1e-3, 3e-3)}
-QUICK_LR_GRID = {"sgd": (0.03, 0.1), "adam": (1e-3, 3e-3)}
+FIRST_ORDER = ("sgd", "adam", "adamw")
+DEFAULT_LR_GRID = {"sgd": (0.01, 0.03, 0.1), "adam": (3e-4, 1e-3, 3e-3),
+                   "adamw": (3e-4, 1e-3, 3e-3)}
+QUICK_LR_GRID = {"sgd": (0.03, 0.1), "adam": (1e-3, 3e-3), "adamw": (1e-3, 3e-3)}
+#: AdamW's decoupled weight decay when --weight-decay is not given (Keras' default).
+ADAMW_WEIGHT_DECAY = 0.004
 
 
 def parse_floats(text):
@@ -52,13 +55,13 @@ def parse_lr_grid(specs, base):
                 continue
             if "=" not in part:
                 raise argparse.ArgumentTypeError(
-                    f"--lr-grid takes NAME=LR[,LR...] with NAME sgd or adam, e.g. "
+                    f"--lr-grid takes NAME=LR[,LR...] with NAME sgd, adam or adamw, e.g. "
                     f"'sgd=0.01,0.03;adam=1e-3'; got {part!r}")
             name, values = part.split("=", 1)
             name = name.strip()
             if name not in FIRST_ORDER:
                 raise argparse.ArgumentTypeError(
-                    f"--lr-grid applies to sgd and adam (THOR variants use --thor-lr); got {name!r}")
+                    f"--lr-grid applies to sgd, adam and adamw (THOR variants use --thor-lr); got {name!r}")
             grid[name] = tuple(parse_floats(values))
     return grid
 
@@ -122,11 +125,14 @@ def add_common_arguments(parser, *, out, epochs, batch_size, thor_lr, thor_dampi
                    help="comma list of seeds; medians over seeds are reported (default: 0)")
     g.add_argument("--epochs", type=int, default=epochs, help=f"default {epochs}")
     g.add_argument("--batch-size", type=int, default=batch_size, help=f"default {batch_size}")
+    g.add_argument("--target-from", choices=FIRST_ORDER, default=None,
+                   help="baseline whose final test accuracy is the target (default: the best "
+                        "first-order baseline of this run)")
     g.add_argument("--target-acc", type=float, default=None,
                    help="test accuracy for time-to-target (default: the final test accuracy of "
-                        "the best first-order baseline, sgd/adam, of this run)")
+                        "the best first-order baseline, sgd/adam/adamw, of this run)")
     g.add_argument("--lr-grid", action="append", default=None, metavar="NAME=LR,...",
-                   help="learning rates for sgd/adam, e.g. 'sgd=0.01,0.03,0.1;adam=3e-4,1e-3' "
+                   help="learning rates for sgd/adam/adamw, e.g. 'sgd=0.01,0.03,0.1;adam=3e-4,1e-3' "
                         f"(repeatable; default {lr_grid_text})")
     g.add_argument("--lr-schedule", choices=("constant", "poly"), default=lr_schedule,
                    help="learning-rate schedule of every optimizer: constant, or THOR's "

@@ -32,10 +32,12 @@ __all__ = [
     "resnet50",
     "resnet56",
     "resnet_cifar",
+    "vit",
+    "PositionEmbedding",
 ]
 
 #: Names accepted by :func:`build`.
-MODEL_NAMES = ("mlp", "mlp_wide", "cnn", "resnet20", "resnet32", "resnet56", "resnet50")
+MODEL_NAMES = ("mlp", "mlp_wide", "cnn", "resnet20", "resnet32", "resnet56", "resnet50", "vit")
 
 # BatchNorm settings of the reference implementations (PyTorch / MindSpore:
 # momentum 0.1 in their convention = 0.9 in Keras', eps 1e-5). Keras' default
@@ -235,6 +237,75 @@ def resnet50(input_shape: Sequence[int] = (224, 224, 3), num_classes: int = 1000
 
 # ------------------------------------------------------------------ dispatch
 
+
+@keras.saving.register_keras_serializable(package="thor_tf_experiments")
+class PositionEmbedding(layers.Layer):
+    """Adds a learned ``Embedding(tokens, dim)`` of the token positions to ``[N, tokens, dim]``.
+
+    The positions are looked up for every example (``[N, tokens]`` indices), so the embedding's
+    output gradient is per example and THOR's Embedding block sees N·tokens rows, as for words.
+    """
+
+    def __init__(self, tokens, dim, **kwargs):
+        super().__init__(**kwargs)
+        self.tokens, self.dim = int(tokens), int(dim)
+        self.embedding = layers.Embedding(self.tokens, self.dim, name="position_embedding")
+
+    def build(self, input_shape):
+        self.embedding.build((None, self.tokens))
+
+    def call(self, x):
+        positions = keras.ops.broadcast_to(keras.ops.arange(self.tokens)[None],
+                                           (keras.ops.shape(x)[0], self.tokens))
+        return x + keras.ops.cast(self.embedding(positions), x.dtype)
+
+    def get_config(self):
+        return {**super().get_config(), "tokens": self.tokens, "dim": self.dim}
+
+
+def vit(
+    input_shape: Sequence[int] = (28, 28, 1),
+    num_classes: int = 10,
+    patch: int | None = None,
+    dim: int = 64,
+    depth: int = 2,
+    heads: int = 4,
+    mlp_dim: int = 128,
+) -> keras.Model:
+    """A small Vision Transformer: patch embedding, learned position embedding, ``depth``
+    pre-LayerNorm blocks of MultiHeadAttention and a convolutional MLP, mean pooling, softmax.
+
+    The layers cover every block type of thor_tf: the patch embedding is a strided ``Conv2D``
+    (``patch`` × ``patch``; default 4 for 28×28 inputs, 2 for 8×8), the positions an
+    ``Embedding``, attention four ``EinsumDense`` projections per block, the MLP a ``Conv1D``
+    (kernel 3 over the token sequence, as in convolutional-FFN ViTs) and a ``Dense``, the head a
+    ``Dense``. LayerNorm trains first order.
+    """
+    shape = _check_shape(input_shape, image=True)
+    num_classes = _check_classes(num_classes)
+    if patch is None:
+        patch = 4 if shape[0] >= 16 else 2
+    if shape[0] % patch or shape[1] % patch:
+        raise ValueError(f"patch must divide the image size {shape[:2]}; got {patch}")
+    tokens = (shape[0] // patch) * (shape[1] // patch)
+    inputs = keras.Input(shape)
+    x = layers.Conv2D(dim, patch, strides=patch, name="patch_embed")(inputs)
+    x = layers.Reshape((tokens, dim))(x)
+    x = PositionEmbedding(tokens, dim, name="positions")(x)
+    for i in range(depth):
+        h = layers.LayerNormalization(epsilon=1e-6, name=f"block{i}_ln1")(x)
+        h = layers.MultiHeadAttention(heads, dim // heads, name=f"block{i}_attention")(h, h)
+        x = layers.Add(name=f"block{i}_add1")([x, h])
+        h = layers.LayerNormalization(epsilon=1e-6, name=f"block{i}_ln2")(x)
+        h = layers.Conv1D(mlp_dim, 3, padding="same", activation="gelu", name=f"block{i}_mlp1")(h)
+        h = layers.Dense(dim, name=f"block{i}_mlp2")(h)
+        x = layers.Add(name=f"block{i}_add2")([x, h])
+    x = layers.LayerNormalization(epsilon=1e-6, name="final_ln")(x)
+    x = layers.GlobalAveragePooling1D(name="pool")(x)
+    outputs = layers.Dense(num_classes, activation="softmax", name="predictions")(x)
+    return keras.Model(inputs, outputs, name="vit")
+
+
 _BUILDERS = {
     "mlp": mlp,
     "mlp_wide": mlp_wide,
@@ -243,6 +314,7 @@ _BUILDERS = {
     "resnet32": resnet32,
     "resnet56": resnet56,
     "resnet50": resnet50,
+    "vit": vit,
 }
 
 

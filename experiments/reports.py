@@ -125,18 +125,22 @@ def best_configs(results):
     return {k: (lr, runs) for k, (lr, runs, _) in best.items()}
 
 
-def choose_target(results, target_acc):
-    """``(target, source text)``: ``--target-acc``, else the best sgd/adam final accuracy."""
+def choose_target(results, target_acc, target_from=None):
+    """``(target, source text)``: ``--target-acc``, else the final accuracy of ``--target-from``
+    (its best learning rate), else of the best first-order baseline (sgd/adam/adamw)."""
     if target_acc is not None:
         return float(target_acc), "--target-acc"
     best = best_configs(results)
+    baselines = (target_from,) if target_from else FIRST_ORDER
     candidates = [(median_or_none([r.final_acc for r in runs]), name, lr)
-                  for name, (lr, runs) in best.items() if name in FIRST_ORDER]
+                  for name, (lr, runs) in best.items() if name in baselines]
     candidates = [c for c in candidates if c[0] is not None]
     if not candidates:
         return None, ("no first-order baseline (sgd/adam) in this run and no --target-acc, so no "
                       "time-to-target")
     acc, name, lr = max(candidates)
+    if target_from:
+        return acc, f"final test accuracy of {name} (--target-from, best lr={lr:g})"
     return acc, f"final test accuracy of the best first-order baseline ({name}, lr={lr:g})"
 
 
@@ -177,7 +181,7 @@ def environment_info():
 
 
 def summarize(results, args, dataset_info, model_name):
-    target, source = choose_target(results, args.target_acc)
+    target, source = choose_target(results, args.target_acc, getattr(args, "target_from", None))
     optimizers = {}
     for name, (lr, runs) in best_configs(results).items():
         per_seed = []

@@ -45,7 +45,7 @@ import math
 import time
 from pathlib import Path
 
-from thor_tf_experiments.cli import FIRST_ORDER, THOR_FAMILY
+from thor_tf_experiments.cli import ADAMW_WEIGHT_DECAY, FIRST_ORDER, THOR_FAMILY
 from thor_tf_experiments.reports import (PLOT_FILES, CsvLog, RunResult, plot_curves, summarize,
                                          summary_table, write_summary)
 
@@ -119,6 +119,9 @@ def make_model(optimizer, lr, build_model, args, steps_per_epoch, show_table):
     if optimizer == "sgd":
         opt = keras.optimizers.SGD(lr_value, momentum=0.9,
                                    weight_decay=args.weight_decay or None)
+    elif optimizer == "adamw":
+        opt = keras.optimizers.AdamW(lr_value, weight_decay=args.weight_decay or ADAMW_WEIGHT_DECAY)
+        opt.exclude_from_weight_decay(var_names=WEIGHT_DECAY_EXCLUDE)
     elif optimizer == "adam":
         if args.weight_decay:
             opt = keras.optimizers.AdamW(lr_value, weight_decay=args.weight_decay)

@@ -118,9 +118,16 @@ class ThorEngine:
         candidates.sort(key=lambda b: weight_index[id(b.kernel)])
         names = [b.name for b in candidates]
         if len(set(names)) != len(names):
-            # Layer names are unique within a model but nested models may repeat them.
+            # Layer names are unique within a model but nested models and layers with sublayers
+            # (MultiHeadAttention's "query", ...) repeat them: use the layer's path there
+            # ("block0_attention/query"), and the position if even that repeats.
+            for block in candidates:
+                if names.count(block.name) > 1:
+                    block.name = getattr(block.layer, "path", None) or block.name
+            names = [b.name for b in candidates]
             for i, block in enumerate(candidates):
-                block.name = f"{i}:{block.name}"
+                if names.count(block.name) > 1:
+                    block.name = f"{i}:{block.name}"
         self.candidates = candidates
         self.blocks, self.first_order, self.frozen_layers = [], [], []
         self._block_index = {}
