@@ -12,10 +12,8 @@ undamped factors in use: the only part the split inverse needs, so the only part
 per model (vectors over blocks): traces in use, refresh / reuse counts, frozen flag and step, last
 refresh step, last Δ; scalars: next cadence step, cadence points, non-finite steps, epoch.
 
-The preconditioner of the whole model is a block-diagonal mat (:mod:`thor_tf.algebra`) whose
-diagonal entries are the layers' Kronecker operators ``X ↦ (1/P)·A_inv X G_inv``, applied to the
-vec of the layers' gradient matrices with ``mat_vec_prod``: no Kronecker product is formed and no
-off-diagonal block is stored.
+Preconditioning (the blocks' ``(1/P)·A_inv·M·G_inv`` as one block-diagonal mat of Kronecker
+operators, and K-FAC's KL clip) is :mod:`thor_tf.precondition`.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from thor_tf import _keras_compat, algebra, capture, fisher, scheduler
+from thor_tf import _keras_compat, algebra, capture, fisher, precondition, scheduler
 from thor_tf.blocks import block_class_for
 from thor_tf.inverse import invert_blocks, split_layout
 
@@ -479,56 +477,18 @@ class ThorEngine:
         s["frozen"].assign(tf.where(freeze, tf.ones_like(s["frozen"]), s["frozen"]))
 
     def precondition(self, active, records, grads, variables, ok=True):
-        """Replace each block's kernel/bias gradients by ``(1/P)·A_inv·M·G_inv`` (split inverses).
-
-        ``grads`` is aligned with ``variables``; variables without a block keep their gradient.
-        """
+        """Preconditioned gradients of the blocks' variables (see :mod:`thor_tf.precondition`);
+        the KL-clip scale ν of a finite step is kept in ``counters()["kl_scale"]``."""
         s = self.state
-        index = {id(v): k for k, v in enumerate(variables)}
-        usable = [b for b in active if grads[index[id(b.kernel)]] is not None]
-        if not usable:
-            return grads
-        matrices, operators = [], []
-        for b in usable:
-            i = self._block_index[b.name]
-            bias_grad = grads[index[id(b.bias)]] if b.bias is not None else None
-            if b.bias is not None and bias_grad is None:
-                bias_grad = tf.zeros_like(b.bias)
-            matrices.append(b.to_matrix(grads[index[id(b.kernel)]], bias_grad))
-            operators.append(algebra.KroneckerOperator(
-                algebra.BlockDiagonal(tf.convert_to_tensor(s["A_inv"][i]), b.a_dim),
-                algebra.BlockDiagonal(tf.convert_to_tensor(s["G_inv"][i]), b.g_dim),
-                scale=1.0 / b.positions(records[b.name])))
-        preconditioner = algebra.block_diagonal_mat(operators)
-        updates = algebra.mat_vec_prod(preconditioner, matrices, mode="right")
-        updates = self._kl_clip(updates, matrices, ok)
-        out = list(grads)
-        for b, update in zip(usable, updates):
-            kernel_update, bias_update = b.from_matrix(update)
-            k = index[id(b.kernel)]
-            out[k] = tf.cast(kernel_update, grads[k].dtype)
-            if b.bias is not None:
-                out[index[id(b.bias)]] = bias_update
-        return out
-
-    def _kl_clip(self, updates, matrices, ok=True):
-        """Scale the preconditioned gradients so the step's predicted KL change stays <= κ.
-
-        K-FAC's trust region (Ba et al. 2017; kfac-pytorch's ``kl_clip``): with ``Δ = F⁻¹∇`` the
-        quadratic model of the KL change of a step ``lr·Δ`` is ``lr²·⟨Δ, ∇⟩``, so all blocks are
-        scaled by ``ν = min(1, sqrt(κ / (lr²·Σ_l⟨Δ_l, ∇_l⟩)))``. This keeps stale inverses (reused
-        between refreshes) from amplifying directions their batch did not see.
-        """
+        inverses = {b.name: (s["A_inv"][self._block_index[b.name]],
+                             s["G_inv"][self._block_index[b.name]]) for b in active}
         opt = self.optimizer
-        kappa = opt.kl_clip
-        if kappa is None:
-            return updates
-        lr = tf.cast(opt.learning_rate, tf.float32)
-        predicted = tf.square(lr) * algebra.vec_inner_prod(updates, matrices, mode="all")
-        nu = tf.minimum(1.0, tf.sqrt(kappa / tf.maximum(predicted, 1e-30)))
-        nu = tf.where(tf.math.is_finite(nu), nu, tf.ones_like(nu))
-        self.state["kl_scale"].assign(tf.where(ok, nu, self.state["kl_scale"]))
-        return [nu * u for u in updates]
+        out, nu = precondition.precondition_gradients(
+            active, records, inverses, grads, variables, kl_clip=opt.kl_clip,
+            learning_rate=opt.learning_rate)
+        if nu is not None:
+            s["kl_scale"].assign(tf.where(ok, nu, s["kl_scale"]))
+        return out
 
     # -- introspection ---------------------------------------------------------------------------
     def layer_stats(self):
