@@ -72,27 +72,14 @@ def random_spd(n, seed):
     return (x @ x.T) / np.float32(2 * n)
 
 
-def diagonal_blocks(factor, split):
-    """``[nb, d, d]`` diagonal blocks of ``factor``, zero padding (as ``block_gram`` gives them)."""
-    import numpy as np
-
-    from thor_tf.inverse import split_layout
-
-    n = factor.shape[0]
-    nb, d = split_layout(n, split)
-    padded = np.zeros((nb * d, nb * d), np.float32)
-    padded[:n, :n] = factor
-    r = np.arange(nb)
-    return padded.reshape(nb, d, nb, d)[r, :, r, :]
-
-
 def traced_inverse(factor, split):
     """``(fn, blocks)``: ``fn(blocks, d)`` runs ``invert_blocks`` on the diagonal blocks (traced)."""
     import tensorflow as tf
 
+    from thor_tf.algebra import diagonal_blocks
     from thor_tf.inverse import invert_blocks
 
-    blocks = tf.constant(diagonal_blocks(factor, split))
+    blocks = tf.constant(diagonal_blocks(factor, split))  # thor_tf.algebra's cutting
     n = factor.shape[0]
     fn = tf.function(lambda b, d: invert_blocks(b, d, n),
                      input_signature=[tf.TensorSpec(blocks.shape, tf.float32),
@@ -125,7 +112,7 @@ def main(argv=None):
     import tensorflow as tf
 
     from thor_tf.calibration import device_description
-    from thor_tf.inverse import split_layout
+    from thor_tf.algebra import split_layout
 
     load_before = os.getloadavg()
     rows = []

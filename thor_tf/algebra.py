@@ -64,8 +64,9 @@ dimensions are left to TensorFlow at run time).
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
+import numpy as np
 import tensorflow as tf
 
 __all__ = [
@@ -80,6 +81,8 @@ __all__ = [
     "mat_mat_prod",
     "block_diagonal_mat",
     "BlockDiagonal",
+    "split_layout",
+    "diagonal_blocks",
     "KroneckerOperator",
 ]
 
@@ -484,6 +487,38 @@ def block_diagonal_mat(blocks: Sequence) -> List[list]:
 # ---------------------------------------------------------------------------
 # Lazy operators
 # ---------------------------------------------------------------------------
+def split_layout(dim: int, split_dim: int) -> Tuple[int, int]:
+    """``(num_blocks, block_size)`` for a ``dim``-sized matrix cut into diagonal blocks of
+    ``split_dim``: ``ceil(dim / split_dim)`` blocks, the last one padded. ``split_dim >= dim``
+    gives one exact block of size ``dim``. The one place this arithmetic lives."""
+    if split_dim <= 0:
+        raise ValueError(f"split_dim must be positive; got {split_dim}.")
+    if split_dim >= dim:
+        return 1, dim
+    return -(-dim // split_dim), split_dim
+
+
+def diagonal_blocks(matrix, block_size: int):
+    """``[nb, d, d]`` diagonal blocks of a dense ``[n, n]`` matrix, the last one zero-padded.
+
+    The layout of :func:`split_layout`. Works on a tensor (returns a tensor) or a NumPy array
+    (returns an array of its dtype); vectorised, no Python loop over blocks. The one place that
+    cuts diagonal blocks out of a dense matrix (training never does: it computes the blocks
+    directly, :func:`thor_tf.blocks.block_gram`).
+    """
+    is_numpy = isinstance(matrix, np.ndarray)
+    matrix = tf.convert_to_tensor(matrix)
+    n = int(matrix.shape[-1])
+    nb, d = split_layout(n, int(block_size))
+    pad = nb * d - n
+    if pad:
+        matrix = tf.pad(matrix, [[0, pad], [0, pad]])
+    m4 = tf.transpose(tf.reshape(matrix, [nb, d, nb, d]), [0, 2, 1, 3])  # [nb, nb, d, d]
+    r = tf.range(nb)
+    blocks = tf.gather_nd(m4, tf.stack([r, r], axis=1))
+    return blocks.numpy() if is_numpy else blocks
+
+
 class BlockDiagonal:
     """An ``[n, n]`` matrix stored only as its diagonal blocks.
 
@@ -563,11 +598,9 @@ class BlockDiagonal:
     # -- construction -------------------------------------------------------
     @staticmethod
     def _sizes(n: int, block_size: int):
-        d = min(int(block_size), n)
-        if d <= 0:
+        if int(block_size) <= 0:
             raise ValueError(f"BlockDiagonal: block_size must be positive, got {block_size}.")
-        nb = -(-n // d)
-        return nb, d
+        return split_layout(n, int(block_size))
 
     @staticmethod
     def _padding_mask(nb: int, d: int, n: int, dtype):
@@ -601,16 +634,8 @@ class BlockDiagonal:
             raise ValueError(f"BlockDiagonal.from_dense: need a static square [n, n] matrix, got {shape}.")
         n = int(shape[0])
         nb, d = cls._sizes(n, block_size)
-        pad = nb * d - n
-        if nb == 1:
-            return cls(matrix[None], n)
-        if pad:
-            matrix = tf.pad(matrix, [[0, pad], [0, pad]])
-        m4 = tf.reshape(matrix, [nb, d, nb, d])
-        m4 = tf.transpose(m4, [0, 2, 1, 3])  # [nb, nb, d, d]
-        r = tf.range(nb)
-        blocks = tf.gather_nd(m4, tf.stack([r, r], axis=1))  # [nb, d, d]
-        if pad:
+        blocks = diagonal_blocks(matrix, d)
+        if nb * d > n:
             _, pad_eye = cls._padding_mask(nb, d, n, blocks.dtype)
             blocks = blocks + pad_eye
         return cls(blocks, n)

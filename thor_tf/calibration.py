@@ -49,7 +49,8 @@ from typing import Iterable, Mapping, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from thor_tf.inverse import invert_blocks, split_layout
+from thor_tf.algebra import diagonal_blocks, split_layout
+from thor_tf.inverse import invert_blocks
 
 __all__ = [
     "DEFAULT_THRESHOLD",
@@ -124,18 +125,6 @@ def _spectral_norms(stack: np.ndarray) -> np.ndarray:
     return np.linalg.norm(stack, ord=2, axis=(-2, -1))
 
 
-def _diagonal_blocks(matrix: np.ndarray, block_size: int) -> np.ndarray:
-    """``[nb, d, d]`` diagonal blocks of ``[n, n]``; the last block zero-padded (norm unchanged)."""
-    n = matrix.shape[0]
-    nb = -(-n // block_size)
-    pad = nb * block_size - n
-    if pad:
-        matrix = np.pad(matrix, ((0, pad), (0, pad)))
-    m4 = matrix.reshape(nb, block_size, nb, block_size)
-    r = np.arange(nb)
-    return m4[r, :, r, :]
-
-
 def _as_square(matrix) -> np.ndarray:
     m = np.asarray(matrix, dtype=np.float64)
     if m.ndim != 2 or m.shape[0] != m.shape[1] or m.shape[0] < 1:
@@ -175,7 +164,7 @@ def information_loss(matrix, block_size: int, norm: Optional[float] = None) -> f
     full = float(_spectral_norms(a[None])[0]) if norm is None else float(norm)
     if full == 0.0:
         return 0.0
-    kept = float(np.max(_spectral_norms(_diagonal_blocks(a, block_size))))
+    kept = float(np.max(_spectral_norms(diagonal_blocks(a, block_size))))
     return float(min(1.0, max(0.0, 1.0 - kept / full)))  # clip round-off (a block's norm <= ‖A‖₂)
 
 
@@ -263,7 +252,7 @@ def time_split_inversion(matrices: Sequence, cands: Sequence[int], damping: floa
         damp = tf.constant(float(damping), tf.float32)
         inputs, fns = [], []
         for c in cands:
-            blocks = [tf.constant(_diagonal_blocks(a, split_layout(a.shape[0], c)[1]))
+            blocks = [tf.constant(diagonal_blocks(a, split_layout(a.shape[0], c)[1]))
                       for a in arrays]
             inputs.append(blocks)
             fns.append(make_fn([b.shape for b in blocks]))

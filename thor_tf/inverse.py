@@ -15,17 +15,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from thor_tf.algebra import BlockDiagonal
+from thor_tf.algebra import diagonal_blocks, split_layout
 
-
-def split_layout(dim: int, split_dim: int) -> tuple[int, int]:
-    """``(num_blocks, block_size)`` for a factor of size ``dim`` split at ``split_dim``.
-
-    ``split_dim >= dim`` gives one exact block of size ``dim`` (no padding).
-    """
-    if split_dim >= dim:
-        return 1, dim
-    return -(-dim // split_dim), split_dim
+__all__ = ["invert_blocks", "split_inverse", "split_layout"]  # split_layout: from algebra
 
 
 def _cholesky_inverse(blocks):
@@ -96,14 +88,4 @@ def split_inverse(factor, damping, split_dim: int, previous=None):
     """
     factor = tf.convert_to_tensor(factor, tf.float32)
     n = int(factor.shape[-1])
-    _, size = split_layout(n, split_dim)
-    blocks = BlockDiagonal.from_dense(factor, size).blocks
-    # from_dense pads with the identity; invert_blocks expects zero padding (it adds its own 1s).
-    return invert_blocks(_zero_padding(blocks, n), damping, n, previous=previous)
-
-
-def _zero_padding(blocks, dim):
-    num_blocks, size = int(blocks.shape[0]), int(blocks.shape[-1])
-    real = tf.cast(tf.range(num_blocks * size) < dim, blocks.dtype)
-    mask = tf.reshape(real, [num_blocks, size])
-    return blocks * mask[:, :, None] * mask[:, None, :]
+    return invert_blocks(diagonal_blocks(factor, split_dim), damping, n, previous=previous)

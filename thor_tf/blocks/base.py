@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from thor_tf.algebra import split_layout
+
 
 def block_gram(rows, split_dim=None):
     """Diagonal blocks of ``rowsᵀ rows / R`` without forming the full ``[n, n]`` product.
@@ -42,7 +44,7 @@ def block_gram(rows, split_dim=None):
     count = tf.cast(tf.shape(rows)[0], rows.dtype)
     if split_dim is None or split_dim >= n:
         return (tf.matmul(rows, rows, transpose_a=True) / count)[None]
-    nb = -(-n // split_dim)
+    nb, _ = split_layout(n, split_dim)
     pad = nb * split_dim - n
     if pad:
         rows = tf.pad(rows, [[0, 0], [0, pad]])
