@@ -25,7 +25,7 @@ setup(
     package_dir={"thor_tf_experiments": "experiments"},
     python_requires=">=3.10",
     install_requires=[
-        "keras>=3.0",
+        "keras>=3.8",  # the oldest tested (.ci/floor: with tensorflow 2.16.1)
         "numpy",
         "scipy",
     ],

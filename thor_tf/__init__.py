@@ -23,6 +23,11 @@ def _check_tensorflow():
     major, minor = (int(p) for p in tf.__version__.split(".")[:2])
     if (major, minor) < (2, 16):  # pragma: no cover
         raise ImportError(f"thor_tf needs TensorFlow >= 2.16 (Keras 3); found {tf.__version__}.")
+    import keras
+
+    if tuple(int(p) for p in keras.__version__.split(".")[:2]) < (3, 8):  # pragma: no cover
+        raise ImportError(f"thor_tf needs Keras >= 3.8 (the oldest tested, .ci/floor); found "
+                          f"{keras.__version__}: pip install 'keras>=3.8'.")
 
 
 _check_tensorflow()
