@@ -1,0 +1,224 @@
+"""What THOR costs over SGD-momentum and Adam: tracing, steady steps, refreshes, amortized steps.
+
+One worker process per (model, optimizer), so that every figure is a fresh process's (tracing and
+compiling included, peak memory per optimizer), all in one run of this script on one machine:
+
+* ``first_step_s``: the first ``train_on_batch`` (trace + compile + one step), as a user pays it;
+* ``steady_step_s``: median of later steps that do no curvature work (THOR: no cadence point);
+* ``cadence_step_s`` (THOR): median step when every block refreshes (``preset="thor_nt"``,
+  ``frequency=1``: factors, traces and inversion at every step);
+* ``amortized_step_s`` (THOR): mean step over ``--amortize-steps`` steps with THOR's defaults
+  (trace rule, ``frequency=10``);
+* ``refresh_over_step``: (cadence − steady) / steady: what a refresh of all blocks costs in steps;
+* ``peak_rss_mb``: the worker's peak resident memory.
+
+Ratios against SGD and Adam come from the same run. Inputs are random (timing does not depend on
+the data). Writes JSON (``--out``) and a PNG of the ratios next to it.
+
+    python scripts/bench_overhead.py --out docs/bench_overhead.json
+    python scripts/bench_overhead.py --models cnn --quick      # seconds, a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+MODELS = {
+    # name: (input shape, classes, batch size)
+    "cnn": ((28, 28, 1), 10, 128),
+    "resnet20": ((32, 32, 1), 10, 128),
+    "resnet50": ((32, 32, 3), 10, 32),
+}
+OPTIMIZERS = ("sgd", "adam", "thor")
+
+
+def build(model_name):
+    import keras
+
+    shape, classes, _ = MODELS[model_name]
+    if model_name == "resnet50":
+        return keras.applications.ResNet50(weights=None, input_shape=shape, classes=classes)
+    from thor_tf_experiments import models
+
+    return models.build(model_name, shape, classes)
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _compiled(model_name, optimizer, seed=0, **thor_options):
+    import keras
+    import thor_tf
+
+    keras.utils.set_random_seed(seed)
+    model = build(model_name)
+    loss = "sparse_categorical_crossentropy"
+    if optimizer == "sgd":
+        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss=loss)
+        return model
+    if optimizer == "adam":
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
+        return model
+    wrapped = thor_tf.wrap(model, learning_rate=0.01, verbose=False, **thor_options)
+    wrapped.compile(loss=loss)
+    return wrapped
+
+
+def worker(model_name, optimizer, steps, amortize_steps):
+    """Measure one (model, optimizer) in this process; returns a dict."""
+    import numpy as np
+
+    shape, classes, batch = MODELS[model_name]
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch, *shape)).astype("float32")
+    y = rng.integers(0, classes, size=batch)
+    out = {"model": model_name, "optimizer": optimizer, "batch": batch}
+    # THOR: a cadence point at step 0 only, so later steps are plain preconditioned steps.
+    options = {"frequency": 10 ** 9} if optimizer == "thor" else {}
+    model = _compiled(model_name, optimizer, **options)
+    out["first_step_s"] = _timed(lambda: model.train_on_batch(x, y))
+    times = [_timed(lambda: model.train_on_batch(x, y)) for _ in range(steps)]
+    out["steady_step_s"] = statistics.median(times[1:])
+    if optimizer == "thor":
+        out["blocks"] = len(model.thor.blocks)
+        cadence = _compiled(model_name, "thor", preset="thor_nt", frequency=1)
+        cadence.train_on_batch(x, y)
+        times = [_timed(lambda: cadence.train_on_batch(x, y)) for _ in range(steps)]
+        out["cadence_step_s"] = statistics.median(times[1:])
+        out["refresh_over_step"] = (out["cadence_step_s"] - out["steady_step_s"]) / out["steady_step_s"]
+        default = _compiled(model_name, "thor")
+        default.train_on_batch(x, y)
+        # Fresh random batches: the trace rule sees batch-to-batch variation as in training.
+        batches = [(rng.normal(size=x.shape).astype("float32"), rng.integers(0, classes, size=batch))
+                   for _ in range(8)]
+        times = [_timed(lambda b=batches[i % 8]: default.train_on_batch(*b))
+                 for i in range(amortize_steps)]
+        out["amortized_step_s"] = statistics.fmean(times)
+        stats = default.thor.layer_stats()
+        out["amortized_refreshes"] = sum(s["refreshes"] for s in stats) - len(stats)  # after step 0
+        out["amortized_cadence_points"] = default.thor.counters()["cadence_points"] - 1
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return out
+
+
+def run_worker(args, model_name, optimizer):
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", model_name, optimizer,
+           "--steps", str(args.steps), "--amortize-steps", str(args.amortize_steps)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"worker {model_name}/{optimizer} failed:\n{proc.stdout[-2000:]}\n"
+                           f"{proc.stderr[-3000:]}")
+    return json.loads(lines[0][len("RESULT"):])
+
+
+def ratios(results):
+    """Per model: THOR's figures over SGD's and Adam's (same run)."""
+    table = {}
+    for model_name in {r["model"] for r in results}:
+        by_opt = {r["optimizer"]: r for r in results if r["model"] == model_name}
+        thor = by_opt.get("thor")
+        if thor is None:
+            continue
+        row = {}
+        for base in ("sgd", "adam"):
+            if base not in by_opt:
+                continue
+            ref = by_opt[base]
+            row[f"first_step_vs_{base}"] = thor["first_step_s"] / ref["first_step_s"]
+            row[f"steady_step_vs_{base}"] = thor["steady_step_s"] / ref["steady_step_s"]
+            row[f"amortized_step_vs_{base}"] = thor["amortized_step_s"] / ref["steady_step_s"]
+            row[f"peak_rss_vs_{base}"] = thor["peak_rss_mb"] / ref["peak_rss_mb"]
+        row["refresh_over_step"] = thor["refresh_over_step"]
+        table[model_name] = row
+    return table
+
+
+def plot(table, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ["first_step_vs_sgd", "steady_step_vs_sgd", "amortized_step_vs_sgd", "peak_rss_vs_sgd"]
+    names = sorted(table)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(keys)
+    for k, key in enumerate(keys):
+        ax.bar([i + k * width for i in range(len(names))], [table[n].get(key, 0) for n in names],
+               width, label=key.replace("_vs_sgd", ""))
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names)
+    ax.set_ylabel("THOR / SGD-momentum")
+    ax.set_title("THOR's overhead against SGD-momentum (same run)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="cnn,resnet20,resnet50")
+    p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    p.add_argument("--steps", type=int, default=12, help="timed steps per measure (median)")
+    p.add_argument("--amortize-steps", type=int, default=60,
+                   help="steps of the amortized THOR measure (mean)")
+    p.add_argument("--quick", action="store_true", help="few steps, for a smoke test")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per worker")
+    p.add_argument("--out", default="runs/bench_overhead.json")
+    p.add_argument("--worker", nargs=2, metavar=("MODEL", "OPTIMIZER"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.amortize_steps = 4, 12
+    if args.worker:
+        print("RESULT" + json.dumps(worker(*args.worker, args.steps, args.amortize_steps)), flush=True)
+        return
+    import tensorflow as tf
+
+    results = []
+    for model_name in args.models.split(","):
+        for optimizer in args.optimizers.split(","):
+            result = run_worker(args, model_name, optimizer)
+            results.append(result)
+            print(f"{model_name:9s} {optimizer:5s} first {result['first_step_s']:7.2f}s  steady "
+                  f"{result['steady_step_s'] * 1e3:8.1f}ms"
+                  + (f"  cadence {result['cadence_step_s'] * 1e3:8.1f}ms  amortized "
+                     f"{result['amortized_step_s'] * 1e3:8.1f}ms" if optimizer == "thor" else "")
+                  + f"  peak {result['peak_rss_mb']:7.0f} MB", flush=True)
+    table = ratios(results)
+    for model_name, row in sorted(table.items()):
+        print(model_name + ": " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(row.items())))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    summary = {
+        "results": results, "ratios": table,
+        "settings": {"steps": args.steps, "amortize_steps": args.amortize_steps,
+                     "batches": {m: MODELS[m][2] for m in MODELS}},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "gpus": len(tf.config.list_physical_devices("GPU")),
+                    "tensorflow": tf.__version__},
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(["python", "scripts/bench_overhead.py"] + (sys.argv[1:] if argv is None else list(argv))),
+    }
+    with open(args.out, "w") as fh:
+        json.dump(summary, fh, indent=1)
+    png = os.path.splitext(args.out)[0] + ".png"
+    plot(table, png)
+    print(f"wrote {args.out} and {png}")
+
+
+if __name__ == "__main__":
+    main()
