@@ -169,6 +169,39 @@ class ThorModel(keras.Model):
                 frozen.update(id(v) for v in layer.weights)
         return [v for v in self.model.non_trainable_variables if id(v) not in frozen]
 
+    def _track_unless_skipped(self, ok, loss, x, y, y_pred, sample_weight, batch_size):
+        """Update the loss tracker and the compiled metrics, leaving a skipped batch out.
+
+        A skipped batch stays out of the epoch's loss and metric averages (as under Keras'
+        LossScaleOptimizer the step never happened): History and TerminateOnNaN see the steps
+        THOR took. On one replica the updates sit in a ``tf.cond``; under a strategy (where a
+        metric update may synchronize, which TF forbids inside a per-replica cond on older Keras)
+        the batch enters with weight 0 and finite stand-ins for its values.
+        """
+        tracker = _keras_compat.loss_tracker(self)
+        if tf.distribute.get_strategy().num_replicas_in_sync == 1:
+            def track():
+                if tracker is not None:
+                    tracker.update_state(_keras_compat.unscale_loss_for_distribution(loss),
+                                         sample_weight=batch_size)
+                self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+                return tf.constant(0)
+
+            tf.cond(ok, track, lambda: tf.constant(0))
+            return
+        keep = tf.cast(ok, tf.float32)
+
+        def finite(t):
+            return tf.where(ok, t, tf.zeros_like(t)) if t is not None else None
+
+        if tracker is not None:
+            tracker.update_state(finite(_keras_compat.unscale_loss_for_distribution(loss)),
+                                 sample_weight=tf.cast(batch_size, tf.float32) * keep)
+        weights = keep * tf.ones([batch_size]) if sample_weight is None else tf.nest.map_structure(
+            lambda w: tf.cast(finite(w), tf.float32) * keep, sample_weight)
+        self.compute_metrics(x, tf.nest.map_structure(finite, y),
+                             tf.nest.map_structure(finite, y_pred), sample_weight=weights)
+
     def train_step(self, data):
         thor = self.thor_optimizer
         if thor is None:
@@ -193,20 +226,9 @@ class ThorModel(keras.Model):
                                     loss_scale=loss_scale, sampled_loss=sampled_loss)
         _restore_unless(ok, forward_state, saved_state)
         if loss_scaler is not None:
-            _update_dynamic_loss_scale(loss_scaler, ok)
+            _update_dynamic_loss_scale(loss_scaler, thor, ok)
 
-        def track():
-            # A skipped batch stays out of the epoch's loss and metric averages (as under Keras'
-            # LossScaleOptimizer the step never happened): History and TerminateOnNaN see the
-            # steps THOR took.
-            tracker = _keras_compat.loss_tracker(self)
-            if tracker is not None:
-                tracker.update_state(_keras_compat.unscale_loss_for_distribution(loss),
-                                     sample_weight=batch_size)
-            self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-            return tf.constant(0)
-
-        tf.cond(ok, track, lambda: tf.constant(0))
+        self._track_unless_skipped(ok, loss, x, y, y_pred, sample_weight, batch_size)
         return self.get_metrics_result()
 
     # -- serialization ------------------------------------------------------------------------------
@@ -256,13 +278,15 @@ def _restore_unless(ok, variables, saved):
     tf.cond(ok, lambda: tf.constant(0), restore)
 
 
-def _update_dynamic_loss_scale(loss_scaler, ok):
+def _update_dynamic_loss_scale(loss_scaler, thor, ok):
     """Keras' ``LossScaleOptimizer`` rule, applied for the step THOR took or skipped: a skipped
     (overflowing) step halves the scale, ``dynamic_growth_steps`` finite steps in a row double it.
 
     The scale variables are not replicated per replica (aggregation "none"), so under a strategy
-    the update is made once in cross-replica context, as Keras does.
+    the update is made once in cross-replica context, as Keras does. Keras before 3.9 gives the
+    wrapper an ``iterations`` of its own: it follows THOR's.
     """
+    own_iterations = loss_scaler.iterations is not thor.iterations
 
     def update(strategy, ok):
         ok = strategy.experimental_local_results(ok)[0]
@@ -272,6 +296,8 @@ def _update_dynamic_loss_scale(loss_scaler, ok):
         counter.assign(tf.where(tf.logical_and(ok, tf.logical_not(grow)), counter + 1,
                                 tf.zeros_like(counter)))
         scale.assign(scale * tf.cast(factor, scale.dtype))
+        if own_iterations:
+            loss_scaler.iterations.assign(thor.iterations)
 
     tf.distribute.get_replica_context().merge_call(update, args=(ok,))
 
