@@ -64,3 +64,29 @@ def block_diagonal_part(m, size):
     for s in range(0, m.shape[0], size):
         out[s:s + size, s:s + size] = m[s:s + size, s:s + size]
     return out
+
+
+def conv1d_patches(x, kernel, stride, padding, dilation):
+    """Explicit im2col over T: x [N, T, C] -> patches [N, T_out, k*C] in (k, C) order.
+
+    ``padding="causal"`` pads dilation·(k−1) zeros on the left, then takes valid patches.
+    """
+    if padding == "causal":
+        left = dilation * (kernel - 1)
+        x = np.concatenate([np.zeros((x.shape[0], left, x.shape[2])), x], axis=1)
+        padding = "valid"
+    return conv_patches(x[:, None], (1, kernel), (1, stride), padding, (1, dilation))[:, 0]
+
+
+def one_hot(tokens, vocabulary):
+    """[...] int -> [..., V] float64 one-hot rows."""
+    return np.eye(vocabulary)[np.asarray(tokens)]
+
+
+def einsum_rows(t, spec, leading, trailing):
+    """Rows of an einsum operand: axes ``leading`` first (flattened to rows), ``trailing`` last
+    (flattened to the row features), by explicit transposition of ``t`` whose axes are ``spec``."""
+    perm = [spec.index(c) for c in leading + trailing]
+    moved = np.transpose(t, perm)
+    features = int(np.prod([t.shape[spec.index(c)] for c in trailing]))
+    return moved.reshape(-1, features)

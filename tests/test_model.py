@@ -130,7 +130,7 @@ def test_unsupported_layer_trains_first_order_with_one_warning():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
         keras.Input((8, 8)),
-        keras.layers.Conv1D(4, 3, name="temporal"),
+        keras.layers.Conv1D(4, 3, groups=2, name="temporal"),
         keras.layers.Flatten(),
         keras.layers.Dense(10, activation="softmax", name="out"),
     ])
@@ -138,7 +138,7 @@ def test_unsupported_layer_trains_first_order_with_one_warning():
         warnings.simplefilter("always")
         wrapped = thor_tf.wrap(model, verbose=False)
     messages = [str(w.message) for w in caught if "thor_tf" in str(w.message)]
-    assert len(messages) == 1 and "temporal (Conv1D)" in messages[0]
+    assert len(messages) == 1 and "temporal (Conv1D: groups=2)" in messages[0]
     assert [b.name for b in wrapped.thor.blocks] == ["out"]
     x, y = digits(64)
     before = model.get_layer("temporal").kernel.numpy().copy()

@@ -18,8 +18,11 @@ from __future__ import annotations
 import keras
 
 from thor_tf.blocks.base import KroneckerBlock, block_gram
+from thor_tf.blocks.conv1d import Conv1DBlock
 from thor_tf.blocks.conv2d import Conv2DBlock
 from thor_tf.blocks.dense import DenseBlock
+from thor_tf.blocks.einsum_dense import EinsumDenseBlock
+from thor_tf.blocks.embedding import EmbeddingBlock
 
 _REGISTRY: dict = {}
 
@@ -58,6 +61,10 @@ def block_class_for(layer):
 
 register_block(keras.layers.Dense, DenseBlock)
 register_block(keras.layers.Conv2D, Conv2DBlock)
+register_block(keras.layers.Conv1D, Conv1DBlock)
+register_block(keras.layers.EinsumDense, EinsumDenseBlock)
+register_block(keras.layers.Embedding, EmbeddingBlock)
 
-__all__ = ["KroneckerBlock", "DenseBlock", "Conv2DBlock", "block_gram", "register_block",
+__all__ = ["KroneckerBlock", "DenseBlock", "Conv2DBlock", "Conv1DBlock", "EinsumDenseBlock",
+           "EmbeddingBlock", "block_gram", "register_block",
            "registered_blocks", "block_class_for"]

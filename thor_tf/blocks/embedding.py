@@ -1,0 +1,92 @@
+"""Embedding(V, D): a Dense layer on one-hot tokens, with a diagonal A stored as V 1×1 blocks.
+
+Shapes: ``x`` holds integer tokens ``[N, T]`` (any shape ``[N, ...]``), ``z = embeddings[x]`` is
+``[N, T, D]``, the variable ``layer.embeddings`` is ``[V, D]`` (the block matrix as it is; no bias).
+
+With ``ā`` the one-hot token, ``z = ā @ embeddings`` is Dense, so
+
+    A = mean over the N·T tokens of ā āᵀ = diag(f),   f_v = (count of token v) / (N·T)
+    G = mean over the N·T output rows of g gᵀ          [D, D]
+    P = T (rows per example)
+
+A is diagonal by structure: :meth:`split_sizes` returns 1 for A, so it is stored and inverted as
+V 1×1 blocks (O(V) memory and work, never V×V) whatever ``split_dim`` is; G is split like Dense's.
+The preconditioned update of row v is ``∇_v · G_inv / (P·(f_v + d))`` with ``d = √(λ/P)``: a
+token absent from the batch has a zero gradient row and gets a zero update. ``tr A`` = mean
+``||ā||²`` = 1. A mask (``mask_zero``) does not change the block: every token counts.
+
+Gradients of the embeddings arrive as ``tf.IndexedSlices``; :meth:`to_matrix` densifies them
+(duplicate rows summed), so the update of the variable is dense.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from keras import ops
+
+from thor_tf.blocks.base import KroneckerBlock
+
+
+class EmbeddingBlock(KroneckerBlock):
+    """Embedding: A = diag(token frequencies) as V 1×1 blocks, G as Dense over the N·T rows."""
+
+    kind = "embedding"
+
+    @classmethod
+    def unsupported_reason(cls, layer):
+        if not layer.built or getattr(layer, "_embeddings", None) is None:
+            return "not built"
+        if getattr(layer, "lora_enabled", False):
+            return "LoRA enabled"
+        policy = getattr(layer, "dtype_policy", None)
+        if getattr(policy, "quantization_mode", None):
+            return "quantized"
+        return None
+
+    def __init__(self, name, layer):
+        self.name = name
+        self.layer = layer
+        self.kernel = layer.embeddings  # the [V, D] variable (no LoRA, not quantized)
+        self.bias = None
+        self.kernel_shape = tuple(int(s) for s in self.kernel.shape)
+        self.vocabulary, self.g_dim = self.kernel_shape
+        self.in_dim = self.a_dim = self.vocabulary
+
+    def split_sizes(self, split_dim):
+        return 1, split_dim
+
+    def pre_activation(self, inputs):
+        if inputs.dtype != "int32" and inputs.dtype != "int64":
+            inputs = ops.cast(inputs, "int32")
+        return ops.cast(ops.take(self.layer.embeddings, inputs, axis=0), self.layer.compute_dtype)
+
+    def activate(self, z):
+        return z
+
+    def to_matrix(self, kernel_value, bias_value=None):
+        if isinstance(kernel_value, tf.IndexedSlices):
+            kernel_value = tf.convert_to_tensor(kernel_value)
+        return tf.reshape(tf.cast(kernel_value, tf.float32), [self.vocabulary, self.g_dim])
+
+    @staticmethod
+    def _tokens(inputs):
+        return tf.reshape(tf.cast(inputs, tf.int32), [-1])
+
+    def input_rows(self, inputs):
+        """The one-hot rows ``[N·T, V]`` (for reference only: training never forms them)."""
+        return tf.one_hot(self._tokens(inputs), self.vocabulary, dtype=tf.float32)
+
+    def input_sq_norm_sum(self, inputs):
+        count = tf.cast(tf.size(inputs), tf.float32)
+        return count, count
+
+    def token_frequencies(self, records):
+        """``f``: ``[V]`` float32, the fraction of the N·T tokens of ``records`` equal to each v."""
+        tokens = tf.concat([self._tokens(r.inputs) for r in records], axis=0)
+        counts = tf.math.unsorted_segment_sum(
+            tf.ones_like(tokens, tf.float32), tokens, self.vocabulary)
+        return counts / tf.cast(tf.size(tokens), tf.float32)
+
+    def factor_a(self, records, split_dim=None):
+        """``[V, 1, 1]``: A's diagonal, whatever ``split_dim`` (A is diagonal by structure)."""
+        return tf.reshape(self.token_frequencies(records), [self.vocabulary, 1, 1])
