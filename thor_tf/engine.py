@@ -528,15 +528,21 @@ class ThorEngine:
 
         ``[a_dim, a_dim]`` and ``[g_dim, g_dim]``. Only the diagonal blocks of ``split_dim`` are
         ever computed and used, so with ``split_dim`` below a factor's dimension the matrix is
-        block-diagonal (zeros elsewhere); with ``split_dim >= dim`` it is the full factor.
+        block-diagonal (zeros elsewhere); with ``split_dim >= dim`` it is the full factor. A factor
+        diagonal by structure (stored as 1×1 blocks: Embedding's A, the token frequencies) comes
+        back as its diagonal, a vector ``[dim]``, never as a V×V matrix.
         """
         i = self._index_of(name)
         s = self.state
         block = self.blocks[i]
-        return {
-            "A": algebra.BlockDiagonal(tf.convert_to_tensor(s["A"][i]), block.a_dim).to_dense().numpy(),
-            "G": algebra.BlockDiagonal(tf.convert_to_tensor(s["G"][i]), block.g_dim).to_dense().numpy(),
-        }
+
+        def dense(blocks, dim):
+            blocks = tf.convert_to_tensor(blocks)
+            if int(blocks.shape[-1]) == 1 and dim > 1:
+                return blocks[:dim, 0, 0].numpy()
+            return algebra.BlockDiagonal(blocks, dim).to_dense().numpy()
+
+        return {"A": dense(s["A"][i], block.a_dim), "G": dense(s["G"][i], block.g_dim)}
 
     def _index_of(self, name):
         if name not in self._block_index:
