@@ -68,6 +68,11 @@ def _unscale(gradient, loss_scale):
     return gradient / tf.cast(loss_scale, gradient.dtype)
 
 
+def _variable_name(block_name):
+    """A block name as Keras accepts it in a variable name (layer paths have '/')."""
+    return block_name.replace("/", "__")
+
+
 def _identity_blocks(num_blocks, size):
     def init(shape=None, dtype=None):
         return tf.eye(size, batch_shape=[num_blocks], dtype=dtype or "float32")
@@ -235,12 +240,13 @@ class ThorEngine:
         n = len(self.blocks)
         s = {"A": [], "G": [], "A_inv": [], "G_inv": []}
         for b in self.blocks:
+            prefix = _variable_name(b.name)
             for factor, dim, size in zip(("A", "G"), (b.a_dim, b.g_dim), b.split_sizes(split)):
                 nb, size = split_layout(dim, size)
-                s[factor].append(optimizer.add_variable((nb, size, size), name=f"{b.name}_{factor}"))
+                s[factor].append(optimizer.add_variable((nb, size, size), name=f"{prefix}_{factor}"))
                 s[factor + "_inv"].append(optimizer.add_variable(
                     (nb, size, size), initializer=_identity_blocks(nb, size),
-                    name=f"{b.name}_{factor}_inv"))
+                    name=f"{prefix}_{factor}_inv"))
 
         def vector(name, dtype, value):
             return optimizer.add_variable(
