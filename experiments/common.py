@@ -195,8 +195,10 @@ def _kl_clip(text):
 
 
 def parse_frequency(text):
-    """``10`` or ``0:10,2:50`` (epoch:interval pairs) -> int or list of pairs."""
+    """``10``, ``adaptive`` or ``0:10,2:50`` (epoch:interval pairs) -> int, str or list of pairs."""
     text = str(text).replace(" ", "")
+    if text == "adaptive":
+        return text
     try:
         if ":" not in text:
             value = int(text)
@@ -209,7 +211,8 @@ def parse_frequency(text):
         return pairs
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"frequency must be an int >= 1 or epoch:interval pairs such as 0:10,2:50; got {text!r}")
+            f"frequency must be an int >= 1, 'adaptive' or epoch:interval pairs such as 0:10,2:50; "
+            f"got {text!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,15 +261,16 @@ def add_common_arguments(parser, *, out, epochs, batch_size, thor_lr, thor_dampi
     t.add_argument("--thor-damping", type=float, default=thor_damping,
                    help=f"damping λ (initial value when --lr-schedule poly) (default {thor_damping})")
     t.add_argument("--frequency", type=parse_frequency, default=frequency,
-                   help=f"THOR cadence: int or epoch:interval pairs (default {frequency})")
+                   help=f"THOR cadence: int, 'adaptive' or epoch:interval pairs (default {frequency})")
     t.add_argument("--split-dim", type=_split_dim, default=None,
                    help="split inverse block size, or a calibration JSON from "
                         "scripts/calibrate_split_dim.py (default: thor_tf's default)")
     t.add_argument("--kl-clip", type=_kl_clip, default=None,
                    help="K-FAC trust region κ on the preconditioned step, or 'none' to turn it "
                         "off (default: thor_tf's default)")
-    t.add_argument("--trace-smoothing", type=float, default=None,
-                   help="trace-rule smoothing s in [0, 1) (default: thor_tf's default)")
+    t.add_argument("--trace-filter", choices=("mean", "none"), default=None,
+                   help="trace-rule noise filter; none: the rule as published (default: "
+                        "thor_tf's default)")
     t.add_argument("--factor-examples", type=int, default=None,
                    help="factors from the first k examples of each batch (K-FAC sub-batch; "
                         "default: the whole batch)")
@@ -327,8 +331,8 @@ def make_model(optimizer, lr, build_model, args, steps_per_epoch, show_table):
                            weight_decay_exclude=WEIGHT_DECAY_EXCLUDE)
         if args.split_dim is not None:
             options.update(split_dim=args.split_dim)
-        if args.trace_smoothing is not None:
-            options.update(trace_smoothing=args.trace_smoothing)
+        if args.trace_filter is not None:
+            options.update(trace_filter=args.trace_filter)
         if args.kl_clip is not None:
             options.update(kl_clip=None if args.kl_clip == "none" else args.kl_clip)
         if args.factor_examples is not None:
@@ -770,12 +774,12 @@ def run_experiment(args, ds, build_model, model_name, title):
 
         defaults = ThorOptimizer()  # what thor_tf uses for the options not given here
         split = args.split_dim if args.split_dim is not None else defaults.split_dim
-        smoothing = (args.trace_smoothing if args.trace_smoothing is not None
-                     else getattr(defaults, "trace_smoothing", 0.0))
+        trace_filter = (args.trace_filter if args.trace_filter is not None
+                        else getattr(defaults, "trace_filter", "none"))
         kl_clip = args.kl_clip if args.kl_clip is not None else getattr(defaults, "kl_clip", None)
         print(f"THOR: lr {','.join(f'{v:g}' for v in args.thor_lr)}, damping {args.thor_damping:g}, "
               f"frequency {args.frequency}, momentum 0.9, split_dim {split}, "
-              f"trace_smoothing {smoothing:g}, kl_clip {kl_clip}, "
+              f"trace_filter {trace_filter}, kl_clip {kl_clip}, "
               f"factor_examples {args.factor_examples or 'all'}", flush=True)
     csv_log = CsvLog(out / "metrics.csv")
     results = []
