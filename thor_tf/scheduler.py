@@ -51,17 +51,21 @@ batch on the Fashion-MNIST CNN), far above ω1 = 1 %. Per layer the filter keeps
   and their number (at a refresh, the current window's mean and count);
 * the *window*: the last ``min(n, W)`` observations since the last refresh (``W = TRACE_WINDOW``),
   mean ``m_w``; it restarts at every refresh, so a change right after a refresh is seen at once;
-* a per-observation relative noise variance ``v``: half the mean squared relative successive
-  difference ``((r_k − r_{k−1}) / r_{k−1})² / 2`` over the layer's observations (a variance
-  estimate that a level shift affects only once), averaged over the last ~``NOISE_HORIZON`` ones.
+* a noise scale: the mean absolute relative successive difference ``|r_k − r_{k−1}| / r_{k−1}``
+  over the layer's observations (``2σ/√π`` for independent observations of relative s.d. σ), a
+  running mean over the last ~``NOISE_HORIZON`` of them, each capped at ``NOISE_CAP`` × the current
+  mean so that a level shift barely raises it; a point is judged with the noise seen before it.
 
-Then ``se = √v · m_ref · √(1/n_w + 1/n_ref)`` is the standard error of ``m_w − m_ref`` and::
+Then, with ``σ = noise·√π/2``, ``se = σ · m_ref · √(1/n_w + 1/n_ref)`` is the standard error of
+``m_w − m_ref`` and::
 
     Δ = max(0, |m_w − m_ref| − z·se) / (m_ref + λ_b·a_dim·g_dim),   z = NOISE_Z
 
 Both means are unbiased, so the difference estimates the real change of the block; the ``z·se``
-term removes what sampling noise alone explains (it vanishes as the counts grow, and is not
-applied before ``MIN_NOISE_SAMPLES`` noise samples exist). A stationary noisy sequence reads
+term removes what sampling noise alone explains (it shrinks as the counts grow, to
+``z·σ·√(2/W)`` with full windows, and is not applied before ``MIN_NOISE_SAMPLES`` noise samples
+exist). A window that straddles a step has a mixed mean; if it becomes the reference, the next
+points read the rest of the step, so a large step can cost two refreshes. A stationary noisy sequence reads
 Δ ≈ 0; a step change of x reads ≈ x − z·se, i.e. ≈ x once x is large against the noise, within
 ``W`` cadence points (within one right after a refresh). Freezing is irreversible, so the filtered
 rule freezes only after ``FREEZE_AFTER`` consecutive evaluated cadence points with Δ < ω2 (a
