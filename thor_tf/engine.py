@@ -10,7 +10,9 @@ per block ``l``:  ``A_l`` [nb_a, d_a, d_a], ``G_l`` [nb_g, d_g, d_g] (the diagon
 undamped factors in use: the only part the split inverse needs, so the only part computed),
 ``A_inv_l``, ``G_inv_l`` (same shapes: split inverses, identity before the first refresh);
 per model (vectors over blocks): traces in use, refresh / reuse counts, frozen flag and step, last
-refresh step, last Δ; scalars: next cadence step, cadence points, non-finite steps, epoch.
+refresh step, last Δ, the trace filter (``filter_*``: window [n, W], counts, reference, noise; see
+:mod:`thor_tf.scheduler`) and the count of consecutive Δ < ω2 (``calm``); scalars: next cadence
+step, cadence points, non-finite steps, epoch, cadence interval, non-finite traces.
 
 The preconditioner of the whole model is a block-diagonal mat (:mod:`thor_tf.algebra`) whose
 diagonal entries are the layers' Kronecker operators ``X ↦ (1/P)·A_inv X G_inv``, applied to the
