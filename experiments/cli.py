@@ -93,8 +93,10 @@ def _kl_clip(text):
 
 
 def parse_frequency(text):
-    """``10`` or ``0:10,2:50`` (epoch:interval pairs) -> int or list of pairs."""
+    """``10``, ``adaptive`` or ``0:10,2:50`` (epoch:interval pairs) -> int, str or list of pairs."""
     text = str(text).replace(" ", "")
+    if text == "adaptive":
+        return text
     try:
         if ":" not in text:
             value = int(text)
@@ -107,7 +109,8 @@ def parse_frequency(text):
         return pairs
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"frequency must be an int >= 1 or epoch:interval pairs such as 0:10,2:50; got {text!r}")
+            f"frequency must be an int >= 1, 'adaptive' or epoch:interval pairs such as 0:10,2:50; "
+            f"got {text!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,15 +163,16 @@ def add_common_arguments(parser, *, out, epochs, batch_size, thor_lr, thor_dampi
     t.add_argument("--thor-damping", type=float, default=thor_damping,
                    help=f"damping λ (initial value when --lr-schedule poly) (default {thor_damping})")
     t.add_argument("--frequency", type=parse_frequency, default=frequency,
-                   help=f"THOR cadence: int or epoch:interval pairs (default {frequency})")
+                   help=f"THOR cadence: int, 'adaptive' or epoch:interval pairs (default {frequency})")
     t.add_argument("--split-dim", type=_split_dim, default=None,
                    help="split inverse block size, or a calibration JSON from "
                         "scripts/calibrate_split_dim.py (default: thor_tf's default)")
     t.add_argument("--kl-clip", type=_kl_clip, default=None,
                    help="K-FAC trust region κ on the preconditioned step, or 'none' to turn it "
                         "off (default: thor_tf's default)")
-    t.add_argument("--trace-smoothing", type=float, default=None,
-                   help="trace-rule smoothing s in [0, 1) (default: thor_tf's default)")
+    t.add_argument("--trace-filter", choices=("mean", "none"), default=None,
+                   help="trace-rule noise filter; none: the rule as published (default: "
+                        "thor_tf's default)")
     t.add_argument("--factor-examples", type=int, default=None,
                    help="factors from the first k examples of each batch (K-FAC sub-batch; "
                         "default: the whole batch)")

@@ -18,7 +18,7 @@ seed x lr), ``summary.json`` (best configuration per optimizer, time-to-target, 
 and ``curves.png`` (all four). See ``experiments/runner.py`` for the rules of the comparison.
 
 THOR defaults here: lr 0.02 (constant), damping 0.03, frequency 10 (a cadence point every 10
-steps), momentum 0.9; split_dim, trace_smoothing and kl_clip are thor_tf's defaults (flags below
+steps), momentum 0.9; split_dim, trace_filter and kl_clip are thor_tf's defaults (flags below
 override them). Chosen on a 10k-example Fashion-MNIST CNN run of 2 epochs: without the KL clip,
 lr 0.05 diverged (weights ~1e16 by step 24, every later step non-finite and skipped) while lr
 0.01-0.02 reached 86-87% test accuracy; with thor_tf's KL clip (κ = 0.001) the clip binds at every

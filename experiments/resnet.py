@@ -13,7 +13,7 @@ run's length, for every optimizer (SGD and Adam get the same polynomial lr shape
   i.e. the damping decays over the run by MindSpore's 40-epoch factor 0.5467⁴ ≈ 0.089.
 
 ``epoch`` is fractional, (step + 1) / steps_per_epoch. Defaults: THOR lr0 0.2, λ0 0.03, frequency 10,
-momentum 0.9; split_dim, trace_smoothing and kl_clip are thor_tf's defaults (flags override them).
+momentum 0.9; split_dim, trace_filter and kl_clip are thor_tf's defaults (flags override them).
 lr0 was chosen on a 2-epoch ResNet-20 run on 2k Fashion-MNIST 32x32 images without the KL clip:
 lr0 0.02 / 0.05 / 0.1 / 0.2 / 0.4 gave 26 / 50 / 63 / 70 / 70 % test accuracy, λ0 0.1 was worse
 than 0.03. On that run the KL clip matters: at lr0 0.2, kl_clip none / 0.01 / 0.001 gave

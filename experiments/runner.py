@@ -104,8 +104,8 @@ def make_model(optimizer, lr, build_model, args, steps_per_epoch, show_table):
                            weight_decay_exclude=WEIGHT_DECAY_EXCLUDE)
         if args.split_dim is not None:
             options.update(split_dim=args.split_dim)
-        if args.trace_smoothing is not None:
-            options.update(trace_smoothing=args.trace_smoothing)
+        if args.trace_filter is not None:
+            options.update(trace_filter=args.trace_filter)
         if args.kl_clip is not None:
             options.update(kl_clip=None if args.kl_clip == "none" else args.kl_clip)
         if args.factor_examples is not None:
@@ -253,12 +253,12 @@ def run_experiment(args, ds, build_model, model_name, title):
 
         defaults = ThorOptimizer()  # what thor_tf uses for the options not given here
         split = args.split_dim if args.split_dim is not None else defaults.split_dim
-        smoothing = (args.trace_smoothing if args.trace_smoothing is not None
-                     else getattr(defaults, "trace_smoothing", 0.0))
+        trace_filter = (args.trace_filter if args.trace_filter is not None
+                        else getattr(defaults, "trace_filter", "none"))
         kl_clip = args.kl_clip if args.kl_clip is not None else getattr(defaults, "kl_clip", None)
         print(f"THOR: lr {','.join(f'{v:g}' for v in args.thor_lr)}, damping {args.thor_damping:g}, "
               f"frequency {args.frequency}, momentum 0.9, split_dim {split}, "
-              f"trace_smoothing {smoothing:g}, kl_clip {kl_clip}, "
+              f"trace_filter {trace_filter}, kl_clip {kl_clip}, "
               f"factor_examples {args.factor_examples or 'all'}", flush=True)
     csv_log = CsvLog(out / "metrics.csv")
     results = []

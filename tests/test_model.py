@@ -114,7 +114,8 @@ def test_thor_trains_digits_faster_than_sgd_momentum():
     ("clip_norm", 0.0), ("frequency", 0), ("frequency", [(1, 10)]), ("preset", "fast"),
     ("omega1", -0.1), ("split_dim", 0), ("split_dim", "/nonexistent/calibration.json"),
     ("fisher", "exact"), ("factor_decay", 1.0), ("clipnorm", 1.0), ("exclude", "fc"),
-    ("kl_clip", 0.0), ("trace_smoothing", 1.0), ("factor_examples", 0),
+    ("kl_clip", 0.0), ("trace_filter", "ema"), ("trace_smoothing", 0.9), ("factor_examples", 0),
+    ("frequency", "adaptiv"),
 ])
 def test_bad_options_raise_value_error_naming_the_option(option, value):
     with pytest.raises(ValueError, match=option):

@@ -20,11 +20,12 @@ def _linear_loss(y_true, y_pred):
     return tf.reduce_mean(y_true * y_pred, axis=-1)
 
 
-def _controlled(omega1, omega2, seed=0, trace_smoothing=0.0):
+def _controlled(omega1, omega2, seed=0, trace_filter="none", frequency=1):
     keras.utils.set_random_seed(seed)
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3, use_bias=False, name="fc")])
-    wrapped = thor_tf.wrap(model, omega1=omega1, omega2=omega2, frequency=1, damping=LAMBDA,
-                           learning_rate=1e-3, trace_smoothing=trace_smoothing, verbose=False)
+    wrapped = thor_tf.wrap(model, omega1=omega1, omega2=omega2, frequency=frequency,
+                           damping=LAMBDA, learning_rate=1e-3, trace_filter=trace_filter,
+                           verbose=False)
     wrapped.compile(loss=_linear_loss)
     return wrapped
 
@@ -34,19 +35,17 @@ def _batch(seed=1):
     return rng.normal(size=(8, 6)).astype("float32"), rng.normal(size=(8, 3)).astype("float32")
 
 
-def _expected_decisions(x, y, scales, omega1, omega2, smoothing=0.0):
-    """Simulate the rule in float64: tr(A + dI)·tr(G + dI) with d = √λ, A from the scaled inputs;
-    with smoothing, tr A is the running estimate s·previous + (1 − s)·batch."""
-    d = np.sqrt(LAMBDA)
-    trace_g = np.mean(np.sum((y.astype(np.float64) / 3) ** 2, axis=1))  # g_n = y_n / K
-    decisions, deltas, used, frozen, smooth = [], [], None, False, None
-    for s in scales:
-        trace_a = np.mean(np.sum((s * x.astype(np.float64)) ** 2, axis=1))
-        if smoothing and smooth is not None and not frozen:
-            trace_a = smoothing * smooth + (1 - smoothing) * trace_a
-        if not frozen:
-            smooth = trace_a
-        product = (trace_a + d * 6) * (trace_g + d * 3)
+def _expected_decisions(x, y, scales, omega1, omega2):
+    """Simulate the published rule in float64 from the explicit per-example quantities: the seed's
+    T = tr A · tr G + λ_b·a_dim·g_dim with A = mean a aᵀ of the scaled inputs, G = mean g gᵀ with
+    g_n = y_n / K (the linear loss), λ_b = λ (Dense, P = 1)."""
+    a_rows = [s * x.astype(np.float64) for s in scales]
+    g_rows = y.astype(np.float64) / 3
+    G = sum(np.outer(g, g) for g in g_rows) / len(g_rows)
+    decisions, deltas, used, frozen = [], [], None, False
+    for rows in a_rows:
+        A = sum(np.outer(a, a) for a in rows) / len(rows)
+        product = np.trace(A) * np.trace(G) + LAMBDA * 6 * 3
         if frozen:
             decisions.append("frozen")
             deltas.append(np.nan)
@@ -78,7 +77,7 @@ def test_decisions_follow_the_rule_on_controlled_sequences():
     omega1, omega2 = 0.05, 0.01
     # Δ relative to the block in use: refresh, small drift (reuse), accumulated drift (refresh),
     # tiny change (freeze), then big changes that a frozen block ignores.
-    scales = [1.0, 1.02, 1.04, 1.05, 1.0405, 2.0, 3.0]
+    scales = [1.0, 1.02, 1.05, 1.06, 1.0505, 2.0, 3.0]
     expected, expected_deltas = _expected_decisions(x, y, scales, omega1, omega2)
     assert expected == ["refresh", "reuse", "refresh", "reuse", "freeze", "frozen", "frozen"]
     wrapped = _controlled(omega1, omega2)
@@ -94,20 +93,6 @@ def test_decisions_follow_the_rule_on_controlled_sequences():
     for later in factors[4:]:
         np.testing.assert_array_equal(later, factors[4])
     np.testing.assert_array_equal(factors[4], factors[2])  # last refreshed at step 2
-
-
-def test_trace_smoothing_compares_a_running_estimate():
-    x, y = _batch()
-    # One noisy batch (scale 1.2) between steady ones: without smoothing it triggers refreshes,
-    # with smoothing 0.8 the running estimate barely moves.
-    scales = [1.0, 1.0, 1.2, 1.0, 1.0]
-    plain, _ = _expected_decisions(x, y, scales, 0.05, 0.0)
-    smooth, smooth_deltas = _expected_decisions(x, y, scales, 0.05, 0.0, smoothing=0.8)
-    assert plain == ["refresh", "reuse", "refresh", "refresh", "reuse"]
-    assert smooth.count("refresh") < plain.count("refresh")
-    rows, _ = _run(_controlled(0.05, 0.0, trace_smoothing=0.8), x, y, scales)
-    assert [r["decision"] for r in rows] == smooth
-    np.testing.assert_allclose([r["delta"] for r in rows][1:], smooth_deltas[1:], rtol=1e-4, atol=1e-6)
 
 
 def test_boundaries_delta_equal_omega1_reuses_and_equal_omega2_does_not_freeze():
@@ -214,3 +199,196 @@ def test_logger_writes_tensorboard_scalars(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "refreshes" in table and "conv" in table
     assert len(logger.rows) == 2 * 3  # 10 steps / frequency 5, three layers
+
+
+# -- the seed's Δ against a float64 computation from the batch's own activations and gradients ------
+
+def test_published_delta_is_the_seed_formula_on_conv_and_dense_blocks():
+    """Δ = |T1 − T0| / T0 with T = tr A · tr G + (λ/P)·a_dim·g_dim, A and G from explicit patches
+    and per-example output gradients of softmax cross-entropy (KFC: P = Ho·Wo for the conv)."""
+    from reference import conv_patches, homogeneous, mean_outer, softmax
+
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([
+        keras.Input((5, 5, 1)),
+        keras.layers.Conv2D(2, 3, name="conv"),  # linear: dℓ/dz_conv = (p − y) W2ᵀ, reshaped
+        keras.layers.Flatten(),
+        keras.layers.Dense(3, activation="softmax", name="out"),
+    ])
+    lam = 0.05
+    wrapped = thor_tf.wrap(model, omega1=100.0, omega2=0.0, frequency=1, damping=lam,
+                           learning_rate=0.01, kl_clip=None, trace_filter="none", verbose=False)
+    wrapped.compile(loss="sparse_categorical_crossentropy")
+    rng = np.random.default_rng(4)
+    batches = [(rng.normal(size=(6, 5, 5, 1)).astype("float32") * s, rng.integers(0, 3, 6))
+               for s in (1.0, 1.3)]
+
+    def traces(x, y):
+        k, b, w2, b2 = [np.asarray(w, np.float64) for w in model.get_weights()]
+        patches = conv_patches(x.astype(np.float64), (3, 3), (1, 1), "valid", (1, 1))  # [N,3,3,9]
+        z1 = patches @ k.reshape(9, 2) + b  # [N, 3, 3, 2]
+        h = z1.reshape(len(x), -1)
+        p = softmax(h @ w2 + b2)
+        g_out = p - np.eye(3)[y]  # per-example dℓ/dz of the output layer
+        g_conv = (g_out @ w2.T).reshape(z1.shape)
+        positions = 9.0
+        out = {}
+        for name, a_rows, g_rows, pos in (
+                ("conv", patches.reshape(-1, 9), g_conv.reshape(-1, 2), positions),
+                ("out", h, g_out, 1.0)):
+            A = mean_outer(homogeneous(a_rows, True))
+            G = mean_outer(g_rows)
+            out[name] = np.trace(A) * np.trace(G) + lam / pos * A.shape[0] * G.shape[0]
+        return out
+
+    logger = TraceRuleLogger(summary=False)
+    products = []
+    for x, y in batches:
+        products.append(traces(x, y))  # at the weights this step sees
+        wrapped.fit(x, y, batch_size=6, epochs=1, verbose=0, callbacks=[logger], shuffle=False)
+    got = {r["layer"]: r["delta"] for r in logger.rows[2:]}
+    assert [r["decision"] for r in logger.rows] == ["refresh"] * 2 + ["reuse"] * 2
+    for name in ("conv", "out"):
+        expected = abs(products[1][name] - products[0][name]) / products[0][name]
+        assert expected > 0.05  # the batches differ: a real test of the formula
+        np.testing.assert_allclose(got[name], expected, rtol=2e-4)
+    stats = {s["name"]: s for s in wrapped.thor.layer_stats()}
+    assert stats["conv"]["refreshes"] == 1
+
+
+def test_trace_product_is_the_trace_of_the_damped_kronecker_block():
+    rng = np.random.default_rng(0)
+    A = np.cov(rng.normal(size=(4, 20)))
+    G = np.cov(rng.normal(size=(3, 20)))
+    lam = 0.07
+    expected = np.trace(np.kron(A, G) + lam * np.eye(12))
+    got = scheduler.trace_product(np.trace(A), np.trace(G), lam, 4, 3)
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
+
+
+# -- the noise filter on synthetic trace sequences (pure tensor functions) ------------------------
+
+def _run_filter(sequences, refresh_at=(), omega1=float("inf"), omega2=0.0, first_refresh=True):
+    """Drive the filter over ``sequences`` [S, K] (float64 in, float32 tensors inside): point 0
+    refreshes (no block yet), later points refresh where the rule says so or where forced
+    (``refresh_at``). Returns (Δ [S, K], refresh [S, K]) as NumPy arrays."""
+    seqs = tf.constant(sequences, tf.float32)
+    n, k = sequences.shape
+    state = scheduler.initial_filter_state((n,))
+    calm = tf.zeros((n,), tf.int64)
+    has_used = tf.zeros((n,), tf.bool)
+    deltas, refreshes = [], []
+    for t in range(k):
+        obs = seqs[:, t]
+        state = scheduler.filter_observe(state, obs)
+        delta = scheduler.filter_delta(state, 0.0, has_used)
+        refresh, freeze, calm = scheduler.decide(delta, omega1, omega2, calm, scheduler.FREEZE_AFTER)
+        if t == 0 or t in refresh_at:
+            refresh = tf.ones_like(refresh)
+        state = scheduler.filter_refresh(state, refresh)
+        state = scheduler.filter_noise(state, obs)
+        has_used = tf.logical_or(has_used, refresh)
+        deltas.append(delta.numpy())
+        refreshes.append(refresh.numpy())
+    return np.stack(deltas, 1), np.stack(refreshes, 1)
+
+
+def test_filter_reads_zero_on_a_stationary_noisy_sequence():
+    rng = np.random.default_rng(0)
+    sigma = 0.05  # 5 % per-batch noise, as on the Fashion-MNIST CNN; ω1 = 1 %
+    seqs = 1.0 + sigma * rng.normal(size=(400, 40))
+    deltas, refreshes = _run_filter(seqs, omega1=0.01)
+    published = np.abs(seqs[:, 1:] / seqs[:, :1] - 1.0)  # single batch against the first
+    assert published.mean() > 0.03  # the published Δ reads the noise
+    later = deltas[:, 5:]
+    assert later.mean() < 0.002  # the filter reads ≈ 0
+    assert np.median(later) == 0.0
+    assert refreshes[:, 5:].mean() < 0.05  # rare false refreshes
+
+
+@pytest.mark.parametrize("x", [0.2, -0.15])
+def test_filter_reads_a_step_change_right_after_a_refresh_as_later(x):
+    rng = np.random.default_rng(1)
+    sigma, k = 0.01, 60
+    seqs = 1.0 + sigma * rng.normal(size=(200, k))
+    # (a) refresh forced at point 20, step right after it; (b) step 25 points after that refresh.
+    right_after = seqs.copy()
+    right_after[:, 21:] *= 1 + x
+    d_a, _ = _run_filter(right_after, refresh_at=(20,))
+    later = seqs.copy()
+    later[:, 45:] *= 1 + x
+    d_b, _ = _run_filter(later, refresh_at=(20,))
+    window = scheduler.TRACE_WINDOW
+    # Reference: m_ref ≈ 1 (refresh at point 20), the new level 1 + x: Δ ≈ |x| / 1.
+    read_a = d_a[:, 21 + 1]  # within two points of the step
+    read_b = d_b[:, 45 + window - 1]  # once the window holds only post-step points
+    for read in (read_a, read_b):
+        assert abs(np.median(read) - abs(x)) < 0.15 * abs(x)
+    # Before the step both read ≈ 0.
+    assert np.median(d_a[:, 10:20]) < 0.01 * abs(x) and np.median(d_b[:, 30:45]) < 0.01 * abs(x)
+    # The old exponential smoothing (s = 0.9) read only ~(1 − s)·x one point after a refresh.
+    assert np.median(read_a) > 5 * 0.1 * abs(x) * 0.9
+
+
+def test_filtered_rule_freezes_only_after_sustained_evidence():
+    x, y = _batch()
+    n = scheduler.FREEZE_AFTER
+    rows, _ = _run(_controlled(0.05, 0.01, trace_filter="mean"), x, y, [1.0] * (n + 3))
+    assert [r["decision"] for r in rows] == ["refresh"] + ["reuse"] * (n - 1) + ["freeze"] + ["frozen"] * 2
+    rows, _ = _run(_controlled(0.05, 0.01, trace_filter="none"), x, y, [1.0] * 3)
+    assert [r["decision"] for r in rows] == ["refresh", "freeze", "frozen"]  # as published
+    # A Δ >= ω2 in between restarts the count.
+    scales = [1.0] * (n - 1) + [1.03] + [1.03] * (n - 1)
+    rows, _ = _run(_controlled(0.5, 0.01, trace_filter="mean"), x, y, scales)
+    assert "freeze" not in [r["decision"] for r in rows]
+
+
+# -- adaptive cadence ----------------------------------------------------------------------------
+
+def test_adaptive_interval_grows_while_layers_reuse_and_shrinks_when_they_refresh():
+    x, y = _batch()
+    cadence = scheduler.AdaptiveCadence(base=1, max_interval=4)
+    wrapped = _controlled(0.05, 0.0, frequency=cadence)
+    traces = []
+    original = wrapped.train_step
+    wrapped.train_step = lambda data: (traces.append(1), original(data))[1]
+    logger = TraceRuleLogger(summary=False)
+    intervals = []
+    for step in range(19):
+        scale = 1.0 if step < 11 else 3.0
+        wrapped.fit(x * scale, y, batch_size=len(x), epochs=1, verbose=0, callbacks=[logger],
+                    shuffle=False)
+        intervals.append(wrapped.thor.counters()["interval"])
+    steps = [r["step"] for r in logger.rows]
+    decisions = [r["decision"] for r in logger.rows]
+    # step 0 refresh (interval stays 1), reuses double it 1 → 2 → 4 (cap), the change at step 11
+    # refreshes and halves it to 2, the next reuse doubles it again.
+    assert steps == [0, 1, 3, 7, 11, 13, 17]
+    assert decisions == ["refresh", "reuse", "reuse", "reuse", "refresh", "reuse", "reuse"]
+    assert intervals[0] == 1 and intervals[3] == 4 and intervals[11] == 2 and intervals[13] == 4
+    assert len(traces) == 1
+    assert wrapped.thor.counters()["cadence_points"] == 7
+
+
+def test_adaptive_cadence_serializes_and_validates():
+    opt = thor_tf.ThorOptimizer(frequency="adaptive")
+    assert opt.get_config()["frequency"] == "adaptive"
+    assert opt.cadence.adaptive.base == 10 and opt.cadence.adaptive.max_interval == 80
+    custom = thor_tf.ThorOptimizer(frequency=scheduler.AdaptiveCadence(5, 20), trace_filter="none")
+    config = custom.get_config()
+    assert config["trace_filter"] == "none"
+    again = thor_tf.ThorOptimizer.from_config(config)
+    assert (again.cadence.adaptive.base, again.cadence.adaptive.max_interval) == (5, 20)
+    for bad in ("adaptiv", {"adaptive": {"base": 0}}, {"adaptive": {"base": 4, "max_interval": 2}},
+                {"adaptive": {"basis": 4}}):
+        with pytest.raises(ValueError, match="frequency"):
+            thor_tf.ThorOptimizer(frequency=bad)
+    with pytest.raises(ValueError, match="trace_filter.*'mean', 'none'"):
+        thor_tf.ThorOptimizer(trace_filter="ema")
+    with pytest.raises(ValueError, match="trace_smoothing.*trace_filter"):
+        thor_tf.ThorOptimizer(trace_smoothing=0.9)
+    # A config saved before trace_filter existed still loads.
+    legacy = thor_tf.ThorOptimizer().get_config()
+    legacy.pop("trace_filter")
+    legacy["trace_smoothing"] = 0.9
+    assert thor_tf.ThorOptimizer.from_config(legacy).trace_filter == "mean"

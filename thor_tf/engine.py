@@ -10,7 +10,9 @@ per block ``l``:  ``A_l`` [nb_a, d_a, d_a], ``G_l`` [nb_g, d_g, d_g] (the diagon
 undamped factors in use: the only part the split inverse needs, so the only part computed),
 ``A_inv_l``, ``G_inv_l`` (same shapes: split inverses, identity before the first refresh);
 per model (vectors over blocks): traces in use, refresh / reuse counts, frozen flag and step, last
-refresh step, last Δ; scalars: next cadence step, cadence points, non-finite steps, epoch.
+refresh step, last Δ, the trace filter (``filter_*``: window [n, W], counts, reference, noise; see
+:mod:`thor_tf.scheduler`) and the count of consecutive Δ < ω2 (``calm``); scalars: next cadence
+step, cadence points, non-finite steps, epoch, cadence interval, non-finite traces.
 
 Preconditioning (the blocks' ``(1/P)·A_inv·M·G_inv`` as one block-diagonal mat of Kronecker
 operators, and K-FAC's KL clip) is :mod:`thor_tf.precondition`.
@@ -258,8 +260,17 @@ class ThorEngine:
 
         s["trace_a"] = vector("thor_trace_a", "float32", 0.0)
         s["trace_g"] = vector("thor_trace_g", "float32", 0.0)
-        s["trace_a_smooth"] = vector("thor_trace_a_smooth", "float32", 0.0)
-        s["trace_g_smooth"] = vector("thor_trace_g_smooth", "float32", 0.0)
+        # Trace filter (scheduler.FilterState, one row per block) and the freeze count.
+        s["filter_window"] = optimizer.add_variable(
+            (n, scheduler.TRACE_WINDOW), initializer="zeros", dtype="float32",
+            name="thor_filter_window")
+        s["filter_count"] = vector("thor_filter_count", "int64", 0)
+        s["filter_ref_mean"] = vector("thor_filter_ref_mean", "float32", 0.0)
+        s["filter_ref_count"] = vector("thor_filter_ref_count", "int64", 0)
+        s["filter_last"] = vector("thor_filter_last", "float32", 0.0)
+        s["filter_noise"] = vector("thor_filter_noise", "float32", 0.0)
+        s["filter_noise_count"] = vector("thor_filter_noise_count", "int64", 0)
+        s["calm"] = vector("thor_calm", "int64", 0)
         s["last_delta"] = vector("thor_last_delta", "float32", float("nan"))
         s["refreshes"] = vector("thor_refreshes", "int64", 0)
         s["reuses"] = vector("thor_reuses", "int64", 0)
@@ -270,6 +281,8 @@ class ThorEngine:
         s["cadence_points"] = scalar("thor_cadence_points")
         s["nonfinite_steps"] = scalar("thor_nonfinite_steps")
         s["epoch"] = scalar("thor_epoch")
+        s["interval"] = scalar("thor_interval", optimizer.cadence.interval_base())
+        s["nonfinite_traces"] = scalar("thor_nonfinite_traces")
         s["kl_scale"] = optimizer.add_variable(
             (), initializer=keras.initializers.Constant(1.0), dtype="float32", name="thor_kl_scale")
         self._state = s
@@ -376,28 +389,45 @@ class ThorEngine:
                 i = self._block_index[b.name]
                 results[i] = self._layer_cadence(i, b, records[b.name], grads_for_g[b.name],
                                                  damping, step)
-            self._record_decisions(results, step)
-            s["next_cadence"].assign(step + opt.cadence.interval(step, s["epoch"]))
+            refreshed_any = self._record_decisions(results, step)
+            if opt.cadence.adaptive is not None:
+                s["interval"].assign(scheduler.adapt_interval(
+                    s["interval"], refreshed_any, opt.cadence.adaptive.base,
+                    opt.cadence.adaptive.max_interval))
+            interval = opt.cadence.interval(step, s["epoch"], s["interval"])
+            s["interval"].assign(interval)
+            s["next_cadence"].assign(step + interval)
             s["cadence_points"].assign_add(1)
             return tf.constant(0)
 
         tf.cond(due, cadence, lambda: tf.constant(0))
 
+    _FILTER_KEYS = ("window", "count", "ref_mean", "ref_count", "last", "noise", "noise_count")
+
+    def _filter_state(self, i):
+        s = self.state
+        return scheduler.FilterState(*[tf.identity(s["filter_" + k][i]) for k in self._FILTER_KEYS])
+
     def _layer_cadence(self, i, block, recs, gs, damping, step):
         """Δ, decision and (if refreshing) new factors/inverses for one layer.
 
-        Returns ``(delta, refresh, freeze, trace_a_used, trace_g_used, trace_a_smooth,
-        trace_g_smooth)`` scalar tensors (see :mod:`thor_tf.scheduler` for the traces).
+        Returns a dict of tensors: ``delta``, ``refresh``, ``freeze``, ``nonfinite`` (the batch's
+        traces were not finite: nothing changed), ``trace_a``/``trace_g`` (traces of the block in
+        use), ``calm`` and the layer's new :class:`~thor_tf.scheduler.FilterState` (``filter``).
         """
         opt = self.optimizer
         s = self.state
         beta = opt.factor_decay
-        smoothing = opt.trace_smoothing
+        filtered = opt.trace_filter == "mean"
+        freeze_after = scheduler.FREEZE_AFTER if filtered else 1
         frozen = s["frozen"][i] > 0
         has_used = s["refreshes"][i] > 0
         used_a, used_g = s["trace_a"][i], s["trace_g"][i]
-        smooth_a, smooth_g = s["trace_a_smooth"][i], s["trace_g_smooth"][i]
+        calm = s["calm"][i]
+        old_filter = self._filter_state(i)
         per_factor = tf.sqrt(damping / block.positions(recs))
+        block_damping = tf.square(per_factor)  # λ_b = λ/P
+        damping_term = block_damping * block.a_dim * block.g_dim
         if opt.factor_examples is not None:
             # Statistics from the first examples of the batch only (K-FAC's sub-batch): the
             # batch order is random, and im2col + factor matmuls shrink in proportion.
@@ -405,82 +435,113 @@ class ThorEngine:
             recs = [capture.Record(r.inputs[:k], r.z[:k]) for r in recs]
             gs = [g[:k] for g in gs]
 
+        def unchanged(delta, nonfinite):
+            return {"delta": delta, "refresh": tf.constant(False), "freeze": tf.constant(False),
+                    "nonfinite": nonfinite, "trace_a": tf.identity(used_a),
+                    "trace_g": tf.identity(used_g), "calm": tf.identity(calm),
+                    "filter": old_filter}
+
         def work():
             # Under a multi-replica strategy this runs per replica on its local batch: TF does not
             # allow cross-replica all-reduce inside tf.cond (merge_call), see README "Limits".
-            trace_a, trace_g = block.trace_a(recs), block.trace_g(gs)
-            if smoothing > 0:  # running estimate of the current traces across cadence points
-                trace_a = tf.where(has_used, smoothing * smooth_a + (1 - smoothing) * trace_a, trace_a)
-                trace_g = tf.where(has_used, smoothing * smooth_g + (1 - smoothing) * trace_g, trace_g)
-            new_smooth_a, new_smooth_g = trace_a, trace_g
-            if beta > 0:
-                trace_a = tf.where(has_used, beta * used_a + (1 - beta) * trace_a, trace_a)
-                trace_g = tf.where(has_used, beta * used_g + (1 - beta) * trace_g, trace_g)
-            new = scheduler.damped_trace_product(trace_a, trace_g, per_factor, block.a_dim, block.g_dim)
-            used = scheduler.damped_trace_product(used_a, used_g, per_factor, block.a_dim, block.g_dim)
-            delta = scheduler.relative_trace_change(new, used, has_used)
-            refresh, freeze = scheduler.decide(delta, opt.omega1, opt.omega2)
+            batch_a, batch_g = block.trace_a(recs), block.trace_g(gs)
+            finite = tf.logical_and(tf.math.is_finite(batch_a * batch_g),
+                                    tf.logical_and(tf.math.is_finite(batch_a),
+                                                   tf.math.is_finite(batch_g)))
 
-            def do_refresh():
-                factor_a = block.factor_a(recs, opt.split_dim)  # [nb, d, d] diagonal blocks
-                factor_g = block.factor_g(gs, opt.split_dim)
-                if beta > 0:
-                    factor_a = tf.where(has_used, beta * s["A"][i] + (1 - beta) * factor_a, factor_a)
-                    factor_g = tf.where(has_used, beta * s["G"][i] + (1 - beta) * factor_g, factor_g)
-                # A non-finite factor (e.g. a sampled-Fisher overflow) keeps the one in use.
-                factor_a = tf.where(tf.reduce_all(tf.math.is_finite(factor_a)), factor_a, s["A"][i])
-                factor_g = tf.where(tf.reduce_all(tf.math.is_finite(factor_g)), factor_g, s["G"][i])
-                inv_a = invert_blocks(factor_a, per_factor, block.a_dim, previous=s["A_inv"][i])
-                inv_g = invert_blocks(factor_g, per_factor, block.g_dim, previous=s["G_inv"][i])
-                s["A"][i].assign(factor_a)
-                s["G"][i].assign(factor_g)
-                s["A_inv"][i].assign(inv_a)
-                s["G_inv"][i].assign(inv_g)
-                if smoothing > 0:  # the reference is the smoothed estimate at this refresh
-                    return tf.identity(trace_a), tf.identity(trace_g)
-                return (tf.reduce_sum(tf.linalg.trace(factor_a)),
-                        tf.reduce_sum(tf.linalg.trace(factor_g)))
+            def judge():
+                if filtered:
+                    delta, refresh, freeze, new_calm, new_filter = scheduler.filter_step(
+                        old_filter, batch_a * batch_g, damping_term, has_used, opt.omega1,
+                        opt.omega2, calm, freeze_after)
+                else:
+                    new_filter = old_filter
+                    trace_a, trace_g = batch_a, batch_g
+                    if beta > 0:
+                        trace_a = tf.where(has_used, beta * used_a + (1 - beta) * trace_a, trace_a)
+                        trace_g = tf.where(has_used, beta * used_g + (1 - beta) * trace_g, trace_g)
+                    new = scheduler.trace_product(trace_a, trace_g, block_damping, block.a_dim,
+                                                  block.g_dim)
+                    used = scheduler.trace_product(used_a, used_g, block_damping, block.a_dim,
+                                                   block.g_dim)
+                    delta = scheduler.relative_trace_change(new, used, has_used)
+                    refresh, freeze, new_calm = scheduler.decide(
+                        delta, opt.omega1, opt.omega2, calm, freeze_after)
 
-            trace_a_used, trace_g_used = tf.cond(
-                refresh, do_refresh, lambda: (tf.identity(used_a), tf.identity(used_g)))
-            return delta, refresh, freeze, trace_a_used, trace_g_used, new_smooth_a, new_smooth_g
+                def do_refresh():
+                    factor_a = block.factor_a(recs, opt.split_dim)  # [nb, d, d] diagonal blocks
+                    factor_g = block.factor_g(gs, opt.split_dim)
+                    if beta > 0:
+                        factor_a = tf.where(has_used, beta * s["A"][i] + (1 - beta) * factor_a, factor_a)
+                        factor_g = tf.where(has_used, beta * s["G"][i] + (1 - beta) * factor_g, factor_g)
+                    # A non-finite factor (e.g. a sampled-Fisher overflow) keeps the one in use.
+                    factor_a = tf.where(tf.reduce_all(tf.math.is_finite(factor_a)), factor_a, s["A"][i])
+                    factor_g = tf.where(tf.reduce_all(tf.math.is_finite(factor_g)), factor_g, s["G"][i])
+                    inv_a = invert_blocks(factor_a, per_factor, block.a_dim, previous=s["A_inv"][i])
+                    inv_g = invert_blocks(factor_g, per_factor, block.g_dim, previous=s["G_inv"][i])
+                    s["A"][i].assign(factor_a)
+                    s["G"][i].assign(factor_g)
+                    s["A_inv"][i].assign(inv_a)
+                    s["G_inv"][i].assign(inv_g)
+                    return (tf.reduce_sum(tf.linalg.trace(factor_a)),
+                            tf.reduce_sum(tf.linalg.trace(factor_g)))
+
+                trace_a_used, trace_g_used = tf.cond(
+                    refresh, do_refresh, lambda: (tf.identity(used_a), tf.identity(used_g)))
+                return {"delta": delta, "refresh": refresh, "freeze": freeze,
+                        "nonfinite": tf.constant(False), "trace_a": trace_a_used,
+                        "trace_g": trace_g_used, "calm": new_calm, "filter": new_filter}
+
+            # Non-finite traces (e.g. ‖a‖² overflowing float32) decide nothing and change nothing.
+            return tf.cond(finite, judge,
+                           lambda: unchanged(tf.constant(float("nan")), tf.constant(True)))
 
         def skip():  # frozen: no patches, no factor matmuls, no inversion
-            return (tf.constant(float("nan")), tf.constant(False), tf.constant(False),
-                    tf.identity(used_a), tf.identity(used_g), tf.identity(smooth_a),
-                    tf.identity(smooth_g))
+            return unchanged(tf.constant(float("nan")), tf.constant(False))
 
         return tf.cond(frozen, skip, work)
 
     def _record_decisions(self, results, step):
-        """Write one cadence point's per-layer outcomes into the stat vectors."""
+        """Write one cadence point's per-layer outcomes into the stat vectors.
+
+        Returns a boolean scalar: whether any layer refreshed.
+        """
         s = self.state
         n = len(self.blocks)
         present = np.zeros(n, bool)
         present[list(results)] = True
+        present_t = tf.constant(present)
 
-        def gather(k, fill, dtype):
-            return tf.stack([tf.cast(results[i][k], dtype) if i in results else tf.constant(fill, dtype)
-                             for i in range(n)])
+        def gather(get, fill, dtype):
+            return tf.stack([tf.cast(get(results[i]), dtype) if i in results else tf.constant(fill, dtype)
+                             for i in range(n)]) if n else tf.zeros([0], dtype)
 
-        delta = gather(0, float("nan"), tf.float32)
-        refresh = gather(1, False, tf.bool)
-        freeze = gather(2, False, tf.bool)
+        delta = gather(lambda r: r["delta"], float("nan"), tf.float32)
+        refresh = gather(lambda r: r["refresh"], False, tf.bool)
+        freeze = gather(lambda r: r["freeze"], False, tf.bool)
+        nonfinite = gather(lambda r: r["nonfinite"], False, tf.bool)
         was_frozen = s["frozen"] > 0
-        evaluated = tf.logical_and(tf.logical_not(was_frozen), tf.constant(present))
+        evaluated = tf.logical_and(tf.logical_not(was_frozen), present_t)
         reuse = tf.logical_and(evaluated, tf.logical_not(tf.logical_or(refresh, freeze)))
-        s["trace_a"].assign(tf.where(tf.constant(present), gather(3, 0.0, tf.float32), s["trace_a"]))
-        s["trace_g"].assign(tf.where(tf.constant(present), gather(4, 0.0, tf.float32), s["trace_g"]))
-        s["trace_a_smooth"].assign(
-            tf.where(tf.constant(present), gather(5, 0.0, tf.float32), s["trace_a_smooth"]))
-        s["trace_g_smooth"].assign(
-            tf.where(tf.constant(present), gather(6, 0.0, tf.float32), s["trace_g_smooth"]))
-        s["last_delta"].assign(tf.where(evaluated, delta, s["last_delta"]))
+        s["trace_a"].assign(tf.where(present_t, gather(lambda r: r["trace_a"], 0.0, tf.float32),
+                                     s["trace_a"]))
+        s["trace_g"].assign(tf.where(present_t, gather(lambda r: r["trace_g"], 0.0, tf.float32),
+                                     s["trace_g"]))
+        s["calm"].assign(tf.where(present_t, gather(lambda r: r["calm"], 0, tf.int64), s["calm"]))
+        for k in self._FILTER_KEYS:
+            var = s["filter_" + k]
+            if n:
+                rows = tf.stack([tf.cast(getattr(results[i]["filter"], k), var.dtype) if i in results
+                                 else tf.convert_to_tensor(var[i]) for i in range(n)])
+                var.assign(rows)
+        s["last_delta"].assign(tf.where(evaluated, delta, s["last_delta"]))  # NaN: non-finite traces
         s["refreshes"].assign_add(tf.cast(refresh, tf.int64))
         s["reuses"].assign_add(tf.cast(reuse, tf.int64))
         s["last_refresh"].assign(tf.where(refresh, step, s["last_refresh"]))
         s["frozen_at"].assign(tf.where(freeze, step, s["frozen_at"]))
         s["frozen"].assign(tf.where(freeze, tf.ones_like(s["frozen"]), s["frozen"]))
+        s["nonfinite_traces"].assign_add(tf.reduce_sum(tf.cast(nonfinite, tf.int64)))
+        return tf.reduce_any(refresh)
 
     def precondition(self, active, records, grads, variables, ok=True):
         """Preconditioned gradients of the blocks' variables (see :mod:`thor_tf.precondition`);
@@ -521,11 +582,13 @@ class ThorEngine:
         return stats
 
     def counters(self):
-        """Model-wide counters: cadence points, non-finite steps, next cadence step, epoch, and the
-        last step's KL-clip scale ν (1.0: not clipped)."""
+        """Model-wide counters: cadence points, non-finite steps, next cadence step, epoch, the
+        cadence interval in force (``interval``: the adaptive one, else the base), the number of
+        layer evaluations skipped because their traces were not finite (``nonfinite_traces``), and
+        the last step's KL-clip scale ν (1.0: not clipped)."""
         s = self.state
         out = {k: int(s[k].numpy()) for k in ("cadence_points", "nonfinite_steps", "next_cadence",
-                                               "epoch")}
+                                               "epoch", "interval", "nonfinite_traces")}
         out["kl_scale"] = float(s["kl_scale"].numpy())
         return out
 

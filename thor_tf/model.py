@@ -321,11 +321,12 @@ def wrap(model, **options):
       model: a built ``keras.Model`` (Sequential, Functional or subclassed).
       **options: every ``ThorOptimizer`` argument (defaults in the README's option table):
         ``learning_rate`` (float or schedule), ``momentum``, ``damping`` (float or schedule),
-        ``weight_decay``, ``weight_decay_exclude``, ``clip_norm``, ``frequency`` (int, list of
-        ``(epoch, interval)`` pairs or callable), ``preset`` (``"thor"``, ``"thor_stop"``,
-        ``"thor_nt"``), ``omega1``, ``omega2``, ``split_dim`` (int or calibration JSON path),
-        ``fisher`` (``"empirical"`` or ``"sampled"``), ``factor_decay``, ``kl_clip`` (κ or None),
-        ``factor_examples`` (None or k), ``trace_smoothing``; Keras optimizer arguments such as
+        ``weight_decay``, ``weight_decay_exclude``, ``clip_norm``, ``frequency`` (int,
+        ``"adaptive"``, list of ``(epoch, interval)`` pairs or callable), ``preset``
+        (``"thor"``, ``"thor_stop"``, ``"thor_nt"``), ``omega1``, ``omega2``, ``split_dim`` (int
+        or calibration JSON path), ``fisher`` (``"empirical"`` or ``"sampled"``),
+        ``factor_decay``, ``kl_clip`` (κ or None), ``factor_examples`` (None or k),
+        ``trace_filter`` (``"mean"`` or ``"none"``); Keras optimizer arguments such as
         ``loss_scale_factor``; plus ``exclude`` (layer names kept first order) and ``verbose``
         (print the registration table, default True).
 

@@ -26,12 +26,12 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from thor_tf.scheduler import PRESETS, CadenceSchedule
+from thor_tf.scheduler import PRESETS, TRACE_FILTERS, CadenceSchedule
 
 FISHER_TYPES = ("empirical", "sampled")
 DEFAULT_FREQUENCY = 10
-#: Running estimate of the traces for the trace rule (0 = the rule as published); see README.
-DEFAULT_TRACE_SMOOTHING = 0.9
+#: Noise filter of the trace rule ("none" = the rule as published); see README and scheduler.py.
+DEFAULT_TRACE_FILTER = "mean"
 #: K-FAC's trust region on the preconditioned step (kfac-pytorch's default); see README.
 DEFAULT_KL_CLIP = 0.001
 
@@ -99,7 +99,10 @@ class ThorOptimizer(keras.optimizers.Optimizer):
       weight_decay_exclude: variable-name patterns (regex, as Keras' ``exclude_from_weight_decay``)
         that get no weight decay, e.g. ``["bias", "gamma", "beta"]``.
       clip_norm: optional per-tensor clip-by-norm of the update before momentum (float > 0).
-      frequency: cadence of factor work: int, list of ``(epoch, interval)`` or callable of the step.
+      frequency: cadence of factor work: int, list of ``(epoch, interval)``, callable of the step,
+        or ``"adaptive"`` / ``thor_tf.scheduler.AdaptiveCadence(base, max_interval)``: the interval
+        doubles (up to ``max_interval``, default 8·base) after a cadence point where no layer
+        refreshed and halves (down to ``base``) after one where some did; ``"adaptive"`` is base 10.
       preset: ``"thor"`` (ω1, ω2) = (0.01, 0), ``"thor_stop"`` (0.01, 0.001), ``"thor_nt"`` (0, 0).
       omega1, omega2: explicit trace-rule thresholds (override the preset), 0 <= ω2 <= ω1.
       split_dim: block size of the split inverse (int) or a calibration JSON path.
@@ -111,9 +114,12 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         ``min(1, sqrt(κ / (lr²·⟨Δ, ∇⟩)))``; None turns it off.
       factor_examples: None uses the whole batch for the factors and traces; k uses its first k
         examples (a sub-batch: Conv2D im2col and factor cost shrink in proportion).
-      trace_smoothing: 0 compares the current batch's traces (THOR's rule as published); s in
-        (0, 1) compares a running estimate ``s·old + (1−s)·batch`` of the traces, updated at every
-        cadence point, so that batch-to-batch noise does not read as a change of the block.
+      trace_filter: ``"mean"`` (default) compares the mean of the traces observed since the last
+        refresh (the last ``scheduler.TRACE_WINDOW`` = 8 at most) with the mean that produced the
+        block in use, less 2 standard errors of sampling noise, and freezes only after
+        ``scheduler.FREEZE_AFTER`` = 5 consecutive Δ < ω2; ``"none"`` is THOR's rule as published
+        (the current batch's traces, immediate freeze). See :mod:`thor_tf.scheduler`. Replaces
+        ``trace_smoothing`` (which now raises ValueError).
     """
 
     def __init__(
@@ -131,7 +137,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         split_dim=128,
         fisher="empirical",
         factor_decay=0.0,
-        trace_smoothing=DEFAULT_TRACE_SMOOTHING,
+        trace_filter=DEFAULT_TRACE_FILTER,
         kl_clip=DEFAULT_KL_CLIP,
         factor_examples=None,
         name="thor",
@@ -158,8 +164,14 @@ class ThorOptimizer(keras.optimizers.Optimizer):
             raise ValueError(f"`fisher` must be one of {list(FISHER_TYPES)}; got {fisher!r}.")
         if isinstance(factor_decay, bool) or not isinstance(factor_decay, numbers.Real) or not 0 <= factor_decay < 1:
             raise ValueError(f"`factor_decay` must be a float in [0, 1); got {factor_decay!r}.")
-        if isinstance(trace_smoothing, bool) or not isinstance(trace_smoothing, numbers.Real) or not 0 <= trace_smoothing < 1:
-            raise ValueError(f"`trace_smoothing` must be a float in [0, 1); got {trace_smoothing!r}.")
+        if "trace_smoothing" in kwargs:
+            raise ValueError(
+                f"`trace_smoothing` was replaced by `trace_filter` (one of {list(TRACE_FILTERS)}; "
+                f"\"none\" is the rule as published); got trace_smoothing="
+                f"{kwargs['trace_smoothing']!r}.")
+        if not isinstance(trace_filter, str) or trace_filter not in TRACE_FILTERS:
+            raise ValueError(
+                f"`trace_filter` must be one of {list(TRACE_FILTERS)}; got {trace_filter!r}.")
         if kl_clip is not None and (isinstance(kl_clip, bool) or not isinstance(kl_clip, numbers.Real)
                                     or kl_clip <= 0):
             raise ValueError(f"`kl_clip` must be None or a float > 0; got {kl_clip!r}.")
@@ -189,7 +201,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         self.split_dim = resolve_split_dim(split_dim)
         self.fisher = fisher
         self.factor_decay = float(factor_decay)
-        self.trace_smoothing = float(trace_smoothing)
+        self.trace_filter = trace_filter
         self.kl_clip = None if kl_clip is None else float(kl_clip)
         self.factor_examples = None if factor_examples is None else int(factor_examples)
         self.engine = None
@@ -290,7 +302,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
             "split_dim": self.split_dim,
             "fisher": self.fisher,
             "factor_decay": self.factor_decay,
-            "trace_smoothing": self.trace_smoothing,
+            "trace_filter": self.trace_filter,
             "kl_clip": self.kl_clip,
             "factor_examples": self.factor_examples,
         })
@@ -301,6 +313,8 @@ class ThorOptimizer(keras.optimizers.Optimizer):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
+        # Configs saved before trace_filter replaced trace_smoothing: its setting is not carried.
+        config.pop("trace_smoothing", None)
         if isinstance(config.get("damping"), dict):
             config["damping"] = keras.saving.deserialize_keras_object(
                 config["damping"], custom_objects=custom_objects)

@@ -1,45 +1,84 @@
 """Cadence and the trace rule: when a layer's Kronecker block is refreshed, reused or frozen.
 
 Everything here is tensor arithmetic usable inside the one traced train step: decisions are boolean
-tensors, never Python branches.
+tensors, never Python branches. The filter functions work element-wise, on one layer's scalars (the
+engine) or on vectors (tests feed them synthetic trace sequences).
 
 Cadence
 -------
 A cadence point is due when ``step >= next_cadence_step``; after it, ``next_cadence_step = step +
-interval`` where ``interval`` comes from the ``frequency`` option (an int, a list of
-``(epoch, interval)`` pairs, or a callable of the step). Step 0 is always a cadence point. A cadence
-point skipped because its batch was non-finite is simply taken at the next finite step.
+interval``. ``frequency`` gives the interval: an int, a list of ``(epoch, interval)`` pairs, a
+callable of the step, or ``"adaptive"`` / :class:`AdaptiveCadence` (below). Step 0 is always a
+cadence point. A cadence point skipped because its batch was non-finite is taken at the next finite
+step.
 
-Trace rule (THOR)
------------------
-At a cadence point every layer that is not frozen compares the damped block it would build now with
-the damped block it is using (the last refreshed one), through their traces::
+Adaptive cadence (``frequency="adaptive"``, i.e. ``AdaptiveCadence(base=10, max_interval=80)``):
+the interval starts at ``base``; after a cadence point where the rule refreshed no layer (every
+evaluated layer reused or froze) it doubles, up to ``max_interval``; after a point with at least one
+refresh it halves, down to ``base``. The interval is a state variable of the optimizer (saved with
+it) updated inside the graph.
 
-    T(A, G) = tr(A + d_l·I) · tr(G + d_l·I) = (tr A + d_l·a_dim) · (tr G + d_l·g_dim)
-    Δ = |T(A_new, G_new) − T(A_used, G_used)| / T(A_used, G_used)
+Trace rule (THOR, the seed's formula)
+-------------------------------------
+At a cadence point every layer that is not frozen compares the block it would build now with the
+block in use (the last refreshed one) through the trace of the damped Kronecker block::
 
-with ``d_l = sqrt(λ / P_l)`` the per-factor damping of the layer (``P_l`` its positions per example,
-see :mod:`thor_tf.blocks`), i.e. ``T`` is the trace of the Kronecker product of the two damped
-factors that are actually inverted, ``tr((A + d I) ⊗ (G + d I))``. Both traces use the current
-damping, so a damping schedule alone does not trigger refreshes. ``tr A`` and ``tr G`` come from the
-captured rows without forming the factors (mean squared row norms).
+    T = tr(A ⊗ G + λ_b·I) = tr A · tr G + λ_b · a_dim · g_dim
+    Δ = |T_new − T_used| / T_used
+
+with ``λ_b = λ / P`` the block's damping (``P`` the positions per example, see
+:mod:`thor_tf.blocks`; the engine's per-factor damping is ``d = √(λ/P)``, so ``λ_b = d²``). Both
+sides use the current damping, so a damping schedule alone does not trigger refreshes. ``tr A`` and
+``tr G`` are the mean squared row norms (no factor is formed).
 
 * ``Δ > ω1``: refresh (new factors, new inverses);
 * ``ω2 <= Δ <= ω1``: reuse the stored inverses;
-* ``Δ < ω2``: freeze the block for the rest of training (no factor work at all any more).
+* ``Δ < ω2``: freeze the block for the rest of training (no factor work any more).
 
-A layer that has never been refreshed always refreshes (Δ is reported as +inf).
+A layer that has never been refreshed always refreshes (Δ is +inf). ω1 = 0 (THOR_NT) refreshes at
+every cadence point.
 
-Trace smoothing (option ``trace_smoothing = s``, default 0): with small batches a single batch's
-traces fluctuate by several percent, so Δ > ω1 = 0.01 mostly measures sampling noise. With s > 0
-the "new" traces are a running estimate ``s·previous + (1 − s)·batch`` updated at every cadence
-point of a non-frozen layer (two scalars per layer, no factor work), and the reference stored at a
-refresh is that estimate, so Δ measures drift of the block rather than noise.
+Trace filter (option ``trace_filter``)
+--------------------------------------
+``"none"``: the rule as published. ``T_new`` is the current batch's (``trace_product``), ``T_used``
+the refreshed batch's, and a single ``Δ < ω2`` freezes.
+
+``"mean"`` (default): one batch's ``tr A · tr G`` is a noisy sample of the block's (3–15 % per
+batch on the Fashion-MNIST CNN), far above ω1 = 1 %. Per layer the filter keeps, for
+``r = tr A · tr G`` (undamped; the damping term is added at comparison time):
+
+* the *reference* ``(m_ref, n_ref)``: the mean of the observations that produced the block in use
+  and their number (at a refresh, the current window's mean and count);
+* the *window*: the last ``min(n, W)`` observations since the last refresh (``W = TRACE_WINDOW``),
+  mean ``m_w``; it restarts at every refresh, so a change right after a refresh is seen at once;
+* a noise scale: the mean absolute relative successive difference ``|r_k − r_{k−1}| / r_{k−1}``
+  over the layer's observations (``2σ/√π`` for independent observations of relative s.d. σ), a
+  running mean over the last ~``NOISE_HORIZON`` of them, each capped at ``NOISE_CAP`` × the current
+  mean so that a level shift barely raises it; a point is judged with the noise seen before it.
+
+Then, with ``σ = noise·√π/2``, ``se = σ · m_ref · √(1/n_w + 1/n_ref)`` is the standard error of
+``m_w − m_ref`` and::
+
+    Δ = max(0, |m_w − m_ref| − z·se) / (m_ref + λ_b·a_dim·g_dim),   z = NOISE_Z
+
+Both means are unbiased, so the difference estimates the real change of the block; the ``z·se``
+term removes what sampling noise alone explains (it shrinks as the counts grow, to
+``z·σ·√(2/W)`` with full windows, and is not applied before ``MIN_NOISE_SAMPLES`` noise samples
+exist). A window that straddles a step has a mixed mean; if it becomes the reference, the next
+points read the rest of the step, so a large step can cost two refreshes. A stationary noisy sequence reads
+Δ ≈ 0; a step change of x reads ≈ x − z·se, i.e. ≈ x once x is large against the noise, within
+``W`` cadence points (within one right after a refresh). Freezing is irreversible, so the filtered
+rule freezes only after ``FREEZE_AFTER`` consecutive evaluated cadence points with Δ < ω2 (a
+refresh or a Δ >= ω2 restarts the count).
+
+A batch whose traces are not finite (an overflowing ``‖a‖²``) changes nothing: no decision, no
+filter update, the traces in use are kept; the engine counts it (``counters()["nonfinite_traces"]``).
 """
 
 from __future__ import annotations
 
 import numbers
+from typing import NamedTuple
 
 import tensorflow as tf
 
@@ -49,10 +88,25 @@ PRESETS = {
     "thor_nt": (0.0, 0.0),
 }
 
+TRACE_FILTERS = ("mean", "none")
+#: Observations in the filter's window (the last W since the last refresh).
+TRACE_WINDOW = 8
+#: Standard errors of noise removed from the filtered Δ.
+NOISE_Z = 2.0
+#: The noise variance is a running mean over the first NOISE_HORIZON samples, then an EMA 1/NOISE_HORIZON.
+NOISE_HORIZON = 32
+#: Noise samples needed before the filter removes noise from Δ.
+MIN_NOISE_SAMPLES = 2
+#: Cap of one noise sample, in multiples of the current mean absolute difference.
+NOISE_CAP = 4.0
+_SQRT_PI = 1.7724538509055159
+#: Consecutive cadence points with Δ < ω2 before the filtered rule freezes a layer.
+FREEZE_AFTER = 5
 
-def damped_trace_product(trace_a, trace_g, damping, a_dim, g_dim):
-    """``tr(A + d·I) · tr(G + d·I)`` for scalar traces and per-factor damping ``d``."""
-    return (trace_a + damping * a_dim) * (trace_g + damping * g_dim)
+
+def trace_product(trace_a, trace_g, block_damping, a_dim, g_dim):
+    """The seed's ``T = tr A · tr G + λ_b · a_dim · g_dim`` (trace of ``A ⊗ G + λ_b I``)."""
+    return trace_a * trace_g + block_damping * a_dim * g_dim
 
 
 def relative_trace_change(new_product, used_product, has_used):
@@ -61,18 +115,155 @@ def relative_trace_change(new_product, used_product, has_used):
     return tf.where(has_used, delta, tf.constant(float("inf"), delta.dtype))
 
 
-def decide(delta, omega1, omega2):
+def decide(delta, omega1, omega2, calm=None, freeze_after=1):
     """``(refresh, freeze)`` booleans of THOR's rule; ``reuse`` is neither.
 
-    refresh: Δ > ω1. freeze: Δ < ω2 (never for a layer without a block in use: Δ = inf).
-    ω1 = 0 (THOR_NT) refreshes at every cadence point, even when Δ is exactly 0.
+    refresh: Δ > ω1. freeze: Δ < ω2 (never for a layer without a block in use: Δ = inf) at
+    ``freeze_after`` consecutive evaluated cadence points; ``calm`` (int tensor) counts the previous
+    consecutive points with Δ < ω2. ω1 = 0 (THOR_NT) refreshes at every cadence point, even when Δ
+    is exactly 0. With ``calm`` given, returns ``(refresh, freeze, new_calm)``.
     """
     if omega1 <= 0:
         refresh = tf.ones_like(delta, dtype=tf.bool)
-        return refresh, tf.logical_not(refresh)
-    refresh = delta > omega1
-    freeze = tf.logical_and(tf.logical_not(refresh), delta < omega2)
-    return refresh, freeze
+        quiet = tf.zeros_like(delta, dtype=tf.bool)
+    else:
+        refresh = delta > omega1
+        quiet = tf.logical_and(tf.logical_not(refresh), delta < omega2)
+    if calm is None:
+        return refresh, quiet
+    new_calm = tf.where(quiet, calm + 1, tf.zeros_like(calm))
+    freeze = tf.logical_and(quiet, new_calm >= freeze_after)
+    return refresh, freeze, new_calm
+
+
+class FilterState(NamedTuple):
+    """The trace filter of one layer (scalars) or of several (leading dims): all tensors.
+
+    window: ``[..., W]`` ring buffer of observations since the last refresh; count: their number
+    (int64, may exceed W); ref_mean / ref_count: the reference; last: the previous observation
+    (0: none yet); noise / noise_count: the mean absolute relative successive difference and its
+    samples (see :func:`filter_noise`).
+    """
+
+    window: tf.Tensor
+    count: tf.Tensor
+    ref_mean: tf.Tensor
+    ref_count: tf.Tensor
+    last: tf.Tensor
+    noise: tf.Tensor
+    noise_count: tf.Tensor
+
+
+def initial_filter_state(shape=(), window=TRACE_WINDOW):
+    shape = tuple(shape)
+    return FilterState(
+        window=tf.zeros(shape + (window,)), count=tf.zeros(shape, tf.int64),
+        ref_mean=tf.zeros(shape), ref_count=tf.zeros(shape, tf.int64), last=tf.zeros(shape),
+        noise=tf.zeros(shape), noise_count=tf.zeros(shape, tf.int64))
+
+
+def window_mean(state):
+    """``(m_w, n_w)``: mean of the last ``min(count, W)`` observations and that number (float)."""
+    size = state.window.shape[-1]
+    n = tf.minimum(state.count, size)
+    filled = tf.range(size, dtype=tf.int64) < n[..., None]
+    total = tf.reduce_sum(tf.where(filled, state.window, tf.zeros_like(state.window)), axis=-1)
+    n = tf.cast(n, state.window.dtype)
+    return total / tf.maximum(n, 1.0), n
+
+
+def filter_observe(state, obs):
+    """Add observation ``obs`` (``tr A · tr G`` of a batch) to the window (the noise estimate is
+    updated apart, by :func:`filter_noise`, after Δ is judged: a change is measured against the
+    noise seen before it)."""
+    size = state.window.shape[-1]
+    slot = tf.one_hot(state.count % size, size, on_value=True, off_value=False, dtype=tf.bool)
+    window = tf.where(slot, obs[..., None], state.window)
+    return state._replace(window=window, count=state.count + 1)
+
+
+def filter_noise(state, obs):
+    """Update the noise scale with ``obs`` and make it the last observation.
+
+    ``noise`` is the mean absolute relative successive difference ``|r_k − r_{k−1}| / r_{k−1}``
+    (for independent observations of relative s.d. σ its mean is 2σ/√π), a running mean over the
+    first ``NOISE_HORIZON`` samples, then an EMA of weight 1/NOISE_HORIZON. Once
+    ``MIN_NOISE_SAMPLES`` exist, a sample is capped at ``NOISE_CAP`` × the current mean, so that a
+    level shift (which the rule must see as a change) barely raises the noise estimate.
+    """
+    have_last = state.last > 0
+    rel = tf.abs(obs - state.last) / tf.where(have_last, state.last, tf.ones_like(state.last))
+    capped = tf.where(state.noise_count >= MIN_NOISE_SAMPLES,
+                      tf.minimum(rel, NOISE_CAP * state.noise), rel)
+    weight = 1.0 / tf.minimum(tf.cast(state.noise_count + 1, obs.dtype), float(NOISE_HORIZON))
+    noise = tf.where(have_last, state.noise + weight * (capped - state.noise), state.noise)
+    noise_count = state.noise_count + tf.cast(have_last, tf.int64)
+    return state._replace(last=obs, noise=noise, noise_count=noise_count)
+
+
+def filter_step(state, obs, damping_term, has_used, omega1, omega2, calm,
+                freeze_after=FREEZE_AFTER):
+    """One cadence point of the filtered rule: ``(delta, refresh, freeze, new_calm, new_state)``."""
+    state = filter_observe(state, obs)
+    delta = filter_delta(state, damping_term, has_used)
+    refresh, freeze, new_calm = decide(delta, omega1, omega2, calm, freeze_after)
+    state = filter_refresh(state, refresh)
+    state = filter_noise(state, obs)
+    return delta, refresh, freeze, new_calm, state
+
+
+def filter_delta(state, damping_term, has_used, z=NOISE_Z):
+    """Filtered Δ of the damped trace (see the module docstring); +inf without a block in use."""
+    m_w, n_w = window_mean(state)
+    n_ref = tf.cast(tf.maximum(state.ref_count, 1), m_w.dtype)
+    sigma = state.noise * (_SQRT_PI / 2.0)  # relative s.d. of one observation
+    se = sigma * tf.sqrt(1.0 / tf.maximum(n_w, 1.0) + 1.0 / n_ref) * state.ref_mean
+    se = tf.where(state.noise_count >= MIN_NOISE_SAMPLES, se, tf.zeros_like(se))
+    excess = tf.maximum(tf.abs(m_w - state.ref_mean) - z * se, 0.0)
+    delta = excess / tf.maximum(state.ref_mean + damping_term, 1e-30)
+    return tf.where(has_used, delta, tf.constant(float("inf"), delta.dtype))
+
+
+def filter_refresh(state, refresh):
+    """Where ``refresh``: the window's mean becomes the reference and the window restarts."""
+    m_w, _ = window_mean(state)
+    n_w = tf.minimum(state.count, state.window.shape[-1])
+    return state._replace(
+        ref_mean=tf.where(refresh, m_w, state.ref_mean),
+        ref_count=tf.where(refresh, n_w, state.ref_count),
+        count=tf.where(refresh, tf.zeros_like(state.count), state.count))
+
+
+def adapt_interval(interval, refreshed_any, base, max_interval):
+    """Adaptive cadence: ×2 (≤ max_interval) after a point without refresh, ÷2 (≥ base) after one."""
+    interval = tf.cast(interval, tf.int64)
+    return tf.where(refreshed_any, tf.maximum(interval // 2, base),
+                    tf.minimum(interval * 2, max_interval))
+
+
+class AdaptiveCadence:
+    """``frequency`` that adapts: interval from ``base``, doubling up to ``max_interval`` while the
+    trace rule refreshes no layer at a cadence point, halving back toward ``base`` when layers refresh.
+
+    ``frequency="adaptive"`` is ``AdaptiveCadence(10, 80)``.
+    """
+
+    def __init__(self, base=10, max_interval=None):
+        if isinstance(base, bool) or not isinstance(base, numbers.Integral) or base < 1:
+            raise ValueError(_frequency_error(f"AdaptiveCadence(base={base!r})"))
+        max_interval = 8 * base if max_interval is None else max_interval
+        if (isinstance(max_interval, bool) or not isinstance(max_interval, numbers.Integral)
+                or max_interval < base):
+            raise ValueError(_frequency_error(
+                f"AdaptiveCadence(base={base!r}, max_interval={max_interval!r})"))
+        self.base = int(base)
+        self.max_interval = int(max_interval)
+
+    def get_config(self):
+        return {"adaptive": {"base": self.base, "max_interval": self.max_interval}}
+
+    def __repr__(self):
+        return f"AdaptiveCadence(base={self.base}, max_interval={self.max_interval})"
 
 
 class CadenceSchedule:
@@ -83,14 +274,32 @@ class CadenceSchedule:
       * a list of ``(epoch, interval)`` pairs, epochs increasing from 0: the interval in force from
         that (0-based) epoch on, e.g. ``[(0, 10), (2, 50), (5, 200)]`` thins refreshes as training
         settles, as THOR does on ResNet-50;
-      * a callable ``step -> interval`` (tensor in, tensor out).
+      * a callable ``step -> interval`` (tensor in, tensor out);
+      * ``"adaptive"``, an :class:`AdaptiveCadence`, or its config
+        ``{"adaptive": {"base": b, "max_interval": m}}``: the interval is the optimizer's state
+        variable ``thor_interval``, updated at each cadence point by :func:`adapt_interval`.
     """
 
     def __init__(self, frequency):
         self.spec = frequency
+        self.adaptive = None
         if isinstance(frequency, bool):
             raise ValueError(_frequency_error(frequency))
-        if isinstance(frequency, numbers.Integral):
+        if isinstance(frequency, str) and frequency == "adaptive":
+            frequency = AdaptiveCadence()
+        elif isinstance(frequency, dict) and set(frequency) == {"adaptive"}:
+            options = frequency["adaptive"]
+            if not isinstance(options, dict):
+                raise ValueError(_frequency_error(frequency))
+            try:
+                frequency = AdaptiveCadence(**options)
+            except TypeError as err:
+                raise ValueError(_frequency_error(frequency)) from err
+        if isinstance(frequency, AdaptiveCadence):
+            self.adaptive = frequency
+            self._pairs = [(0, frequency.base)]
+            self._fn = None
+        elif isinstance(frequency, numbers.Integral):
             if frequency < 1:
                 raise ValueError(_frequency_error(frequency))
             self._pairs = [(0, int(frequency))]
@@ -115,10 +324,23 @@ class CadenceSchedule:
 
     @property
     def is_constant(self):
-        return self._pairs is not None and len(self._pairs) == 1
+        return self.adaptive is None and self._pairs is not None and len(self._pairs) == 1
 
-    def interval(self, step, epoch):
-        """Interval (int64 scalar tensor) in force at ``step`` / 0-based ``epoch``."""
+    def interval_base(self):
+        """The first interval (int): the adaptive base, or the interval of epoch 0 / step 0."""
+        if self._pairs is not None:
+            return self._pairs[0][1]
+        return 1
+
+    def interval(self, step, epoch, current=None):
+        """Interval (int64 scalar tensor) in force at ``step`` / 0-based ``epoch``.
+
+        ``current``: the adaptive interval (state variable), returned as is in adaptive mode.
+        """
+        if self.adaptive is not None:
+            if current is None:
+                return tf.constant(self.adaptive.base, tf.int64)
+            return tf.cast(current, tf.int64)
         if self._fn is not None:
             return tf.maximum(tf.cast(self._fn(step), tf.int64), 1)
         epoch = tf.cast(epoch, tf.int64)
@@ -128,6 +350,10 @@ class CadenceSchedule:
         return value
 
     def get_config(self):
+        if self.adaptive is not None:
+            if (self.adaptive.base, self.adaptive.max_interval) == (10, 80):
+                return "adaptive"
+            return self.adaptive.get_config()
         if self._fn is not None:
             return None  # callables do not serialize; documented
         if self.is_constant:
@@ -138,5 +364,6 @@ class CadenceSchedule:
 def _frequency_error(value):
     return (
         f"`frequency` must be an int >= 1, a list of (epoch, interval) pairs with epochs starting "
-        f"at 0 and increasing and intervals >= 1, or a callable step -> interval; got {value!r}."
+        f"at 0 and increasing and intervals >= 1, a callable step -> interval, \"adaptive\" or "
+        f"AdaptiveCadence(base >= 1, max_interval >= base); got {value!r}."
     )
