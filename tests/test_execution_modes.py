@@ -1,0 +1,32 @@
+"""Keras execution modes with THOR: XLA (``jit_compile=True``, Keras' default on GPU) and
+``steps_per_execution > 1`` take exactly the steps of the plain traced train step."""
+
+import keras
+import numpy as np
+import pytest
+
+import thor_tf
+from digits_models import digits, small_cnn
+
+
+def _train(**compile_options):
+    x, y = digits(256)
+    wrapped = thor_tf.wrap(small_cnn(0), frequency=2, verbose=False)
+    wrapped.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"], **compile_options)
+    history = wrapped.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    return wrapped, history.history
+
+
+@pytest.mark.parametrize("options", [{"jit_compile": True}, {"steps_per_execution": 4}],
+                         ids=["xla", "steps_per_execution"])
+def test_execution_mode_takes_the_plain_steps(options):
+    plain, plain_history = _train()
+    other, other_history = _train(**options)
+    assert int(other.optimizer.iterations) == int(plain.optimizer.iterations) == 8
+    assert other.thor.counters()["cadence_points"] == plain.thor.counters()["cadence_points"] == 4
+    np.testing.assert_allclose(other_history["loss"], plain_history["loss"], rtol=1e-5)
+    for a, b in zip(other.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    for name in ("conv", "fc", "out"):
+        np.testing.assert_allclose(other.thor.factors(name)["A"], plain.thor.factors(name)["A"],
+                                   rtol=1e-4, atol=1e-6)
