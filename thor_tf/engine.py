@@ -4,7 +4,10 @@ capture (records of each registered layer) → blocks (factors A, G and split in
 (refresh / reuse / freeze at cadence points) → preconditioned gradients → ``ThorOptimizer`` update.
 
 The engine is structural: it knows the model's layers and blocks and runs the per-step work inside
-the traced train step. Its state variables are created on (and saved with) the optimizer:
+the traced train step. Every layer with a registered block type is a candidate, patched once at
+wrap; the blocks in use are the candidates whose kernel the optimizer trains, chosen at each
+``compile`` (:meth:`ThorEngine.select_blocks`), so freezing and unfreezing layers between compiles
+works. Its state variables are created on (and saved with) the optimizer:
 
 per block ``l``:  ``A_l`` [nb_a, d_a, d_a], ``G_l`` [nb_g, d_g, d_g] (the diagonal blocks of the
 undamped factors in use: the only part the split inverse needs, so the only part computed),
