@@ -1,7 +1,6 @@
 """Keras execution modes with THOR: XLA (``jit_compile=True``, Keras' default on GPU) and
 ``steps_per_execution > 1`` take exactly the steps of the plain traced train step."""
 
-import keras
 import numpy as np
 import pytest
 

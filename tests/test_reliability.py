@@ -11,7 +11,6 @@ import os
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import thor_tf
 from digits_models import digits, small_cnn
