@@ -188,6 +188,24 @@ def add_common_arguments(parser, *, out, epochs, batch_size, thor_lr, thor_dampi
 # Models and optimizers
 # --------------------------------------------------------------------------------------------
 
+def apply_quick(parser, args, argv, **quick):
+    """Re-parse with the ``--quick`` defaults (values given on the command line still win) and
+    resolve ``--dataset``: digits under ``--quick``, else ``auto``. ``max_train``/``max_test`` in
+    ``quick`` apply only to datasets other than digits, unless ``subset_digits=True``."""
+    subset_digits = quick.pop("subset_digits", False)
+    if args.quick:
+        if args.dataset in (None, "digits") and not subset_digits:
+            quick.pop("max_train", None)
+            quick.pop("max_test", None)
+        parser.set_defaults(**quick)
+        args = parser.parse_args(argv)
+        if args.dataset is None:
+            args.dataset = "digits"
+    if args.dataset is None:
+        args.dataset = "auto"
+    return args
+
+
 def finish_args(args, default_grid=None, quick_grid=None):
     """Validate and complete the shared arguments (after the script applied --quick).
 

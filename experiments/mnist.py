@@ -53,18 +53,9 @@ def parse_args(argv=None):
         frequency=10, kfac_frequency=2, lr_schedule="constant", optimizers=("thor", "adam"),
         lr_grid_text=cli.grid_text(LR_GRID, cli.QUICK_LR_GRID))
     args = parser.parse_args(argv)
-    if args.quick:
-        # Tiny: digits (1437 train / 360 test, 8x8), 2 epochs of 23 steps, small grid.
-        # Re-parsing with new defaults keeps every value given on the command line.
-        quick = dict(epochs=2, batch_size=64)
-        if args.dataset not in (None, "digits"):
-            quick.update(max_train=1024, max_test=512)
-        parser.set_defaults(**quick)
-        args = parser.parse_args(argv)
-        if args.dataset is None:
-            args.dataset = "digits"
-    if args.dataset is None:
-        args.dataset = "auto"
+    # --quick: digits (1437 train / 360 test, 8x8), 2 epochs of 23 steps, small grid.
+    args = cli.apply_quick(parser, args, argv, epochs=2, batch_size=64, max_train=1024,
+                           max_test=512)
     return cli.finish_args(args, LR_GRID)
 
 

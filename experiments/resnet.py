@@ -64,13 +64,10 @@ def parse_args(argv=None):
         frequency=10, kfac_frequency=2, lr_schedule="poly",
         lr_grid_text=cli.grid_text(LR_GRID, QUICK_LR_GRID))
     args = parser.parse_args(argv)
-    if args.quick:
-        # Tiny: ResNet-20, 1 epoch over 384 images (6 steps of 64), 256 test images, one lr for
-        # sgd / adam.
-        parser.set_defaults(epochs=1, batch_size=64, max_train=384, max_test=256)
-        args = parser.parse_args(argv)
-        if args.dataset is None:
-            args.dataset = "digits"
+    # --quick: ResNet-20, 1 epoch over 384 images (6 steps of 64), 256 test images, one lr for
+    # sgd / adam.
+    args = cli.apply_quick(parser, args, argv, epochs=1, batch_size=64, max_train=384,
+                           max_test=256, subset_digits=True)
     return cli.finish_args(args, LR_GRID, QUICK_LR_GRID)
 
 

@@ -49,17 +49,9 @@ def parse_args(argv=None):
         optimizers=("thor", "adamw", "adam"),
         lr_grid_text=cli.grid_text(LR_GRID, QUICK_LR_GRID))
     args = parser.parse_args(argv)
-    if args.quick:
-        # Digits (1437 train / 360 test, 8x8: 16 tokens of 2x2), 2 epochs, one rate per baseline.
-        quick = dict(epochs=2, batch_size=64, dim=32, mlp_dim=64)
-        if args.dataset not in (None, "digits"):
-            quick.update(max_train=1024, max_test=512)
-        parser.set_defaults(**quick)
-        args = parser.parse_args(argv)
-        if args.dataset is None:
-            args.dataset = "digits"
-    if args.dataset is None:
-        args.dataset = "auto"
+    # --quick: digits (1437 train / 360 test, 8x8: 16 tokens of 2x2), 2 epochs, one rate each.
+    args = cli.apply_quick(parser, args, argv, epochs=2, batch_size=64, dim=32, mlp_dim=64,
+                           max_train=1024, max_test=512)
     if args.target_from is None and args.target_acc is None and "adamw" in args.optimizers:
         args.target_from = "adamw"
     return cli.finish_args(args, LR_GRID, QUICK_LR_GRID)

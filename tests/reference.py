@@ -90,3 +90,21 @@ def einsum_rows(t, spec, leading, trailing):
     moved = np.transpose(t, perm)
     features = int(np.prod([t.shape[spec.index(c)] for c in trailing]))
     return moved.reshape(-1, features)
+
+
+def softmax_dense_kfac_step(x, y, w0, damping, lr, kappa):
+    """``(Δ, ν)`` of one K-FAC step of a single softmax Dense layer (bias folded in), float64.
+
+    ``Δ = (A + √λ I)⁻¹ ∇ (G + √λ I)⁻¹`` from explicit per-example inputs and output gradients of
+    the cross-entropy, ``ν = min(1, sqrt(κ / (lr²·⟨Δ, ∇⟩)))``; ``w0`` is ``[in + 1, out]``.
+    """
+    n, d = x.shape
+    k = w0.shape[1]
+    xa = homogeneous(x.astype(np.float64), True)
+    g = softmax(xa @ w0) - np.eye(k)[y]
+    grad = xa.T @ g / n
+    damp = np.sqrt(damping)
+    delta = (np.linalg.inv(mean_outer(xa) + damp * np.eye(d + 1)) @ grad
+             @ np.linalg.inv(mean_outer(g) + damp * np.eye(k)))
+    nu = min(1.0, np.sqrt(kappa / (lr ** 2 * np.sum(delta * grad))))
+    return delta, nu

@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import thor_tf
-from reference import block_diagonal_part, conv_patches, homogeneous, mean_outer, softmax
+from reference import softmax_dense_kfac_step, block_diagonal_part, conv_patches, homogeneous, mean_outer, softmax
 
 
 def _wrap(model, **options):
@@ -202,13 +202,7 @@ def test_kl_clip_scales_the_preconditioned_step(kappa):
     model = keras.Sequential([keras.Input((d,)), keras.layers.Dense(k, activation="softmax", name="out")])
     layer = model.get_layer("out")
     w0 = np.concatenate([layer.kernel.numpy(), layer.bias.numpy()[None]], 0).astype(np.float64)
-    xa = homogeneous(x.astype(np.float64), True)
-    g = softmax(xa @ w0) - np.eye(k)[y]
-    grad = xa.T @ g / n
-    damp = np.sqrt(lam)
-    delta = (np.linalg.inv(mean_outer(xa) + damp * np.eye(d + 1)) @ grad
-             @ np.linalg.inv(mean_outer(g) + damp * np.eye(k)))
-    nu = min(1.0, np.sqrt(kappa / (lr ** 2 * np.sum(delta * grad))))
+    delta, nu = softmax_dense_kfac_step(x, y, w0, lam, lr, kappa)
     wrapped = _wrap(model, learning_rate=lr, momentum=0.0, damping=lam, kl_clip=kappa)
     wrapped.compile(loss="sparse_categorical_crossentropy")
     wrapped.train_on_batch(x, y)

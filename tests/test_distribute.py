@@ -9,8 +9,9 @@ import os
 import subprocess
 import sys
 
-SCRIPT = r"""
-import json, os
+# Two logical CPU devices, then the digits; each script takes its own slice of them.
+PREAMBLE = r"""
+import json, os, sys, warnings
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 import tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
@@ -19,6 +20,9 @@ import keras, numpy as np, thor_tf
 from sklearn.datasets import load_digits
 
 d = load_digits()
+"""
+
+SCRIPT = PREAMBLE + r"""
 x = (d.images[:64] / 16.0).astype("float32")[..., None]
 y = d.target[:64]
 
@@ -55,28 +59,13 @@ print("RESULT" + json.dumps(out))
 
 
 def test_mirrored_strategy_trains_and_keeps_replicas_in_step():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env,
-                          timeout=300)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
-    assert lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    result = json.loads(lines[0][len("RESULT"):])
+    result = _run(SCRIPT)
     assert result["loss_after"] < 0.7 * result["loss_before"], result
     assert result["unchanged_on_nan"] and result["nonfinite_steps"] == 1, result
     assert result["replicas_equal"] and result["factors_finite"], result
 
 
-SKIP_SCRIPT = r"""
-import json, os, sys, warnings
-os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-import tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import keras, numpy as np, thor_tf
-from sklearn.datasets import load_digits
-
-d = load_digits()
+SKIP_SCRIPT = PREAMBLE + r"""
 x = (d.images[:128] / 16.0).astype("float32")[..., None]
 y = d.target[:128]
 x[40] = np.nan  # batch 1 of 4 (batch 32) in every epoch

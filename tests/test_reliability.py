@@ -14,7 +14,7 @@ import pytest
 
 import thor_tf
 from digits_models import digits, small_cnn
-from reference import homogeneous, mean_outer, softmax
+from reference import softmax_dense_kfac_step, homogeneous, mean_outer, softmax
 
 LOSS = "sparse_categorical_crossentropy"
 
@@ -39,13 +39,7 @@ def test_kl_clip_and_step_do_not_depend_on_loss_scale_factor():
     model = _one_layer(d, k)
     layer = model.get_layer("out")
     w0 = np.concatenate([layer.kernel.numpy(), layer.bias.numpy()[None]], 0).astype(np.float64)
-    xa = homogeneous(x.astype(np.float64), True)
-    g = softmax(xa @ w0) - np.eye(k)[y]
-    grad = xa.T @ g / n
-    damp = np.sqrt(lam)
-    delta = (np.linalg.inv(mean_outer(xa) + damp * np.eye(d + 1)) @ grad
-             @ np.linalg.inv(mean_outer(g) + damp * np.eye(k)))
-    nu = min(1.0, np.sqrt(kappa / (lr ** 2 * np.sum(delta * grad))))
+    delta, nu = softmax_dense_kfac_step(x, y, w0, lam, lr, kappa)
     wrapped = thor_tf.wrap(model, learning_rate=lr, momentum=0.0, damping=lam, kl_clip=kappa,
                            loss_scale_factor=1024.0, verbose=False)
     wrapped.compile(loss=LOSS)

@@ -69,6 +69,8 @@ class KroneckerBlock:
     """
 
     kind = "kronecker"
+    #: The layer attribute holding the block's weight matrix (``[..., out]``).
+    kernel_attribute = "kernel"
 
     @classmethod
     def unsupported_reason(cls, layer):
@@ -77,7 +79,7 @@ class KroneckerBlock:
         Structural reasons only: trainability can change between compiles and is decided per
         compile by the engine.
         """
-        if getattr(layer, "kernel", None) is None:
+        if not getattr(layer, "built", True) or getattr(layer, cls.kernel_attribute, None) is None:
             return "not built"
         if getattr(layer, "lora_enabled", False):
             return "LoRA enabled"
@@ -104,7 +106,7 @@ class KroneckerBlock:
     def __init__(self, name: str, layer):
         self.name = name
         self.layer = layer
-        self.kernel = layer.kernel
+        self.kernel = getattr(layer, self.kernel_attribute)
         # The bias is folded into A as the homogeneous coordinate when the layer has one.
         self.bias = getattr(layer, "bias", None)
         kernel_shape = tuple(int(s) for s in self.kernel.shape)

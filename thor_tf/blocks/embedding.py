@@ -31,26 +31,11 @@ class EmbeddingBlock(KroneckerBlock):
     """Embedding: A = diag(token frequencies) as V 1×1 blocks, G as Dense over the N·T rows."""
 
     kind = "embedding"
-
-    @classmethod
-    def unsupported_reason(cls, layer):
-        if not layer.built or getattr(layer, "_embeddings", None) is None:
-            return "not built"
-        if getattr(layer, "lora_enabled", False):
-            return "LoRA enabled"
-        policy = getattr(layer, "dtype_policy", None)
-        if getattr(policy, "quantization_mode", None):
-            return "quantized"
-        return None
+    kernel_attribute = "embeddings"  # the [V, D] variable; no bias
 
     def __init__(self, name, layer):
-        self.name = name
-        self.layer = layer
-        self.kernel = layer.embeddings  # the [V, D] variable (no LoRA, not quantized)
-        self.bias = None
-        self.kernel_shape = tuple(int(s) for s in self.kernel.shape)
-        self.vocabulary, self.g_dim = self.kernel_shape
-        self.in_dim = self.a_dim = self.vocabulary
+        super().__init__(name, layer)
+        self.vocabulary = self.in_dim
 
     def split_sizes(self, split_dim):
         return 1, split_dim
