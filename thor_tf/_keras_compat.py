@@ -12,6 +12,10 @@ this is the one module to adapt.
   ``training`` argument only where the (possibly user-overridden) signature accepts it.
 * :func:`unscale_loss_for_distribution` - ``keras.src.losses.loss``: Keras divides the loss by
   the number of replicas under a ``tf.distribute`` strategy; the tracked loss undoes that.
+
+Overridden rather than called: ``ThorOptimizer._all_reduce_sum_gradients`` (the TF backend
+optimizer's hook that all-reduces the gradients given to ``apply``), turned into the identity for
+THOR's gradients, which the engine all-reduces before preconditioning.
 """
 
 from __future__ import annotations

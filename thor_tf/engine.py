@@ -24,12 +24,13 @@ operators, and K-FAC's KL clip) is :mod:`thor_tf.precondition`.
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from thor_tf import _keras_compat, algebra, capture, fisher, precondition, scheduler
+from thor_tf import _keras_compat, algebra, capture, distributed, fisher, precondition, scheduler
 from thor_tf.blocks import block_class_for
 from thor_tf.inverse import invert_blocks, split_layout
 
@@ -39,23 +40,6 @@ _EXPECTED_FIRST_ORDER = (
     keras.layers.LayerNormalization,
     keras.layers.GroupNormalization,
 )
-
-
-def _replica_context():
-    """The replica context when training on more than one replica, else None."""
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync <= 1:
-        return None
-    return context
-
-
-def _cross_replica_all(flag):
-    """Logical AND of a boolean over replicas, so that every replica takes the same branches."""
-    context = _replica_context()
-    if context is None:
-        return flag
-    failures = context.all_reduce(tf.distribute.ReduceOp.SUM, 1.0 - tf.cast(flag, tf.float32))
-    return failures < 0.5
 
 
 def _values(gradient):
@@ -83,6 +67,17 @@ def _identity_blocks(num_blocks, size):
         return tf.eye(size, batch_shape=[num_blocks], dtype=dtype or "float32")
 
     return init
+
+
+class _CadenceLayer(NamedTuple):
+    """What one active block brings to a cadence point (this replica's batch)."""
+
+    index: int  # position in the engine's blocks (and state vectors)
+    block: object  # the KroneckerBlock
+    records: list  # [capture.Record] (first ``factor_examples`` examples when set)
+    grads: list  # per-example dℓ/dz tensors aligned with ``records``
+    positions: tf.Tensor  # P, rows per example (float32 scalar)
+    examples: tf.Tensor  # examples behind the statistics (float32 scalar): the replica's weight
 
 
 class ThorEngine:
@@ -337,11 +332,16 @@ class ThorEngine:
         z_grads = [tf.zeros_like(z) if g is None else g
                    for z, g in zip(zs, all_grads[len(variables):])]
 
+        # Stage 1: the global batch's gradient (one all-reduce under a strategy; the loss rides
+        # along so that a non-finite loss on any replica is seen by all). Everything after this
+        # is identical on every replica.
+        loss_value = tf.reshape(tf.cast(loss, tf.float32), [])
+        *grads, loss_sum = distributed.sum_gradients(grads + [loss_value])
         # Finite parameter gradients imply finite dL/dz (every dz enters a bias or kernel
         # gradient, and NaN·0 is NaN), so the large z-gradients need no check of their own.
-        checks = [tf.reduce_all(tf.math.is_finite(tf.cast(loss, tf.float32)))]
+        checks = [tf.math.is_finite(loss_sum)]
         checks += [tf.reduce_all(tf.math.is_finite(_values(g))) for g in grads if g is not None]
-        ok = _cross_replica_all(tf.reduce_all(tf.stack(checks)))
+        ok = tf.reduce_all(tf.stack(checks))
 
         def split_by_block(tensors):
             out, k = {}, 0
@@ -361,23 +361,28 @@ class ThorEngine:
             return split_by_block([tf.zeros_like(z, tf.float32) if g is None else tf.cast(g, tf.float32)
                                    for z, g in zip(zs, gs)])
 
+        # Stage 2: curvature at a due cadence point. Stage 3: precondition. Stage 4: update.
         self.curvature_step(active, records, ok,
-                            sampled_output_grads if sampled_loss is not None else output_grads)
+                            sampled_output_grads if sampled_loss is not None else output_grads,
+                            batch_size)
         pre = self.precondition(active, records, grads, variables, ok)
         state = self.state
         state["nonfinite_steps"].assign_add(tf.cast(tf.logical_not(ok), tf.int64))
-        opt.apply_masked(pre, variables, ok)
+        opt.apply_masked(pre, variables, ok, reduced=True)
         return ok
 
     def model_loss(self):
         """The compiled loss (set by ``ThorModel.compile``), for the reduction to undo."""
         return self.loss if self.loss is not None else "sparse_categorical_crossentropy"
 
-    def curvature_step(self, active, records, ok, output_grads_fn):
+    def curvature_step(self, active, records, ok, output_grads_fn, batch_size):
         """At a due cadence point, apply the trace rule per layer and refresh where it says so.
 
         ``output_grads_fn()`` returns ``{block name: [per-example dℓ/dz, ...]}`` (empirical or
-        sampled); it is called only inside the cadence branch.
+        sampled) of this replica's batch; it is called only inside the cadence branch. The stages
+        (each identical on every replica; collectives only under a strategy, see
+        :mod:`thor_tf.distributed`): traces of the live layers → combined over replicas →
+        decisions → factors of the refreshing layers → combined → inverses → recorded.
         """
         opt = self.optimizer
         s = self.state
@@ -385,14 +390,15 @@ class ThorEngine:
         due = tf.logical_and(ok, step >= s["next_cadence"])
 
         def cadence():
-            grads_for_g = output_grads_fn()
+            layers = self._cadence_inputs(active, records, output_grads_fn(), batch_size)
+            weight = layers[0].examples if layers else tf.constant(1.0)
             damping = opt.current_damping()
-            results = {}
-            for b in active:
-                i = self._block_index[b.name]
-                results[i] = self._layer_cadence(i, b, records[b.name], grads_for_g[b.name],
-                                                 damping, step)
-            refreshed_any = self._record_decisions(results, step)
+            local = [self._local_traces(layer) for layer in layers]
+            traces = distributed.weighted_mean(local, weight)
+            decisions = [self._judge(layer, trace, damping) for layer, trace in zip(layers, traces)]
+            self._refresh(layers, decisions, damping, weight)
+            refreshed_any = self._record_decisions(
+                {layer.index: d for layer, d in zip(layers, decisions)}, step)
             if opt.cadence.adaptive is not None:
                 s["interval"].assign(scheduler.adapt_interval(
                     s["interval"], refreshed_any, opt.cadence.adaptive.base,
@@ -401,9 +407,33 @@ class ThorEngine:
             s["interval"].assign(interval)
             s["next_cadence"].assign(step + interval)
             s["cadence_points"].assign_add(1)
-            return tf.constant(0)
 
-        tf.cond(due, cadence, lambda: tf.constant(0))
+        distributed.run_if(due, cadence)
+
+    def _cadence_inputs(self, active, records, output_grads, batch_size):
+        """One :class:`_CadenceLayer` per active block (``factor_examples`` applied)."""
+        k = self.optimizer.factor_examples
+        examples = tf.cast(batch_size, tf.float32)
+        if k is not None:
+            # Statistics from the first examples of the batch only (K-FAC's sub-batch): the
+            # batch order is random, and im2col + factor matmuls shrink in proportion.
+            examples = tf.minimum(examples, float(k))
+        layers = []
+        for b in active:
+            recs, gs = records[b.name], output_grads[b.name]
+            if k is not None:
+                recs = [capture.Record(r.inputs[:k], r.z[:k]) for r in recs]
+                gs = [g[:k] for g in gs]
+            positions = b.positions(records[b.name])
+            layers.append(_CadenceLayer(self._block_index[b.name], b, recs, gs, positions, examples))
+        return layers
+
+    def _local_traces(self, layer):
+        """``[tr A, tr G]`` of this replica's batch (float32 ``[2]``; zeros for a frozen layer:
+        no work for it)."""
+        s, i, block = self.state, layer.index, layer.block
+        return tf.cond(s["frozen"][i] > 0, lambda: tf.zeros([2]),
+                       lambda: tf.stack([block.trace_a(layer.records), block.trace_g(layer.grads)]))
 
     _FILTER_KEYS = ("window", "count", "ref_mean", "ref_count", "last", "noise", "noise_count")
 
@@ -411,98 +441,164 @@ class ThorEngine:
         s = self.state
         return scheduler.FilterState(*[tf.identity(s["filter_" + k][i]) for k in self._FILTER_KEYS])
 
-    def _layer_cadence(self, i, block, recs, gs, damping, step):
-        """Δ, decision and (if refreshing) new factors/inverses for one layer.
+    def _judge(self, layer, traces, damping):
+        """The trace rule for one layer from the global batch's traces ``[tr A, tr G]``.
 
-        Returns a dict of tensors: ``delta``, ``refresh``, ``freeze``, ``nonfinite`` (the batch's
-        traces were not finite: nothing changed), ``trace_a``/``trace_g`` (traces of the block in
-        use), ``calm`` and the layer's new :class:`~thor_tf.scheduler.FilterState` (``filter``).
+        Returns a dict of tensors: ``delta``, ``refresh``, ``freeze``, ``nonfinite`` (the traces
+        were not finite: nothing changes), ``calm`` and the layer's new
+        :class:`~thor_tf.scheduler.FilterState` (``filter``). A frozen layer decides nothing.
         """
         opt = self.optimizer
         s = self.state
+        i, block = layer.index, layer.block
         beta = opt.factor_decay
         filtered = opt.trace_filter == "mean"
         freeze_after = scheduler.FREEZE_AFTER if filtered else 1
-        frozen = s["frozen"][i] > 0
         has_used = s["refreshes"][i] > 0
         used_a, used_g = s["trace_a"][i], s["trace_g"][i]
         calm = s["calm"][i]
         old_filter = self._filter_state(i)
-        per_factor = tf.sqrt(damping / block.positions(recs))
-        block_damping = tf.square(per_factor)  # λ_b = λ/P
+        block_damping = damping / layer.positions  # λ_b = λ/P
         damping_term = block_damping * block.a_dim * block.g_dim
-        if opt.factor_examples is not None:
-            # Statistics from the first examples of the batch only (K-FAC's sub-batch): the
-            # batch order is random, and im2col + factor matmuls shrink in proportion.
-            k = opt.factor_examples
-            recs = [capture.Record(r.inputs[:k], r.z[:k]) for r in recs]
-            gs = [g[:k] for g in gs]
+        batch_a, batch_g = traces[0], traces[1]
 
-        def unchanged(delta, nonfinite):
-            return {"delta": delta, "refresh": tf.constant(False), "freeze": tf.constant(False),
-                    "nonfinite": nonfinite, "trace_a": tf.identity(used_a),
-                    "trace_g": tf.identity(used_g), "calm": tf.identity(calm),
-                    "filter": old_filter}
+        def unchanged(nonfinite):
+            return {"delta": tf.constant(float("nan")), "refresh": tf.constant(False),
+                    "freeze": tf.constant(False), "nonfinite": tf.constant(nonfinite),
+                    "calm": tf.identity(calm), "filter": old_filter}
 
-        def work():
-            # Under a multi-replica strategy this runs per replica on its local batch: TF does not
-            # allow cross-replica all-reduce inside tf.cond (merge_call), see README "Limits".
-            batch_a, batch_g = block.trace_a(recs), block.trace_g(gs)
-            finite = tf.logical_and(tf.math.is_finite(batch_a * batch_g),
-                                    tf.logical_and(tf.math.is_finite(batch_a),
-                                                   tf.math.is_finite(batch_g)))
+        def judge():
+            if filtered:
+                delta, refresh, freeze, new_calm, new_filter = scheduler.filter_step(
+                    old_filter, batch_a * batch_g, damping_term, has_used, opt.omega1,
+                    opt.omega2, calm, freeze_after)
+            else:
+                new_filter = old_filter
+                trace_a, trace_g = batch_a, batch_g
+                if beta > 0:
+                    trace_a = tf.where(has_used, beta * used_a + (1 - beta) * trace_a, trace_a)
+                    trace_g = tf.where(has_used, beta * used_g + (1 - beta) * trace_g, trace_g)
+                new = scheduler.trace_product(trace_a, trace_g, block_damping, block.a_dim,
+                                              block.g_dim)
+                used = scheduler.trace_product(used_a, used_g, block_damping, block.a_dim,
+                                               block.g_dim)
+                delta = scheduler.relative_trace_change(new, used, has_used)
+                refresh, freeze, new_calm = scheduler.decide(
+                    delta, opt.omega1, opt.omega2, calm, freeze_after)
+            return {"delta": delta, "refresh": refresh, "freeze": freeze,
+                    "nonfinite": tf.constant(False), "calm": new_calm, "filter": new_filter}
 
-            def judge():
-                if filtered:
-                    delta, refresh, freeze, new_calm, new_filter = scheduler.filter_step(
-                        old_filter, batch_a * batch_g, damping_term, has_used, opt.omega1,
-                        opt.omega2, calm, freeze_after)
-                else:
-                    new_filter = old_filter
-                    trace_a, trace_g = batch_a, batch_g
-                    if beta > 0:
-                        trace_a = tf.where(has_used, beta * used_a + (1 - beta) * trace_a, trace_a)
-                        trace_g = tf.where(has_used, beta * used_g + (1 - beta) * trace_g, trace_g)
-                    new = scheduler.trace_product(trace_a, trace_g, block_damping, block.a_dim,
-                                                  block.g_dim)
-                    used = scheduler.trace_product(used_a, used_g, block_damping, block.a_dim,
-                                                   block.g_dim)
-                    delta = scheduler.relative_trace_change(new, used, has_used)
-                    refresh, freeze, new_calm = scheduler.decide(
-                        delta, opt.omega1, opt.omega2, calm, freeze_after)
+        # Non-finite traces (e.g. ‖a‖² overflowing float32) decide nothing and change nothing.
+        finite = tf.logical_and(tf.math.is_finite(batch_a * batch_g),
+                                tf.reduce_all(tf.math.is_finite(traces)))
+        return tf.cond(s["frozen"][i] > 0, lambda: unchanged(False),
+                       lambda: tf.cond(finite, judge, lambda: unchanged(True)))
 
-                def do_refresh():
-                    factor_a = block.factor_a(recs, opt.split_dim)  # [nb, d, d] diagonal blocks
-                    factor_g = block.factor_g(gs, opt.split_dim)
-                    if beta > 0:
-                        factor_a = tf.where(has_used, beta * s["A"][i] + (1 - beta) * factor_a, factor_a)
-                        factor_g = tf.where(has_used, beta * s["G"][i] + (1 - beta) * factor_g, factor_g)
-                    # A non-finite factor (e.g. a sampled-Fisher overflow) keeps the one in use.
-                    factor_a = tf.where(tf.reduce_all(tf.math.is_finite(factor_a)), factor_a, s["A"][i])
-                    factor_g = tf.where(tf.reduce_all(tf.math.is_finite(factor_g)), factor_g, s["G"][i])
-                    inv_a = invert_blocks(factor_a, per_factor, block.a_dim, previous=s["A_inv"][i])
-                    inv_g = invert_blocks(factor_g, per_factor, block.g_dim, previous=s["G_inv"][i])
-                    s["A"][i].assign(factor_a)
-                    s["G"][i].assign(factor_g)
-                    s["A_inv"][i].assign(inv_a)
-                    s["G_inv"][i].assign(inv_g)
-                    return (tf.reduce_sum(tf.linalg.trace(factor_a)),
-                            tf.reduce_sum(tf.linalg.trace(factor_g)))
+    # -- refresh: factors -> (combined over replicas) -> inverses ---------------------------------
+    def _refresh(self, layers, decisions, damping, weight):
+        """Refresh the layers whose decision says so: new factors, inverses and used traces.
 
-                trace_a_used, trace_g_used = tf.cond(
-                    refresh, do_refresh, lambda: (tf.identity(used_a), tf.identity(used_g)))
-                return {"delta": delta, "refresh": refresh, "freeze": freeze,
-                        "nonfinite": tf.constant(False), "trace_a": trace_a_used,
-                        "trace_g": trace_g_used, "calm": new_calm, "filter": new_filter}
+        On one replica each refreshing layer does all its work in one ``tf.cond``. Under a
+        strategy, and only when some layer refreshes: each replica computes its batch's factors
+        of the refreshing layers (zeros for the others), one packed collective makes them the
+        global batch's factors, then every replica inverts them (``inverse_assignment="all"``),
+        or each layer is inverted by the replica it is assigned to and one more packed collective
+        shares the inverses (``"balanced"``).
+        """
+        if not layers:
+            return
+        refresh = [d["refresh"] for d in decisions]
+        if distributed.replica_context() is None:
+            for layer, flag in zip(layers, refresh):
+                tf.cond(flag, lambda layer=layer: self._install(
+                    layer, *self._local_factors(layer), damping), lambda: tf.constant(0))
+            return
 
-            # Non-finite traces (e.g. ‖a‖² overflowing float32) decide nothing and change nothing.
-            return tf.cond(finite, judge,
-                           lambda: unchanged(tf.constant(float("nan")), tf.constant(True)))
+        def exchange():
+            local = []
+            for layer, flag in zip(layers, refresh):
+                shapes = self._factor_shapes(layer.index)
+                local.extend(tf.cond(flag, lambda layer=layer: self._local_factors(layer),
+                                     lambda shapes=shapes: tuple(tf.zeros(sh) for sh in shapes)))
+            combined = distributed.weighted_mean(local, weight)
+            factors = [tuple(combined[2 * k: 2 * k + 2]) for k in range(len(layers))]
+            if self.optimizer.inverse_assignment == "balanced":
+                self._install_shared_inverses(layers, refresh, factors, damping)
+                return
+            for layer, flag, (fa, fg) in zip(layers, refresh, factors):
+                tf.cond(flag, lambda layer=layer, fa=fa, fg=fg: self._install(layer, fa, fg, damping),
+                        lambda: tf.constant(0))
 
-        def skip():  # frozen: no patches, no factor matmuls, no inversion
-            return unchanged(tf.constant(float("nan")), tf.constant(False))
+        distributed.run_if(tf.reduce_any(tf.stack(refresh)), exchange)
 
-        return tf.cond(frozen, skip, work)
+    def _factor_shapes(self, i):
+        s = self.state
+        return tuple(s[k][i].shape for k in ("A", "G"))
+
+    def _local_factors(self, layer):
+        """This replica's diagonal factor blocks ``(A [nb, d, d], G [nb, d, d])``."""
+        split = self.optimizer.split_dim
+        return (layer.block.factor_a(layer.records, split),
+                layer.block.factor_g(layer.grads, split))
+
+    def _factors_in_use(self, layer, factor_a, factor_g):
+        """The batch's factors blended with the old ones (``factor_decay``); a non-finite factor
+        (e.g. a sampled-Fisher overflow) keeps the one in use."""
+        s, i, beta = self.state, layer.index, self.optimizer.factor_decay
+        has_used = s["refreshes"][i] > 0
+        if beta > 0:
+            factor_a = tf.where(has_used, beta * s["A"][i] + (1 - beta) * factor_a, factor_a)
+            factor_g = tf.where(has_used, beta * s["G"][i] + (1 - beta) * factor_g, factor_g)
+        factor_a = tf.where(tf.reduce_all(tf.math.is_finite(factor_a)), factor_a, s["A"][i])
+        factor_g = tf.where(tf.reduce_all(tf.math.is_finite(factor_g)), factor_g, s["G"][i])
+        return factor_a, factor_g
+
+    def _inverses(self, layer, factor_a, factor_g, damping):
+        """Split inverses of the damped factors (``√(λ/P)`` per factor)."""
+        s, i, block = self.state, layer.index, layer.block
+        per_factor = tf.sqrt(damping / layer.positions)
+        return (invert_blocks(factor_a, per_factor, block.a_dim, previous=s["A_inv"][i]),
+                invert_blocks(factor_g, per_factor, block.g_dim, previous=s["G_inv"][i]))
+
+    def _install(self, layer, factor_a, factor_g, damping, inverses=None):
+        """Write a refreshed layer's factors, inverses and used traces (returns a dummy 0)."""
+        s, i = self.state, layer.index
+        factor_a, factor_g = self._factors_in_use(layer, factor_a, factor_g)
+        inv_a, inv_g = inverses or self._inverses(layer, factor_a, factor_g, damping)
+        s["A"][i].assign(factor_a)
+        s["G"][i].assign(factor_g)
+        s["A_inv"][i].assign(inv_a)
+        s["G_inv"][i].assign(inv_g)
+        for key, factor in (("trace_a", factor_a), ("trace_g", factor_g)):
+            s[key].assign(tf.tensor_scatter_nd_update(
+                s[key], [[i]], [tf.reduce_sum(tf.linalg.trace(factor))]))
+        return tf.constant(0)
+
+    def _install_shared_inverses(self, layers, refresh, factors, damping):
+        """``inverse_assignment="balanced"``: each refreshing layer is inverted on the replica
+        it is assigned to (longest-processing-time by the cost ``Σ d³`` of its blocks), zeros
+        elsewhere; one packed SUM shares the inverses; every replica installs them."""
+        owners = distributed.balanced_owners(
+            [self._inversion_cost(layer.index) for layer in layers], distributed.num_replicas())
+        me = distributed.replica_id()
+        local = []
+        for layer, flag, owner, (fa, fg) in zip(layers, refresh, owners, factors):
+            shapes = self._factor_shapes(layer.index)
+
+            def invert(layer=layer, fa=fa, fg=fg):
+                return self._inverses(layer, *self._factors_in_use(layer, fa, fg), damping)
+
+            local.extend(tf.cond(tf.logical_and(flag, tf.equal(me, owner)), invert,
+                                 lambda shapes=shapes: tuple(tf.zeros(sh) for sh in shapes)))
+        shared = distributed.sum_packed(local)
+        for k, (layer, flag, (fa, fg)) in enumerate(zip(layers, refresh, factors)):
+            inverses = (shared[2 * k], shared[2 * k + 1])
+            tf.cond(flag, lambda layer=layer, fa=fa, fg=fg, inverses=inverses: self._install(
+                layer, fa, fg, damping, inverses), lambda: tf.constant(0))
+
+    def _inversion_cost(self, i):
+        """Flops-proportional cost of inverting block ``i``'s factors: ``Σ nb·d³``."""
+        return float(sum(int(sh[0]) * int(sh[1]) ** 3 for sh in self._factor_shapes(i)))
 
     def _record_decisions(self, results, step):
         """Write one cadence point's per-layer outcomes into the stat vectors.
@@ -526,10 +622,6 @@ class ThorEngine:
         was_frozen = s["frozen"] > 0
         evaluated = tf.logical_and(tf.logical_not(was_frozen), present_t)
         reuse = tf.logical_and(evaluated, tf.logical_not(tf.logical_or(refresh, freeze)))
-        s["trace_a"].assign(tf.where(present_t, gather(lambda r: r["trace_a"], 0.0, tf.float32),
-                                     s["trace_a"]))
-        s["trace_g"].assign(tf.where(present_t, gather(lambda r: r["trace_g"], 0.0, tf.float32),
-                                     s["trace_g"]))
         s["calm"].assign(tf.where(present_t, gather(lambda r: r["calm"], 0, tf.int64), s["calm"]))
         for k in self._FILTER_KEYS:
             var = s["filter_" + k]

@@ -29,6 +29,8 @@ from keras import ops
 from thor_tf.scheduler import PRESETS, TRACE_FILTERS, CadenceSchedule
 
 FISHER_TYPES = ("empirical", "sampled")
+#: Who inverts a refreshing layer's factors under a multi-replica strategy (README "Distributed").
+INVERSE_ASSIGNMENTS = ("all", "balanced")
 DEFAULT_FREQUENCY = 10
 #: Noise filter of the trace rule ("none" = the rule as published); see README and scheduler.py.
 DEFAULT_TRACE_FILTER = "mean"
@@ -120,6 +122,11 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         ``scheduler.FREEZE_AFTER`` = 5 consecutive Δ < ω2; ``"none"`` is THOR's rule as published
         (the current batch's traces, immediate freeze). See :mod:`thor_tf.scheduler`. Replaces
         ``trace_smoothing`` (which now raises ValueError).
+      inverse_assignment: under a strategy with several replicas, ``"all"`` (default): every
+        replica inverts every refreshing layer (no communication of inverses); ``"balanced"``:
+        each layer is inverted by one replica (greedy balance of the cost ``Σ d³`` of its
+        blocks, as KAISA and kfac-jax assign work) and one packed all-reduce shares the
+        inverses. Both give the same step; see README "Distributed training" for when each wins.
     """
 
     def __init__(
@@ -140,6 +147,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         trace_filter=DEFAULT_TRACE_FILTER,
         kl_clip=DEFAULT_KL_CLIP,
         factor_examples=None,
+        inverse_assignment="all",
         name="thor",
         **kwargs,
     ):
@@ -178,6 +186,9 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         if factor_examples is not None and (isinstance(factor_examples, bool) or not isinstance(
                 factor_examples, numbers.Integral) or factor_examples < 1):
             raise ValueError(f"`factor_examples` must be None or an int >= 1; got {factor_examples!r}.")
+        if not isinstance(inverse_assignment, str) or inverse_assignment not in INVERSE_ASSIGNMENTS:
+            raise ValueError(f"`inverse_assignment` must be one of {list(INVERSE_ASSIGNMENTS)}; "
+                             f"got {inverse_assignment!r}.")
         if weight_decay_exclude is not None and (
                 isinstance(weight_decay_exclude, str)
                 or not all(isinstance(p, str) for p in weight_decay_exclude)):
@@ -204,7 +215,9 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         self.trace_filter = trace_filter
         self.kl_clip = None if kl_clip is None else float(kl_clip)
         self.factor_examples = None if factor_examples is None else int(factor_examples)
+        self.inverse_assignment = inverse_assignment
         self.engine = None
+        self._gradients_reduced = False
         self._step_ok = None
 
     # -- wiring ------------------------------------------------------------------------------------
@@ -237,7 +250,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         return tf.cast(damping, tf.float32)
 
     # -- the update chain ----------------------------------------------------------------------------
-    def apply_masked(self, grads, variables, ok):
+    def apply_masked(self, grads, variables, ok, reduced=False):
         """``apply`` of already unscaled gradients, every change masked by the boolean ``ok``.
 
         The engine divides the gradients by the loss scale before preconditioning (the KL clip
@@ -245,15 +258,29 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         here. A skipped step (``ok`` False) changes no weight and no momentum, and does not count
         in ``iterations`` (the convention of Keras' ``LossScaleOptimizer``): learning-rate and
         damping schedules and the cadence do not move over skipped batches.
+
+        ``reduced=True``: the gradients are already the global batch's (the engine all-reduces
+        them before preconditioning, so that every replica preconditions the same gradient), and
+        Keras' all-reduce of the gradients it is given is switched off: summing R identical
+        preconditioned gradients would multiply the step by R.
         """
         self._step_ok = ok
         loss_scale_factor, self.loss_scale_factor = self.loss_scale_factor, None
+        self._gradients_reduced = reduced
         try:
             self.apply(grads, variables)
         finally:
             self._step_ok = None
+            self._gradients_reduced = False
             self.loss_scale_factor = loss_scale_factor
         self.iterations.assign_sub(tf.cast(tf.logical_not(ok), self.iterations.dtype))
+
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        # Keras' TF backend all-reduces the gradients passed to ``apply`` (private hook, see
+        # thor_tf/_keras_compat.py); THOR's are reduced before preconditioning.
+        if self._gradients_reduced:
+            return list(grads_and_vars)
+        return super()._all_reduce_sum_gradients(grads_and_vars)
 
     def _weight_decay_term(self, update, variable):
         if self.thor_weight_decay and self._use_weight_decay(variable):
@@ -305,6 +332,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
             "trace_filter": self.trace_filter,
             "kl_clip": self.kl_clip,
             "factor_examples": self.factor_examples,
+            "inverse_assignment": self.inverse_assignment,
         })
         for key in ("clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps"):
             config.pop(key, None)
