@@ -13,6 +13,15 @@ this is the one module to adapt.
 * :func:`unscale_loss_for_distribution` - ``keras.src.losses.loss``: Keras divides the loss by
   the number of replicas under a ``tf.distribute`` strategy; the tracked loss undoes that.
 
+* :func:`first_local_batch` - the TF trainer's epoch iterator (``(..., iterator)`` items) and
+  ``Trainer._symbolic_build``: ``ThorModel._maybe_symbolic_build`` builds from one local
+  replica's batch, where Keras all-reduces the first distributed batch only to learn its shapes
+  (that eager collective fails under ``MultiWorkerMirroredStrategy``: keras-team/keras#20585).
+
+* :func:`multi_worker_logs` - the TF trainer's ``reduce_per_replica``: across workers it
+  reduces each log with ``strategy.reduce("MEAN", v, axis=0)``, which fails on the scalar logs
+  every train step returns; logs of shape ``[1]`` reduce to their mean over replicas.
+
 Overridden rather than called: ``ThorOptimizer._all_reduce_sum_gradients`` (the TF backend
 optimizer's hook that all-reduces the gradients given to ``apply``), turned into the identity for
 THOR's gradients, which the engine all-reduces before preconditioning.
@@ -47,3 +56,41 @@ def unscale_loss_for_distribution(loss):
     if replicas > 1:
         loss = loss * tf.cast(replicas, loss.dtype)
     return loss
+
+
+def first_local_batch(epoch_iterator, strategy):
+    """The first batch of a Keras TF epoch iterator, as one local replica's values.
+
+    Keras' items are ``(step, iterator)`` (3.8) or ``(begin, end, iterator)`` (later); the batch
+    may hold ``DistributedValues`` (one value per local replica, all of one shape).
+    """
+    for item in epoch_iterator:
+        batch = next(item[-1])
+        return tf.nest.map_structure(
+            lambda v: strategy.experimental_local_results(v)[0]
+            if isinstance(v, tf.distribute.DistributedValues) else v, batch)
+    return None
+
+
+def symbolic_build(model, data_batch):
+    """``Trainer._symbolic_build``: build metrics, loss and optimizer from a batch's specs."""
+    model._symbolic_build(data_batch=data_batch)
+
+
+def in_multi_worker_mode(strategy):
+    """Whether Keras reduces logs with collectives (``MultiWorkerMirroredStrategy`` across
+    processes; Keras' own test, ``_collective_all_reduce_multi_worker``)."""
+    return (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+            and strategy.extended._in_multi_worker_mode())
+
+
+def multi_worker_logs(logs, strategy):
+    """Scalar logs as ``[1]`` under multiple workers (see above), else ``logs`` unchanged.
+
+    ``reduce("MEAN", v, axis=0)`` of ``[1]`` per replica is the mean over replicas, a scalar:
+    what Keras' ``reduce_per_replica`` gives on one worker.
+    """
+    if not in_multi_worker_mode(strategy):
+        return logs
+    return tf.nest.map_structure(
+        lambda v: tf.reshape(v, [1]) if isinstance(v, tf.Tensor) and v.shape.rank == 0 else v, logs)

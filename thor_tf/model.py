@@ -131,6 +131,9 @@ class ThorModel(keras.Model):
             thor.attach(self.thor)
             if thor.fisher == "sampled":
                 self._loss_spec = fisher.loss_spec(loss)
+            # The state exists from here on: a custom loop (``strategy.run(model.train_step, ...)``
+            # in a tf.function, the multi-worker recipe) cannot create variables in a replica.
+            self._build_thor_state()
 
     def compile_from_config(self, config):
         # Keras skips compile on load for models with a custom ``compile``; ours only adds the
@@ -149,6 +152,19 @@ class ThorModel(keras.Model):
         if self.thor_optimizer is not None and not self.optimizer.built:
             with self.distribute_strategy.scope():
                 self.optimizer.build(self.trainable_variables)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras (TF backend, under a strategy) averages the first distributed batch over the
+        # replicas just to learn its shapes; under MultiWorkerMirroredStrategy that eager
+        # collective fails ("Attempt to convert a value (PerReplica...) to a Tensor",
+        # keras-team/keras#20585), which is what breaks ``fit`` there for every optimizer. One
+        # local replica's batch has the same shapes.
+        strategy = getattr(self, "_distribute_strategy", None)
+        if strategy is None or iterator is None:
+            return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+        data_batch = _keras_compat.first_local_batch(iterator, strategy)
+        with strategy.scope():
+            _keras_compat.symbolic_build(self, data_batch)
 
     def fit(self, *args, callbacks=None, **kwargs):
         self._build_thor_state()
@@ -229,7 +245,11 @@ class ThorModel(keras.Model):
             _update_dynamic_loss_scale(loss_scaler, thor, ok)
 
         self._track_unless_skipped(ok, loss, x, y, y_pred, sample_weight, batch_size)
-        return self.get_metrics_result()
+        return _keras_compat.multi_worker_logs(self.get_metrics_result(), self.distribute_strategy)
+
+    def test_step(self, data):
+        # Keras' own, with logs that Keras can reduce across workers (see _keras_compat).
+        return _keras_compat.multi_worker_logs(super().test_step(data), self.distribute_strategy)
 
     # -- serialization ------------------------------------------------------------------------------
     def get_config(self):
