@@ -232,7 +232,10 @@ def test_two_worker_processes_match_one_process():
             assert np.array_equal(w0[f"{run}_{k}"], w1[f"{run}_{k}"]), (run, k)
             diff = np.abs(w0[f"{run}_{k}"] - w0[f"alone_{k}"]).max()
             assert diff < 1e-4 * moved, (run, k, diff, moved)
-    np.testing.assert_allclose(results[0]["fit_loss"], results[0]["alone_loss"], rtol=1e-4)
+    if tuple(int(v) for v in results[0]["keras"].split(".")[:2]) >= (3, 15):
+        # The logged loss too (Keras 3.8 aggregates the loss metric across workers otherwise:
+        # weights exact, History's loss within 3 %; README "Distributed training").
+        np.testing.assert_allclose(results[0]["fit_loss"], results[0]["alone_loss"], rtol=1e-4)
 
 
 def test_a_dead_worker_makes_the_other_fail_not_hang():

@@ -65,7 +65,9 @@ history = fitted.fit(dataset, epochs=2, verbose=0)
 
 arrays = {f"loop_{k}": v.numpy() for k, v in enumerate(looped.trainable_variables)}
 arrays.update({f"fit_{k}": v.numpy() for k, v in enumerate(fitted.trainable_variables)})
-result = {"workers": workers, "loop_iterations": int(looped.optimizer.iterations.numpy()),
+import keras  # noqa: E402
+
+result = {"keras": keras.__version__, "workers": workers, "loop_iterations": int(looped.optimizer.iterations.numpy()),
           "fit_iterations": int(fitted.optimizer.iterations.numpy()),
           "fit_loss": history.history["loss"],
           "loop_refreshes": [s["refreshes"] for s in looped.thor.layer_stats()]}
