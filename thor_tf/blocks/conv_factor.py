@@ -12,12 +12,17 @@ Why it is cheaper: the ``Cin×Cin`` block of A between kernel offsets ``p`` and 
 ``Σ_{n,o} x[n, s·o + r·p] x[n, s·o + r·q]ᵀ`` (``s`` stride, ``r`` dilation, ``x`` padded), the
 product of two strided views of the padded input, each ``[R, Cin]``. So:
 
-* a diagonal block of A is assembled from *segments* (one kernel offset, a range of channels, or
-  the bias) and only the products of the segments inside the same block are formed, not the
-  ``[R, a_dim]`` patch matrix;
-* A is symmetric, so only the products of segment pairs ``(u, v)`` with ``u <= v`` are multiplied
-  (the others are transposes): about half the multiply-adds of a block's Gram;
-* the bias row of A is the mean of each view (a column sum) and the corner is 1: no ones column.
+* a diagonal block of A is assembled from *segments* (one kernel offset and a range of channels,
+  or the bias), each sliced straight from the padded input (:func:`shifted_view`); only products
+  of segments inside the same block are formed, and one block's segments are sliced after the
+  previous block's Gram is done, so at most one block's columns (``R × d``) are alive instead of
+  the whole ``[R, a_dim]`` patch matrix (plus, on the im2col path, its copies with the ones column
+  and the padding);
+* A is symmetric, so with "pairs" only the products of segment pairs ``(u, v)`` with ``u <= v``
+  are multiplied (the others are transposes): about half the multiply-adds of a block's Gram, and
+  the bias row of A is the mean of each segment (a column sum), the corner 1: no ones column;
+* for few input channels many small products cost more than they save, and "concat" computes a
+  block's Gram as one matmul of its concatenated segments (``PAIRWISE_MIN_CHANNELS``).
 
 Exact: the same sums as im2col in a different order (float32 rounding only). Statistics are
 float32 whatever the input dtype. Works on dynamic batch and spatial sizes.
@@ -73,30 +78,36 @@ def _out_and_pad(size, kernel, stride, dilation, padding):
     return out, total // 2, total - total // 2
 
 
-def shifted_views(x, geometry: Geometry):
-    """The ``kh·kw`` strided views of the padded input, one per kernel offset.
+def padded_input(x, geometry: Geometry):
+    """``(x padded as the window needs, Ho, Wo)``: SAME adds TensorFlow's padding, VALID none.
 
     Args:
-      x: ``[N, H, W, Cin]`` float32.
-
-    Returns:
-      A list of ``kh·kw`` tensors ``[N·Ho·Wo, Cin]`` in (kh, kw) row-major order: view ``i·kw + j``
-      holds, for every example and output position ``o``, the input pixel that kernel offset
-      ``(i, j)`` multiplies (zero in the padding). Together they are the im2col columns; the
-      callers only ever use the views of one diagonal block at a time.
+      x: ``[N, H, W, Cin]`` float32. ``Ho``, ``Wo`` are ints when ``H``, ``W`` are static.
     """
     (kh, kw), (sh, sw), (dh, dw) = geometry.kernel, geometry.strides, geometry.dilations
     ho, top, bottom = _out_and_pad(_size(x, 1), kh, sh, dh, geometry.padding)
     wo, left, right = _out_and_pad(_size(x, 2), kw, sw, dw, geometry.padding)
     if geometry.padding == "SAME":
         x = tf.pad(x, [[0, 0], [top, bottom], [left, right], [0, 0]])
-    cin = int(x.shape[-1])
-    views = []
-    for i in range(kh):
-        for j in range(kw):
-            view = x[:, i * dh: i * dh + (ho - 1) * sh + 1: sh, j * dw: j * dw + (wo - 1) * sw + 1: sw]
-            views.append(tf.reshape(view, [-1, cin]))
-    return views
+    return x, ho, wo
+
+
+def shifted_view(xp, ho, wo, geometry: Geometry, segment: Segment):
+    """One segment's columns of the im2col matrix, sliced straight from the padded input.
+
+    Args:
+      xp, ho, wo: from :func:`padded_input`.
+      segment: kernel offset ``i·kw + j`` and channel range ``[c0, c1)`` (not the bias).
+
+    Returns:
+      ``[N·Ho·Wo, c1 − c0]``: for every example and output position ``o`` (row-major), channels
+      ``c0..c1`` of the input pixel that kernel offset ``(i, j)`` multiplies (zero in the padding).
+    """
+    (_, kw), (sh, sw), (dh, dw) = geometry.kernel, geometry.strides, geometry.dilations
+    i, j = divmod(segment.offset, kw)
+    view = xp[:, i * dh: i * dh + (ho - 1) * sh + 1: sh,
+              j * dw: j * dw + (wo - 1) * sw + 1: sw, segment.c0: segment.c1]
+    return tf.reshape(view, [-1, segment.width])
 
 
 def block_segments(cin: int, offsets: int, has_bias: bool, split: int) -> List[List[Segment]]:
@@ -195,15 +206,17 @@ def conv_gram_sums(x, geometry: Geometry, has_bias: bool, split: int, strategy: 
     gram_of = _segment_products if strategy == "pairs" else _concatenated_gram
     offsets = geometry.kernel[0] * geometry.kernel[1]
     a_dim = offsets * cin + (1 if has_bias else 0)
-    views = shifted_views(x, geometry)
-    count = tf.cast(tf.shape(views[0])[0], tf.float32)
+    xp, ho, wo = padded_input(x, geometry)
+    count = tf.cast(tf.shape(xp)[0] * ho * wo, tf.float32)
     nb, d = split_layout(a_dim, split)
     blocks = []
     for segments in block_segments(cin, offsets, has_bias, split):
-        columns = [None if s.offset is None else
-                   (views[s.offset] if s.width == cin else views[s.offset][:, s.c0:s.c1])
-                   for s in segments]
-        gram = gram_of(columns, count)
+        # Each block slices its own views after the previous block is done (a control
+        # dependency in graphs): at most one block's columns are alive, not the whole im2col.
+        with tf.control_dependencies(blocks[-1:]):
+            columns = [None if s.offset is None else shifted_view(xp, ho, wo, geometry, s)
+                       for s in segments]
+            gram = gram_of(columns, count)
         pad = d - sum(s.width for s in segments)
         blocks.append(tf.pad(gram, [[0, pad], [0, pad]]) if pad else gram)
     return tf.stack(blocks), count
