@@ -11,6 +11,11 @@ max|A64|``), and the speedup ``im2col / shifted``. Methods:
 * ``shifted``: the default (strategy "auto");
 * ``shifted_pairs`` / ``shifted_concat``: the two per-block strategies forced (how "auto" chooses).
 
+``--memory`` adds, per layer and method, the peak memory one call allocates through TensorFlow's
+allocator (fresh process with ``TF_CPU_ALLOCATOR_USE_BFC=true``, which makes the CPU allocator
+keep statistics; the function traced beforehand; peak during the call minus the memory in use
+before it, MB). oneDNN's own scratch buffers are not counted.
+
 ``--refresh`` adds what a refresh of all the CNN's blocks costs in a training step, per method,
 from ``scripts/bench_overhead.py``'s own worker (one fresh process per method): ``steady_step_s``
 (no curvature work), ``cadence_step_s`` (every block refreshes: factors, traces, inversion) and
@@ -130,6 +135,37 @@ def bench_layer(name, args):
             "speedup_im2col_over_shifted": speedup}
 
 
+def memory_worker(name, method, split_dim):
+    """MB of peak memory one call of ``method`` on layer ``name`` allocates (this process; needs
+    ``TF_CPU_ALLOCATOR_USE_BFC=true`` set before TensorFlow starts)."""
+    import numpy as np
+    import tensorflow as tf
+
+    shape, filters, kernel, use_bias = LAYERS[name]
+    fn = make_factor_fn(shape, filters, kernel, use_bias, method, split_dim)
+    x = tf.constant(np.random.default_rng(0).standard_normal(size=shape, dtype=np.float32))
+    concrete = fn.get_concrete_function(x)  # traced, not run
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    result = concrete(x)
+    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    del result
+    return (peak - before) / 2.0 ** 20
+
+
+def _run_self(args, **environ):
+    """Run this script with ``args`` in a fresh process (this checkout first on the path, plus
+    ``environ``); the value it prints after RESULT."""
+    cmd = [sys.executable, os.path.abspath(__file__)] + list(args)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+               **environ)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[0][len("RESULT"):])
+
+
 def _import_experiments():
     """``thor_tf_experiments`` is the installed name of experiments/; alias it when the install
     does not provide it (scripts/bench_overhead.py imports it)."""
@@ -161,14 +197,7 @@ def refresh_worker(method, steps):
 
 
 def run_refresh(args, method):
-    cmd = [sys.executable, os.path.abspath(__file__), "--refresh-worker", method,
-           "--refresh-steps", str(args.refresh_steps)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"refresh worker {method} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(lines[0][len("RESULT"):])
+    return _run_self(["--refresh-worker", method, "--refresh-steps", str(args.refresh_steps)])
 
 
 def plot(layers, path):
@@ -203,11 +232,17 @@ def main(argv=None):
     p.add_argument("--refresh", action="store_true",
                    help="also the whole-CNN refresh vs a step, per method (bench_overhead's worker)")
     p.add_argument("--refresh-steps", type=int, default=12)
+    p.add_argument("--memory", action="store_true",
+                   help="also the peak memory one call adds, per layer and method (fresh processes)")
     p.add_argument("--out", default="results/bench_conv_factor.json")
     p.add_argument("--refresh-worker", choices=("im2col", "shifted"), help=argparse.SUPPRESS)
+    p.add_argument("--memory-worker", nargs=2, metavar=("LAYER", "METHOD"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.refresh_worker:
         print("RESULT" + json.dumps(refresh_worker(args.refresh_worker, args.refresh_steps)), flush=True)
+        return
+    if args.memory_worker:
+        print("RESULT" + json.dumps(memory_worker(*args.memory_worker, args.split_dim)), flush=True)
         return
     import tensorflow as tf
 
@@ -218,6 +253,12 @@ def main(argv=None):
             f"{m} {r['time_ms_mean']:6.1f}±{r['time_ms_sd']:.1f}ms (err {r['max_rel_err']:.1e})"
             for m, r in row["methods"].items())
             + f"  speedup {row['speedup_im2col_over_shifted']:.1f}x", flush=True)
+        if args.memory:
+            for m in ("im2col", "shifted"):
+                row["methods"][m]["peak_alloc_mb"] = mb = _run_self(
+                    ["--memory-worker", name, m, "--split-dim", str(args.split_dim)],
+                    TF_CPU_ALLOCATOR_USE_BFC="true")
+                print(f"{name:16s} {m}: one call allocates {mb:.1f} MB at its peak", flush=True)
     summary = {"layers": layers}
     if args.refresh:
         refresh = {m: run_refresh(args, m) for m in ("im2col", "shifted")}
