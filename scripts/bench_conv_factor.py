@@ -19,7 +19,10 @@ before it, MB). oneDNN's own scratch buffers are not counted.
 ``--refresh`` adds what a refresh of all the CNN's blocks costs in a training step, per method,
 from ``scripts/bench_overhead.py``'s own worker (one fresh process per method): ``steady_step_s``
 (no curvature work), ``cadence_step_s`` (every block refreshes: factors, traces, inversion) and
-``refresh_over_step = (cadence − steady) / steady``.
+``refresh_over_step = (cadence − steady) / steady``; and ``thor_tf.profiling.profile_step`` on one
+batch (each part its own ``tf.function``, median of ``--refresh-steps``): per block ``factors`` and
+``inverse``, ``refresh_total`` (their sum over blocks) against ``forward_backward``, whose ratio
+``profile_refresh_over_forward_backward`` is less sensitive to step-to-step noise than the above.
 
     python scripts/bench_conv_factor.py --refresh                 # results/bench_conv_factor.json
     python scripts/bench_conv_factor.py --seeds 1 --repeats 3     # a smoke test
@@ -190,9 +193,23 @@ def refresh_worker(method, steps):
 
     from thor_tf.blocks.conv2d import Conv2DBlock
 
+    import numpy as np
+
+    from thor_tf.profiling import profile_step
+
     Conv2DBlock.a_factor_method = method
     result = bench_overhead.worker("cnn", "thor", steps, amortize_steps=steps)
     result["a_factor_method"] = method
+    shape, classes, batch = bench_overhead.MODELS["cnn"]
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch, *shape)).astype("float32")
+    y = rng.integers(0, classes, size=batch)
+    model = bench_overhead._compiled("cnn", "thor")
+    model.train_on_batch(x, y)
+    profile = profile_step(model, x, y, repeats=steps)
+    result["profile"] = profile
+    result["profile_refresh_over_forward_backward"] = (
+        profile["refresh_total"] / profile["forward_backward"])
     return result
 
 
@@ -231,7 +248,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=15, help="timed calls per seed (median)")
     p.add_argument("--refresh", action="store_true",
                    help="also the whole-CNN refresh vs a step, per method (bench_overhead's worker)")
-    p.add_argument("--refresh-steps", type=int, default=12)
+    p.add_argument("--refresh-steps", type=int, default=25,
+                   help="timed steps (median) of each refresh measure")
     p.add_argument("--memory", action="store_true",
                    help="also the peak memory one call adds, per layer and method (fresh processes)")
     p.add_argument("--out", default="results/bench_conv_factor.json")
@@ -264,8 +282,11 @@ def main(argv=None):
         refresh = {m: run_refresh(args, m) for m in ("im2col", "shifted")}
         for m, r in refresh.items():
             print(f"cnn refresh ({m}): steady {r['steady_step_s'] * 1e3:.1f}ms  cadence "
-                  f"{r['cadence_step_s'] * 1e3:.1f}ms  refresh/step {r['refresh_over_step']:.2f}",
-                  flush=True)
+                  f"{r['cadence_step_s'] * 1e3:.1f}ms  refresh/step {r['refresh_over_step']:.2f};  "
+                  f"profile: forward+backward {r['profile']['forward_backward'] * 1e3:.1f}ms  "
+                  f"refresh {r['profile']['refresh_total'] * 1e3:.1f}ms  ratio "
+                  f"{r['profile_refresh_over_forward_backward']:.2f}  conv2 factors "
+                  f"{r['profile']['layers']['conv2']['factors'] * 1e3:.1f}ms", flush=True)
         summary["cnn_refresh"] = refresh
     summary.update({
         "settings": {"split_dim": args.split_dim, "seeds": args.seeds, "repeats": args.repeats,
