@@ -1,12 +1,13 @@
-"""Conv1D (channels_last, groups=1) by im2col (KFC), as Conv2D with height 1.
+"""Conv1D (channels_last, groups=1) by KFC, as Conv2D with height 1.
 
 Shapes: ``x`` is ``[N, T, Cin]``, ``z`` ``[N, T_out, Cout]``, the kernel ``[k, Cin, Cout]``.
 
 Rows of A are the patches over T, one per example and output position (``P = T_out``), with
 features in (k, Cin) order: the kernel reshaped to ``[k·Cin, Cout]`` (bias appended as the last
-row when the layer has one) is the block matrix. Patches come from ``tf.image.extract_patches`` on
-``[N, 1, T, Cin]`` with a ``1×k`` window, the layer's stride and dilation; ``padding="causal"`` pads
-``dilation·(k−1)`` zeros on the left and then takes valid patches, as Keras' ``Conv1D.call`` does.
+row when the layer has one) is the block matrix. Everything is Conv2D's on ``[N, 1, T, Cin]``
+(patches, trace, and A from shifted views by default) with a ``1×k`` window, the layer's stride
+and dilation; ``padding="causal"`` pads ``dilation·(k−1)`` zeros on the left and then takes valid
+patches, as Keras' ``Conv1D.call`` does.
 """
 
 from __future__ import annotations
@@ -49,15 +50,10 @@ class Conv1DBlock(Conv2DBlock):
             z = ops.add(z, ops.reshape(layer.bias, (1, 1, layer.filters)))
         return z
 
-    def _as_image(self, inputs):
-        """``[N, T, C]`` -> ``[N, 1, T(+causal padding), C]`` float32."""
+    def _image(self, inputs):
+        """``[N, T, C]`` -> ``[N, 1, T(+causal padding), C]`` float32: Conv2D's input rows, trace
+        and A factor (both methods) then apply unchanged."""
         x = tf.cast(inputs, tf.float32)
         if self.left_pad:
             x = tf.pad(x, [[0, 0], [self.left_pad, 0], [0, 0]])
         return x[:, None]
-
-    def input_rows(self, inputs):
-        return super().input_rows(self._as_image(inputs))
-
-    def input_sq_norm_sum(self, inputs):
-        return super().input_sq_norm_sum(self._as_image(inputs))
