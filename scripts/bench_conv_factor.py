@@ -24,14 +24,13 @@ batch (each part its own ``tf.function``, median of ``--refresh-steps``): per bl
 ``inverse``, ``refresh_total`` (their sum over blocks) against ``forward_backward``, whose ratio
 ``profile_refresh_over_forward_backward`` is less sensitive to step-to-step noise than the above.
 
-    python scripts/bench_conv_factor.py --refresh                 # results/bench_conv_factor.json
+    python scripts/bench_conv_factor.py --refresh                 # docs/bench_conv_factor.json
     python scripts/bench_conv_factor.py --seeds 1 --repeats 3     # a smoke test
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -169,26 +168,9 @@ def _run_self(args, **environ):
     return json.loads(lines[0][len("RESULT"):])
 
 
-def _import_experiments():
-    """``thor_tf_experiments`` is the installed name of experiments/; alias it when the install
-    does not provide it (scripts/bench_overhead.py imports it)."""
-    try:
-        import thor_tf_experiments  # noqa: F401
-        return
-    except ImportError:
-        pass
-    path = os.path.join(ROOT, "experiments")
-    spec = importlib.util.spec_from_file_location(
-        "thor_tf_experiments", os.path.join(path, "__init__.py"), submodule_search_locations=[path])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["thor_tf_experiments"] = module
-    spec.loader.exec_module(module)
-
-
 def refresh_worker(method, steps):
     """bench_overhead's CNN/THOR worker with Conv2D's A by ``method`` (runs in this process)."""
     sys.path.insert(0, HERE)
-    _import_experiments()
     import bench_overhead
 
     from thor_tf.blocks.conv2d import Conv2DBlock
@@ -252,7 +234,7 @@ def main(argv=None):
                    help="timed steps (median) of each refresh measure")
     p.add_argument("--memory", action="store_true",
                    help="also the peak memory one call adds, per layer and method (fresh processes)")
-    p.add_argument("--out", default="results/bench_conv_factor.json")
+    p.add_argument("--out", default="docs/bench_conv_factor.json")
     p.add_argument("--refresh-worker", choices=("im2col", "shifted"), help=argparse.SUPPRESS)
     p.add_argument("--memory-worker", nargs=2, metavar=("LAYER", "METHOD"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
