@@ -92,7 +92,7 @@ def _design_bytes(model):
     """The design's figures (DESIGN §3.7) from the block shapes and the trainable variables."""
     blocks = model.thor.blocks
     state = model.thor.state
-    factor_floats = sum(_numel(state[k][i].shape) for i in range(len(blocks)) for k in ("A", "G"))
+    factor_floats = sum(_numel(shape) for layer in state.layers for shape in layer.shapes())
     gradient_floats = sum(_numel(v.shape) for v in model.trainable_variables)
     return {"gradients_per_step": 4 * (gradient_floats + 1),  # + the loss, riding along
             "traces_per_cadence_point": 4 * (2 * len(blocks) + 1),

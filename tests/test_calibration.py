@@ -205,11 +205,11 @@ def test_wrap_reads_split_dim_from_calibration_json(tmp_path):
     path = tmp_path / "cal.json"
     path.write_text(json.dumps({"split_dim": 32, "candidates": [1, 16, 32]}))
     model = thor_tf.wrap(_tiny_model(), split_dim=str(path), verbose=False)
-    assert model._default_optimizer.split_dim == 32
+    assert model._thor_config.split_dim == 32
     model.compile(loss="sparse_categorical_crossentropy")
     assert model.optimizer.split_dim == 32
     model = thor_tf.wrap(_tiny_model(), split_dim=path, verbose=False)  # os.PathLike too
-    assert model._default_optimizer.split_dim == 32
+    assert model._thor_config.split_dim == 32
 
     for bad in (tmp_path / "missing.json", tmp_path / "nokey.json", tmp_path / "garbage.json"):
         if bad.name == "nokey.json":
@@ -246,7 +246,7 @@ def test_calibration_script_quick_end_to_end(tmp_path):
     assert "split_dim =" in proc.stdout
     # The file it wrote is what wrap accepts.
     model = thor_tf.wrap(_tiny_model(), split_dim=str(out), verbose=False)
-    assert model._default_optimizer.split_dim == result["split_dim"]
+    assert model._thor_config.split_dim == result["split_dim"]
 
 
 def test_calibrate_on_trained_model_needs_exact_factors():

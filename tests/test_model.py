@@ -277,8 +277,8 @@ def test_factor_decay_is_seeded_by_the_first_batch():
     first = decayed.thor.factors("fc")["A"].copy()
     np.testing.assert_allclose(first, plain.thor.factors("fc")["A"], rtol=1e-6)
     # Next cadence point: β·old + (1−β)·new.
-    decayed.optimizer.engine.state["next_cadence"].assign(1)
-    plain.optimizer.engine.state["next_cadence"].assign(1)
+    decayed.optimizer.engine.state.next_cadence.assign(1)
+    plain.optimizer.engine.state.next_cadence.assign(1)
     decayed.train_on_batch(x[32:], y[32:])
     plain.train_on_batch(x[32:], y[32:])
     np.testing.assert_allclose(decayed.thor.factors("fc")["A"],

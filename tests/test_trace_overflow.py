@@ -48,9 +48,11 @@ def test_overflowing_trace_is_skipped_counted_and_the_layer_keeps_deciding(trace
     assert decisions == ["refresh", "reuse", "reuse", "reuse"] + later
     assert np.isnan(deltas[2]) and np.all(np.isfinite(deltas[3:]))
     state = wrapped.thor.state
-    for key in ("trace_a", "trace_g", "filter_window", "filter_ref_mean", "filter_last",
-                "filter_noise"):
-        assert np.all(np.isfinite(state[key].numpy())), key
+    for key, variable in [("trace_a", state.trace_a), ("trace_g", state.trace_g),
+                          ("filter.window", state.filter.window),
+                          ("filter.ref_mean", state.filter.ref_mean),
+                          ("filter.last", state.filter.last), ("filter.noise", state.filter.noise)]:
+        assert np.all(np.isfinite(variable.numpy())), key
     # The block in use is the last batch's A (scale 9), float64 reference.
     a = 9.0 * x.astype(np.float64)
     np.testing.assert_allclose(wrapped.thor.factors("fc")["A"], a.T @ a / 8, rtol=1e-5)

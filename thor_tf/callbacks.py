@@ -65,11 +65,11 @@ class TraceRuleLogger(keras.callbacks.Callback):
 
     def _snapshot(self):
         state = self._engine().state
-        return {key: state[key].numpy().copy() for key in
+        return {key: getattr(state, key).numpy().copy() for key in
                 ("cadence_points", "refreshes", "reuses", "frozen", "last_delta", "last_refresh")}
 
     def on_train_batch_end(self, batch, logs=None):
-        points = int(self._engine().state["cadence_points"].numpy())
+        points = int(self._engine().state.cadence_points.numpy())
         if points == self._last_points:
             return
         now = self._snapshot()

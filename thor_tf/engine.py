@@ -7,18 +7,21 @@ The engine is structural: it knows the model's layers and blocks and runs the pe
 the traced train step. Every layer with a registered block type is a candidate, patched once at
 wrap; the blocks in use are the candidates whose kernel the optimizer trains, chosen at each
 ``compile`` (:meth:`ThorEngine.select_blocks`), so freezing and unfreezing layers between compiles
-works. Its state variables are created on (and saved with) the optimizer:
+works. Its settings are the optimizer's :class:`~thor_tf.config.ThorConfig`; its state
+(:class:`~thor_tf.state.ThorState`: per-layer factors and inverses, per-block statistics,
+counters) is created on, and saved with, the optimizer.
 
-per block ``l``:  ``A_l`` [nb_a, d_a, d_a], ``G_l`` [nb_g, d_g, d_g] (the diagonal blocks of the
-undamped factors in use: the only part the split inverse needs, so the only part computed),
-``A_inv_l``, ``G_inv_l`` (same shapes: split inverses, identity before the first refresh);
-per model (vectors over blocks): traces in use, refresh / reuse counts, frozen flag and step, last
-refresh step, last Δ, the trace filter (``filter_*``: window [n, W], counts, reference, noise; see
-:mod:`thor_tf.scheduler`) and the count of consecutive Δ < ω2 (``calm``); scalars: next cadence
-step, cadence points, non-finite steps, epoch, cadence interval, non-finite traces.
+One step (:meth:`ThorEngine.train_update`), in stages:
 
-Preconditioning (the blocks' ``(1/P)·A_inv·M·G_inv`` as one block-diagonal mat of Kronecker
-operators, and K-FAC's KL clip) is :mod:`thor_tf.precondition`.
+1. gradients of the loss and of every recorded pre-activation; under a strategy the gradients are
+   all-reduced here, so that everything after is the global batch's (:mod:`thor_tf.distributed`);
+2. at a due cadence point (:meth:`ThorEngine.curvature_step`): traces of the live layers →
+   combined over replicas → the trace rule per layer (:meth:`_judge`) → factors and inverses of
+   the refreshing layers (:meth:`_refresh`, combined over replicas first) → decisions recorded;
+3. preconditioning (:mod:`thor_tf.precondition`: the blocks' ``(1/P)·A_inv·M·G_inv`` as one
+   block-diagonal mat of Kronecker operators, and K-FAC's KL clip);
+4. the update (:meth:`thor_tf.optimizer.ThorOptimizer.apply_masked`), skipped on every replica
+   when the loss or a gradient is not finite.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import tensorflow as tf
 from thor_tf import _keras_compat, algebra, capture, distributed, fisher, precondition, scheduler
 from thor_tf.blocks import block_class_for
 from thor_tf.inverse import invert_blocks, split_layout
+from thor_tf.state import ThorState
 
 #: Layers whose parameters are first order by design (not worth a warning).
 _EXPECTED_FIRST_ORDER = (
@@ -55,18 +59,6 @@ def _unscale(gradient, loss_scale):
         values = gradient.values / tf.cast(loss_scale, gradient.values.dtype)
         return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
     return gradient / tf.cast(loss_scale, gradient.dtype)
-
-
-def _variable_name(block_name):
-    """A block name as Keras accepts it in a variable name (layer paths have '/')."""
-    return block_name.replace("/", "__")
-
-
-def _identity_blocks(num_blocks, size):
-    def init(shape=None, dtype=None):
-        return tf.eye(size, batch_shape=[num_blocks], dtype=dtype or "float32")
-
-    return init
 
 
 class _CadenceLayer(NamedTuple):
@@ -96,6 +88,7 @@ class ThorEngine:
         self.model = model
         self.store = capture.CaptureStore()
         self.optimizer = None
+        self.config = None  # the optimizer's ThorConfig, from build_state on
         self.loss = None
         #: ``split_dim`` given to ``wrap`` (reported before an optimizer is attached).
         self.split_dim = split_dim
@@ -234,62 +227,19 @@ class ThorEngine:
     def build_state(self, optimizer, var_list):
         """Create the curvature state on ``optimizer`` (called from its ``build``)."""
         self.optimizer = optimizer
+        #: The optimizer's validated options (:class:`thor_tf.config.ThorConfig`).
+        self.config = optimizer.config
         if self.select_blocks(var_list) and self.verbose:
-            print(self.registration_table(optimizer.split_dim))
-        split = optimizer.split_dim
-        n = len(self.blocks)
-        s = {"A": [], "G": [], "A_inv": [], "G_inv": []}
-        for b in self.blocks:
-            prefix = _variable_name(b.name)
-            for factor, dim, size in zip(("A", "G"), (b.a_dim, b.g_dim), b.split_sizes(split)):
-                nb, size = split_layout(dim, size)
-                s[factor].append(optimizer.add_variable((nb, size, size), name=f"{prefix}_{factor}"))
-                s[factor + "_inv"].append(optimizer.add_variable(
-                    (nb, size, size), initializer=_identity_blocks(nb, size),
-                    name=f"{prefix}_{factor}_inv"))
-
-        def vector(name, dtype, value):
-            return optimizer.add_variable(
-                (n,), initializer=keras.initializers.Constant(value), dtype=dtype, name=name)
-
-        def scalar(name, value=0):
-            return optimizer.add_variable(
-                (), initializer=keras.initializers.Constant(value), dtype="int64", name=name)
-
-        s["trace_a"] = vector("thor_trace_a", "float32", 0.0)
-        s["trace_g"] = vector("thor_trace_g", "float32", 0.0)
-        # Trace filter (scheduler.FilterState, one row per block) and the freeze count.
-        s["filter_window"] = optimizer.add_variable(
-            (n, scheduler.TRACE_WINDOW), initializer="zeros", dtype="float32",
-            name="thor_filter_window")
-        s["filter_count"] = vector("thor_filter_count", "int64", 0)
-        s["filter_ref_mean"] = vector("thor_filter_ref_mean", "float32", 0.0)
-        s["filter_ref_count"] = vector("thor_filter_ref_count", "int64", 0)
-        s["filter_last"] = vector("thor_filter_last", "float32", 0.0)
-        s["filter_noise"] = vector("thor_filter_noise", "float32", 0.0)
-        s["filter_noise_count"] = vector("thor_filter_noise_count", "int64", 0)
-        s["calm"] = vector("thor_calm", "int64", 0)
-        s["last_delta"] = vector("thor_last_delta", "float32", float("nan"))
-        s["refreshes"] = vector("thor_refreshes", "int64", 0)
-        s["reuses"] = vector("thor_reuses", "int64", 0)
-        s["frozen"] = vector("thor_frozen", "int64", 0)
-        s["frozen_at"] = vector("thor_frozen_at", "int64", -1)
-        s["last_refresh"] = vector("thor_last_refresh", "int64", -1)
-        s["next_cadence"] = scalar("thor_next_cadence_step")
-        s["cadence_points"] = scalar("thor_cadence_points")
-        s["nonfinite_steps"] = scalar("thor_nonfinite_steps")
-        s["epoch"] = scalar("thor_epoch")
-        s["interval"] = scalar("thor_interval", optimizer.cadence.interval_base())
-        s["nonfinite_traces"] = scalar("thor_nonfinite_traces")
-        s["kl_scale"] = optimizer.add_variable(
-            (), initializer=keras.initializers.Constant(1.0), dtype="float32", name="thor_kl_scale")
-        self._state = s
+            print(self.registration_table(self.config.split_dim))
+        self._state = ThorState.create(optimizer, self.blocks, self.config.split_dim,
+                                       self.config.cadence.interval_base())
 
     def reset_state(self):
         """Forget the state of a previous optimizer (``compile`` again: a new optimizer builds its
         own factors, inverses, counters and momentum, as Keras' optimizers do)."""
         self._state = None
         self.optimizer = None
+        self.config = None
 
     @property
     def state(self):
@@ -300,7 +250,7 @@ class ThorEngine:
 
     def set_epoch(self, epoch):
         if self._state is not None:
-            self._state["epoch"].assign(int(epoch))
+            self._state.epoch.assign(int(epoch))
 
     # -- the per-step work (inside the traced train step) ---------------------------------------------
     def train_update(self, tape, loss, variables, records, batch_size, loss_scale=None,
@@ -367,7 +317,7 @@ class ThorEngine:
                             batch_size)
         pre = self.precondition(active, records, grads, variables, ok)
         state = self.state
-        state["nonfinite_steps"].assign_add(tf.cast(tf.logical_not(ok), tf.int64))
+        state.nonfinite_steps.assign_add(tf.cast(tf.logical_not(ok), tf.int64))
         opt.apply_masked(pre, variables, ok, reduced=True)
         return ok
 
@@ -387,7 +337,7 @@ class ThorEngine:
         opt = self.optimizer
         s = self.state
         step = tf.cast(opt.iterations, tf.int64)
-        due = tf.logical_and(ok, step >= s["next_cadence"])
+        due = tf.logical_and(ok, step >= s.next_cadence)
 
         def cadence():
             layers = self._cadence_inputs(active, records, output_grads_fn(), batch_size)
@@ -399,20 +349,20 @@ class ThorEngine:
             self._refresh(layers, decisions, damping, weight)
             refreshed_any = self._record_decisions(
                 {layer.index: d for layer, d in zip(layers, decisions)}, step)
-            if opt.cadence.adaptive is not None:
-                s["interval"].assign(scheduler.adapt_interval(
-                    s["interval"], refreshed_any, opt.cadence.adaptive.base,
-                    opt.cadence.adaptive.max_interval))
-            interval = opt.cadence.interval(step, s["epoch"], s["interval"])
-            s["interval"].assign(interval)
-            s["next_cadence"].assign(step + interval)
-            s["cadence_points"].assign_add(1)
+            if self.config.cadence.adaptive is not None:
+                s.interval.assign(scheduler.adapt_interval(
+                    s.interval, refreshed_any, self.config.cadence.adaptive.base,
+                    self.config.cadence.adaptive.max_interval))
+            interval = self.config.cadence.interval(step, s.epoch, s.interval)
+            s.interval.assign(interval)
+            s.next_cadence.assign(step + interval)
+            s.cadence_points.assign_add(1)
 
         distributed.run_if(due, cadence)
 
     def _cadence_inputs(self, active, records, output_grads, batch_size):
         """One :class:`_CadenceLayer` per active block (``factor_examples`` applied)."""
-        k = self.optimizer.factor_examples
+        k = self.config.factor_examples
         examples = tf.cast(batch_size, tf.float32)
         if k is not None:
             # Statistics from the first examples of the batch only (K-FAC's sub-batch): the
@@ -432,14 +382,8 @@ class ThorEngine:
         """``[tr A, tr G]`` of this replica's batch (float32 ``[2]``; zeros for a frozen layer:
         no work for it)."""
         s, i, block = self.state, layer.index, layer.block
-        return tf.cond(s["frozen"][i] > 0, lambda: tf.zeros([2]),
+        return tf.cond(s.frozen[i] > 0, lambda: tf.zeros([2]),
                        lambda: tf.stack([block.trace_a(layer.records), block.trace_g(layer.grads)]))
-
-    _FILTER_KEYS = ("window", "count", "ref_mean", "ref_count", "last", "noise", "noise_count")
-
-    def _filter_state(self, i):
-        s = self.state
-        return scheduler.FilterState(*[tf.identity(s["filter_" + k][i]) for k in self._FILTER_KEYS])
 
     def _judge(self, layer, traces, damping):
         """The trace rule for one layer from the global batch's traces ``[tr A, tr G]``.
@@ -448,16 +392,15 @@ class ThorEngine:
         were not finite: nothing changes), ``calm`` and the layer's new
         :class:`~thor_tf.scheduler.FilterState` (``filter``). A frozen layer decides nothing.
         """
-        opt = self.optimizer
         s = self.state
         i, block = layer.index, layer.block
-        beta = opt.factor_decay
-        filtered = opt.trace_filter == "mean"
+        beta = self.config.factor_decay
+        filtered = self.config.trace_filter == "mean"
         freeze_after = scheduler.FREEZE_AFTER if filtered else 1
-        has_used = s["refreshes"][i] > 0
-        used_a, used_g = s["trace_a"][i], s["trace_g"][i]
-        calm = s["calm"][i]
-        old_filter = self._filter_state(i)
+        has_used = s.refreshes[i] > 0
+        used_a, used_g = s.trace_a[i], s.trace_g[i]
+        calm = s.calm[i]
+        old_filter = s.filter_row(i)
         block_damping = damping / layer.positions  # λ_b = λ/P
         damping_term = block_damping * block.a_dim * block.g_dim
         batch_a, batch_g = traces[0], traces[1]
@@ -470,8 +413,8 @@ class ThorEngine:
         def judge():
             if filtered:
                 delta, refresh, freeze, new_calm, new_filter = scheduler.filter_step(
-                    old_filter, batch_a * batch_g, damping_term, has_used, opt.omega1,
-                    opt.omega2, calm, freeze_after)
+                    old_filter, batch_a * batch_g, damping_term, has_used, *self.config.omegas,
+                    calm, freeze_after)
             else:
                 new_filter = old_filter
                 trace_a, trace_g = batch_a, batch_g
@@ -484,14 +427,14 @@ class ThorEngine:
                                                block.g_dim)
                 delta = scheduler.relative_trace_change(new, used, has_used)
                 refresh, freeze, new_calm = scheduler.decide(
-                    delta, opt.omega1, opt.omega2, calm, freeze_after)
+                    delta, *self.config.omegas, calm, freeze_after)
             return {"delta": delta, "refresh": refresh, "freeze": freeze,
                     "nonfinite": tf.constant(False), "calm": new_calm, "filter": new_filter}
 
         # Non-finite traces (e.g. ‖a‖² overflowing float32) decide nothing and change nothing.
         finite = tf.logical_and(tf.math.is_finite(batch_a * batch_g),
                                 tf.reduce_all(tf.math.is_finite(traces)))
-        return tf.cond(s["frozen"][i] > 0, lambda: unchanged(False),
+        return tf.cond(s.frozen[i] > 0, lambda: unchanged(False),
                        lambda: tf.cond(finite, judge, lambda: unchanged(True)))
 
     # -- refresh: factors -> (combined over replicas) -> inverses ---------------------------------
@@ -522,7 +465,7 @@ class ThorEngine:
                                      lambda shapes=shapes: tuple(tf.zeros(sh) for sh in shapes)))
             combined = distributed.weighted_mean(local, weight)
             factors = [tuple(combined[2 * k: 2 * k + 2]) for k in range(len(layers))]
-            if self.optimizer.inverse_assignment == "balanced":
+            if self.config.inverse_assignment == "balanced":
                 self._install_shared_inverses(layers, refresh, factors, damping)
                 return
             for layer, flag, (fa, fg) in zip(layers, refresh, factors):
@@ -533,45 +476,45 @@ class ThorEngine:
 
     def _factor_shapes(self, i):
         s = self.state
-        return tuple(s[k][i].shape for k in ("A", "G"))
+        return s.layers[i].shapes()
 
     def _local_factors(self, layer):
         """This replica's diagonal factor blocks ``(A [nb, d, d], G [nb, d, d])``."""
-        split = self.optimizer.split_dim
+        split = self.config.split_dim
         return (layer.block.factor_a(layer.records, split),
                 layer.block.factor_g(layer.grads, split))
 
     def _factors_in_use(self, layer, factor_a, factor_g):
         """The batch's factors blended with the old ones (``factor_decay``); a non-finite factor
         (e.g. a sampled-Fisher overflow) keeps the one in use."""
-        s, i, beta = self.state, layer.index, self.optimizer.factor_decay
-        has_used = s["refreshes"][i] > 0
+        s, i, beta = self.state, layer.index, self.config.factor_decay
+        has_used = s.refreshes[i] > 0
         if beta > 0:
-            factor_a = tf.where(has_used, beta * s["A"][i] + (1 - beta) * factor_a, factor_a)
-            factor_g = tf.where(has_used, beta * s["G"][i] + (1 - beta) * factor_g, factor_g)
-        factor_a = tf.where(tf.reduce_all(tf.math.is_finite(factor_a)), factor_a, s["A"][i])
-        factor_g = tf.where(tf.reduce_all(tf.math.is_finite(factor_g)), factor_g, s["G"][i])
+            factor_a = tf.where(has_used, beta * s.layers[i].A + (1 - beta) * factor_a, factor_a)
+            factor_g = tf.where(has_used, beta * s.layers[i].G + (1 - beta) * factor_g, factor_g)
+        factor_a = tf.where(tf.reduce_all(tf.math.is_finite(factor_a)), factor_a, s.layers[i].A)
+        factor_g = tf.where(tf.reduce_all(tf.math.is_finite(factor_g)), factor_g, s.layers[i].G)
         return factor_a, factor_g
 
     def _inverses(self, layer, factor_a, factor_g, damping):
         """Split inverses of the damped factors (``√(λ/P)`` per factor)."""
         s, i, block = self.state, layer.index, layer.block
         per_factor = tf.sqrt(damping / layer.positions)
-        return (invert_blocks(factor_a, per_factor, block.a_dim, previous=s["A_inv"][i]),
-                invert_blocks(factor_g, per_factor, block.g_dim, previous=s["G_inv"][i]))
+        return (invert_blocks(factor_a, per_factor, block.a_dim, previous=s.layers[i].A_inv),
+                invert_blocks(factor_g, per_factor, block.g_dim, previous=s.layers[i].G_inv))
 
     def _install(self, layer, factor_a, factor_g, damping, inverses=None):
         """Write a refreshed layer's factors, inverses and used traces (returns a dummy 0)."""
         s, i = self.state, layer.index
         factor_a, factor_g = self._factors_in_use(layer, factor_a, factor_g)
         inv_a, inv_g = inverses or self._inverses(layer, factor_a, factor_g, damping)
-        s["A"][i].assign(factor_a)
-        s["G"][i].assign(factor_g)
-        s["A_inv"][i].assign(inv_a)
-        s["G_inv"][i].assign(inv_g)
-        for key, factor in (("trace_a", factor_a), ("trace_g", factor_g)):
-            s[key].assign(tf.tensor_scatter_nd_update(
-                s[key], [[i]], [tf.reduce_sum(tf.linalg.trace(factor))]))
+        s.layers[i].A.assign(factor_a)
+        s.layers[i].G.assign(factor_g)
+        s.layers[i].A_inv.assign(inv_a)
+        s.layers[i].G_inv.assign(inv_g)
+        for traces, factor in ((s.trace_a, factor_a), (s.trace_g, factor_g)):
+            traces.assign(tf.tensor_scatter_nd_update(
+                traces, [[i]], [tf.reduce_sum(tf.linalg.trace(factor))]))
         return tf.constant(0)
 
     def _install_shared_inverses(self, layers, refresh, factors, damping):
@@ -619,43 +562,44 @@ class ThorEngine:
         refresh = gather(lambda r: r["refresh"], False, tf.bool)
         freeze = gather(lambda r: r["freeze"], False, tf.bool)
         nonfinite = gather(lambda r: r["nonfinite"], False, tf.bool)
-        was_frozen = s["frozen"] > 0
+        was_frozen = s.frozen > 0
         evaluated = tf.logical_and(tf.logical_not(was_frozen), present_t)
         reuse = tf.logical_and(evaluated, tf.logical_not(tf.logical_or(refresh, freeze)))
-        s["calm"].assign(tf.where(present_t, gather(lambda r: r["calm"], 0, tf.int64), s["calm"]))
-        for k in self._FILTER_KEYS:
-            var = s["filter_" + k]
+        s.calm.assign(tf.where(present_t, gather(lambda r: r["calm"], 0, tf.int64), s.calm))
+        for k, var in zip(scheduler.FilterState._fields, s.filter):
             if n:
                 rows = tf.stack([tf.cast(getattr(results[i]["filter"], k), var.dtype) if i in results
                                  else tf.convert_to_tensor(var[i]) for i in range(n)])
                 var.assign(rows)
-        s["last_delta"].assign(tf.where(evaluated, delta, s["last_delta"]))  # NaN: non-finite traces
-        s["refreshes"].assign_add(tf.cast(refresh, tf.int64))
-        s["reuses"].assign_add(tf.cast(reuse, tf.int64))
-        s["last_refresh"].assign(tf.where(refresh, step, s["last_refresh"]))
-        s["frozen_at"].assign(tf.where(freeze, step, s["frozen_at"]))
-        s["frozen"].assign(tf.where(freeze, tf.ones_like(s["frozen"]), s["frozen"]))
-        s["nonfinite_traces"].assign_add(tf.reduce_sum(tf.cast(nonfinite, tf.int64)))
+        s.last_delta.assign(tf.where(evaluated, delta, s.last_delta))  # NaN: non-finite traces
+        s.refreshes.assign_add(tf.cast(refresh, tf.int64))
+        s.reuses.assign_add(tf.cast(reuse, tf.int64))
+        s.last_refresh.assign(tf.where(refresh, step, s.last_refresh))
+        s.frozen_at.assign(tf.where(freeze, step, s.frozen_at))
+        s.frozen.assign(tf.where(freeze, tf.ones_like(s.frozen), s.frozen))
+        s.nonfinite_traces.assign_add(tf.reduce_sum(tf.cast(nonfinite, tf.int64)))
         return tf.reduce_any(refresh)
 
     def precondition(self, active, records, grads, variables, ok=True):
         """Preconditioned gradients of the blocks' variables (see :mod:`thor_tf.precondition`);
         the KL-clip scale ν of a finite step is kept in ``counters()["kl_scale"]``."""
         s = self.state
-        inverses = {b.name: (s["A_inv"][self._block_index[b.name]],
-                             s["G_inv"][self._block_index[b.name]]) for b in active}
+        inverses = {}
+        for b in active:
+            layer = s.layers[self._block_index[b.name]]
+            inverses[b.name] = (layer.A_inv, layer.G_inv)
         opt = self.optimizer
         out, nu = precondition.precondition_gradients(
-            active, records, inverses, grads, variables, kl_clip=opt.kl_clip,
+            active, records, inverses, grads, variables, kl_clip=self.config.kl_clip,
             learning_rate=opt.learning_rate)
         if nu is not None:
-            s["kl_scale"].assign(tf.where(ok, nu, s["kl_scale"]))
+            s.kl_scale.assign(tf.where(ok, nu, s.kl_scale))
         return out
 
     # -- introspection ---------------------------------------------------------------------------
     def layer_stats(self):
         """One dict per registered layer (host values; call between steps, not in the graph)."""
-        split = self.optimizer.split_dim if self.optimizer is not None else self.split_dim
+        split = self.config.split_dim if self.optimizer is not None else self.split_dim
         stats = []
         state = self._state
         for i, b in enumerate(self.blocks):
@@ -663,12 +607,12 @@ class ThorEngine:
             row["split_dim"] = split
             if state is not None:
                 row.update({
-                    "refreshes": int(state["refreshes"].numpy()[i]),
-                    "reuses": int(state["reuses"].numpy()[i]),
-                    "last_refresh_step": int(state["last_refresh"].numpy()[i]),
-                    "frozen": bool(state["frozen"].numpy()[i]),
-                    "frozen_at_step": int(state["frozen_at"].numpy()[i]),
-                    "last_delta": float(state["last_delta"].numpy()[i]),
+                    "refreshes": int(state.refreshes.numpy()[i]),
+                    "reuses": int(state.reuses.numpy()[i]),
+                    "last_refresh_step": int(state.last_refresh.numpy()[i]),
+                    "frozen": bool(state.frozen.numpy()[i]),
+                    "frozen_at_step": int(state.frozen_at.numpy()[i]),
+                    "last_delta": float(state.last_delta.numpy()[i]),
                 })
             else:
                 row.update({"refreshes": 0, "reuses": 0, "last_refresh_step": -1, "frozen": False,
@@ -681,11 +625,7 @@ class ThorEngine:
         cadence interval in force (``interval``: the adaptive one, else the base), the number of
         layer evaluations skipped because their traces were not finite (``nonfinite_traces``), and
         the last step's KL-clip scale ν (1.0: not clipped)."""
-        s = self.state
-        out = {k: int(s[k].numpy()) for k in ("cadence_points", "nonfinite_steps", "next_cadence",
-                                               "epoch", "interval", "nonfinite_traces")}
-        out["kl_scale"] = float(s["kl_scale"].numpy())
-        return out
+        return self.state.counters()
 
     def factors(self, name):
         """``{"A": ndarray, "G": ndarray}``: the undamped factors in use for layer ``name``.
@@ -706,7 +646,7 @@ class ThorEngine:
                 return blocks[:dim, 0, 0].numpy()
             return algebra.BlockDiagonal(blocks, dim).to_dense().numpy()
 
-        return {"A": dense(s["A"][i], block.a_dim), "G": dense(s["G"][i], block.g_dim)}
+        return {"A": dense(s.layers[i].A, block.a_dim), "G": dense(s.layers[i].G, block.g_dim)}
 
     def _index_of(self, name):
         if name not in self._block_index:
@@ -718,4 +658,4 @@ class ThorEngine:
         """``{"A_inv": [nb, d, d], "G_inv": [nb, d, d]}`` split inverses for layer ``name``."""
         i = self._index_of(name)
         s = self.state
-        return {"A_inv": s["A_inv"][i].numpy(), "G_inv": s["G_inv"][i].numpy()}
+        return {"A_inv": s.layers[i].A_inv.numpy(), "G_inv": s.layers[i].G_inv.numpy()}

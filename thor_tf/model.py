@@ -17,6 +17,7 @@ import keras
 import tensorflow as tf
 from thor_tf import _keras_compat, fisher
 from thor_tf.engine import ThorEngine
+from thor_tf.config import is_schedule, split_options
 from thor_tf.optimizer import ThorOptimizer
 
 class _EpochTracker(keras.callbacks.Callback):
@@ -83,17 +84,17 @@ class ThorModel(keras.Model):
 
     def __init__(self, model, thor_options=None, exclude=None, verbose=True, **kwargs):
         super().__init__(**kwargs)
-        thor_options = dict(thor_options or {})
-        # Validate every option up front: a throwaway optimizer raises ValueError on bad input.
-        self._default_optimizer = ThorOptimizer(**thor_options)
+        # Every option is validated here, once (ValueError naming the option and allowed values).
+        self._thor_config, self._learning_rate, self._keras_options = split_options(
+            dict(thor_options or {}))
         self.model = model
         self._exclude = list(exclude or [])
-        engine = ThorEngine(model, exclude=self._exclude, split_dim=self._default_optimizer.split_dim)
+        engine = ThorEngine(model, exclude=self._exclude, split_dim=self._thor_config.split_dim)
         engine.verbose = bool(verbose)
         object.__setattr__(self, "thor", engine)
         self.built = True  # the wrapped model is built (ThorEngine checks it)
         if verbose:
-            print(engine.registration_table(self._default_optimizer.split_dim))
+            print(engine.registration_table(self._thor_config.split_dim))
 
     def call(self, inputs, training=None):
         return self.model(inputs, training=training)
@@ -119,7 +120,8 @@ class ThorModel(keras.Model):
         set of blocks changes.
         """
         if optimizer is None or optimizer == "thor":
-            optimizer = ThorOptimizer.from_config(self._default_optimizer.get_config())
+            optimizer = ThorOptimizer(learning_rate=self._learning_rate,
+                                      **self._thor_config.options(), **self._keras_options)
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
         self.thor.loss = loss
         thor = self.thor_optimizer
@@ -256,7 +258,7 @@ class ThorModel(keras.Model):
         return {
             "name": self.name,
             "model": keras.saving.serialize_keras_object(self.model),
-            "thor_options": self._default_optimizer.get_config(),
+            "thor_options": self._options_config(),
             "exclude": self._exclude,
         }
 
@@ -265,9 +267,16 @@ class ThorModel(keras.Model):
         config = dict(config)
         model = keras.saving.deserialize_keras_object(config.pop("model"),
                                                       custom_objects=custom_objects)
-        # Round-trip through the optimizer so that serialized schedules come back as objects.
-        options = ThorOptimizer.from_config(dict(config.pop("thor_options") or {})).get_config()
-        return cls(model, thor_options=_constructor_options(options), verbose=False, **config)
+        options = _constructor_options(dict(config.pop("thor_options") or {}), custom_objects)
+        return cls(model, thor_options=options, verbose=False, **config)
+
+    def _options_config(self):
+        """The options ``wrap`` was given, JSON-able (schedules serialized)."""
+        learning_rate = self._learning_rate
+        if is_schedule(learning_rate) and not isinstance(learning_rate, (int, float)):
+            learning_rate = keras.saving.serialize_keras_object(learning_rate)
+        return {"learning_rate": learning_rate, **self._thor_config.get_config(),
+                **self._keras_options}
 
 
 def _loss_scale(optimizer, thor):
@@ -322,13 +331,17 @@ def _update_dynamic_loss_scale(loss_scaler, thor, ok):
     tf.distribute.get_replica_context().merge_call(update, args=(ok,))
 
 
-def _constructor_options(config):
-    """ThorOptimizer config -> constructor kwargs (schedules deserialized)."""
+def _constructor_options(config, custom_objects=None):
+    """Saved ``thor_options`` -> ``wrap`` keywords (schedules deserialized). Also reads the older
+    form, a whole ``ThorOptimizer.get_config()`` (its ``name`` is the optimizer's, not an option;
+    ``trace_smoothing`` was replaced by ``trace_filter`` and is not carried)."""
     options = dict(config)
     options.pop("name", None)
+    options.pop("trace_smoothing", None)
     for key in ("learning_rate", "damping"):
         if isinstance(options.get(key), dict):
-            options[key] = keras.saving.deserialize_keras_object(options[key])
+            options[key] = keras.saving.deserialize_keras_object(
+                options[key], custom_objects=custom_objects)
     if isinstance(options.get("frequency"), list):
         options["frequency"] = [tuple(p) for p in options["frequency"]]
     return options

@@ -18,75 +18,12 @@ trace history and counters (created by :meth:`thor_tf.engine.ThorEngine.build_st
 
 from __future__ import annotations
 
-import json
-import numbers
-import os
-
 import keras
 import tensorflow as tf
 from keras import ops
 
-from thor_tf.scheduler import PRESETS, TRACE_FILTERS, CadenceSchedule
-
-FISHER_TYPES = ("empirical", "sampled")
-#: Who inverts a refreshing layer's factors under a multi-replica strategy (README "Distributed").
-INVERSE_ASSIGNMENTS = ("all", "balanced")
-DEFAULT_FREQUENCY = 10
-#: Noise filter of the trace rule ("none" = the rule as published); see README and scheduler.py.
-DEFAULT_TRACE_FILTER = "mean"
-#: K-FAC's trust region on the preconditioned step (kfac-pytorch's default); see README.
-DEFAULT_KL_CLIP = 0.001
-
-
-def _is_schedule(value):
-    return isinstance(value, keras.optimizers.schedules.LearningRateSchedule) or callable(value)
-
-
-def _check_positive_or_schedule(name, value, allow_zero=False):
-    if _is_schedule(value):
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
-            value > 0 or (allow_zero and value == 0)):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(
-            f"`{name}` must be a float {bound} or a LearningRateSchedule / callable of the step; "
-            f"got {value!r}.")
-
-
-def resolve_split_dim(split_dim):
-    """``split_dim`` as an int: an int >= 1, or the path of a calibration JSON with key ``split_dim``."""
-    if isinstance(split_dim, (str, os.PathLike)):
-        path = os.fspath(split_dim)
-        try:
-            with open(path) as fh:
-                value = json.load(fh)["split_dim"]
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise ValueError(
-                f"`split_dim` must be an int >= 1 or the path of a calibration JSON file with a "
-                f"'split_dim' key; could not read one from {path!r}: {err}") from err
-        split_dim = value
-    if isinstance(split_dim, bool) or not isinstance(split_dim, numbers.Integral) or split_dim < 1:
-        raise ValueError(
-            f"`split_dim` must be an int >= 1 or the path of a calibration JSON file; "
-            f"got {split_dim!r}.")
-    return int(split_dim)
-
-
-def resolve_omegas(preset, omega1, omega2):
-    """``(ω1, ω2)`` from a preset name and/or explicit values (explicit values win)."""
-    if preset is not None and preset not in PRESETS:
-        raise ValueError(f"`preset` must be one of {sorted(PRESETS)} or None; got {preset!r}.")
-    base1, base2 = PRESETS[preset or "thor"]
-    omega1 = base1 if omega1 is None else omega1
-    omega2 = base2 if omega2 is None else omega2
-    for name, value in (("omega1", omega1), ("omega2", omega2)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or value < 0:
-            raise ValueError(f"`{name}` must be a float >= 0; got {value!r}.")
-    if omega2 > omega1:
-        raise ValueError(
-            f"`omega2` must be <= `omega1` (0 <= omega2 <= omega1); got omega1={omega1}, "
-            f"omega2={omega2}.")
-    return float(omega1), float(omega2)
+from thor_tf.config import (DEFAULT_FREQUENCY, DEFAULT_KL_CLIP, DEFAULT_TRACE_FILTER,
+                            REFUSED_KERAS_ARGUMENTS, split_options)
 
 
 @keras.saving.register_keras_serializable(package="thor_tf")
@@ -151,74 +88,41 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         name="thor",
         **kwargs,
     ):
-        for unsupported in ("clipnorm", "clipvalue", "global_clipnorm"):
-            if kwargs.get(unsupported) is not None:
-                raise ValueError(
-                    f"`{unsupported}` is not supported by ThorOptimizer (it would clip before "
-                    f"preconditioning); use `clip_norm`, which clips the update in THOR's order.")
-        if kwargs.get("gradient_accumulation_steps"):
-            raise ValueError(
-                "`gradient_accumulation_steps` is not supported by ThorOptimizer (factors are "
-                "per batch); use a larger batch size.")
-        _check_positive_or_schedule("learning_rate", learning_rate)
-        _check_positive_or_schedule("damping", damping)
-        if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0 <= momentum < 1:
-            raise ValueError(f"`momentum` must be a float in [0, 1); got {momentum!r}.")
-        if isinstance(weight_decay, bool) or not isinstance(weight_decay, numbers.Real) or weight_decay < 0:
-            raise ValueError(f"`weight_decay` must be a float >= 0; got {weight_decay!r}.")
-        if clip_norm is not None and (not isinstance(clip_norm, numbers.Real) or clip_norm <= 0):
-            raise ValueError(f"`clip_norm` must be None or a float > 0; got {clip_norm!r}.")
-        if fisher not in FISHER_TYPES:
-            raise ValueError(f"`fisher` must be one of {list(FISHER_TYPES)}; got {fisher!r}.")
-        if isinstance(factor_decay, bool) or not isinstance(factor_decay, numbers.Real) or not 0 <= factor_decay < 1:
-            raise ValueError(f"`factor_decay` must be a float in [0, 1); got {factor_decay!r}.")
-        if "trace_smoothing" in kwargs:
-            raise ValueError(
-                f"`trace_smoothing` was replaced by `trace_filter` (one of {list(TRACE_FILTERS)}; "
-                f"\"none\" is the rule as published); got trace_smoothing="
-                f"{kwargs['trace_smoothing']!r}.")
-        if not isinstance(trace_filter, str) or trace_filter not in TRACE_FILTERS:
-            raise ValueError(
-                f"`trace_filter` must be one of {list(TRACE_FILTERS)}; got {trace_filter!r}.")
-        if kl_clip is not None and (isinstance(kl_clip, bool) or not isinstance(kl_clip, numbers.Real)
-                                    or kl_clip <= 0):
-            raise ValueError(f"`kl_clip` must be None or a float > 0; got {kl_clip!r}.")
-        if factor_examples is not None and (isinstance(factor_examples, bool) or not isinstance(
-                factor_examples, numbers.Integral) or factor_examples < 1):
-            raise ValueError(f"`factor_examples` must be None or an int >= 1; got {factor_examples!r}.")
-        if not isinstance(inverse_assignment, str) or inverse_assignment not in INVERSE_ASSIGNMENTS:
-            raise ValueError(f"`inverse_assignment` must be one of {list(INVERSE_ASSIGNMENTS)}; "
-                             f"got {inverse_assignment!r}.")
-        if weight_decay_exclude is not None and (
-                isinstance(weight_decay_exclude, str)
-                or not all(isinstance(p, str) for p in weight_decay_exclude)):
-            raise ValueError(
-                f"`weight_decay_exclude` must be None or a list of variable-name patterns; "
-                f"got {weight_decay_exclude!r}.")
-
-        super().__init__(learning_rate=learning_rate, name=name, **kwargs)
-        self.momentum = float(momentum)
-        self.damping = damping
-        self.thor_weight_decay = float(weight_decay)
-        self.weight_decay_exclude = list(weight_decay_exclude) if weight_decay_exclude else None
-        if self.weight_decay_exclude:
-            self.exclude_from_weight_decay(var_names=self.weight_decay_exclude)
-        self.clip_norm = None if clip_norm is None else float(clip_norm)
-        self.frequency = frequency
-        self.cadence = CadenceSchedule(frequency)
-        self.preset = preset
-        self._omega_args = (omega1, omega2)
-        self.omega1, self.omega2 = resolve_omegas(preset, omega1, omega2)
-        self.split_dim = resolve_split_dim(split_dim)
-        self.fisher = fisher
-        self.factor_decay = float(factor_decay)
-        self.trace_filter = trace_filter
-        self.kl_clip = None if kl_clip is None else float(kl_clip)
-        self.factor_examples = None if factor_examples is None else int(factor_examples)
-        self.inverse_assignment = inverse_assignment
+        config, learning_rate, keras_kwargs = split_options(dict(
+            kwargs, learning_rate=learning_rate, momentum=momentum, damping=damping,
+            weight_decay=weight_decay, weight_decay_exclude=weight_decay_exclude,
+            clip_norm=clip_norm, frequency=frequency, preset=preset, omega1=omega1, omega2=omega2,
+            split_dim=split_dim, fisher=fisher, factor_decay=factor_decay,
+            trace_filter=trace_filter, kl_clip=kl_clip, factor_examples=factor_examples,
+            inverse_assignment=inverse_assignment))
+        super().__init__(learning_rate=learning_rate, name=name, **keras_kwargs)
+        #: The validated options, shared with the engine (:class:`thor_tf.config.ThorConfig`).
+        self.config = config
+        if config.weight_decay_exclude:
+            self.exclude_from_weight_decay(var_names=list(config.weight_decay_exclude))
         self.engine = None
         self._gradients_reduced = False
         self._step_ok = None
+
+    # THOR's options, read-only views of ``config`` (what users and older code read).
+    momentum = property(lambda self: self.config.momentum)
+    damping = property(lambda self: self.config.damping)
+    thor_weight_decay = property(lambda self: self.config.weight_decay)
+    weight_decay_exclude = property(
+        lambda self: list(self.config.weight_decay_exclude) if self.config.weight_decay_exclude else None)
+    clip_norm = property(lambda self: self.config.clip_norm)
+    frequency = property(lambda self: self.config.frequency)
+    cadence = property(lambda self: self.config.cadence)
+    preset = property(lambda self: self.config.preset)
+    omega1 = property(lambda self: self.config.omegas[0])
+    omega2 = property(lambda self: self.config.omegas[1])
+    split_dim = property(lambda self: self.config.split_dim)
+    fisher = property(lambda self: self.config.fisher)
+    factor_decay = property(lambda self: self.config.factor_decay)
+    trace_filter = property(lambda self: self.config.trace_filter)
+    kl_clip = property(lambda self: self.config.kl_clip)
+    factor_examples = property(lambda self: self.config.factor_examples)
+    inverse_assignment = property(lambda self: self.config.inverse_assignment)
 
     # -- wiring ------------------------------------------------------------------------------------
     def attach(self, engine):
@@ -310,31 +214,8 @@ class ThorOptimizer(keras.optimizers.Optimizer):
     # -- config ----------------------------------------------------------------------------------
     def get_config(self):
         config = super().get_config()
-        damping = self.damping
-        if _is_schedule(damping) and not isinstance(damping, numbers.Real):
-            damping = keras.saving.serialize_keras_object(damping)
-        frequency = self.cadence.get_config()
-        if frequency is None:
-            frequency = DEFAULT_FREQUENCY  # callables do not serialize (README)
-        config.update({
-            "momentum": self.momentum,
-            "damping": damping,
-            "weight_decay": self.thor_weight_decay,
-            "weight_decay_exclude": self.weight_decay_exclude,
-            "clip_norm": self.clip_norm,
-            "frequency": frequency,
-            "preset": self.preset,
-            "omega1": self._omega_args[0],
-            "omega2": self._omega_args[1],
-            "split_dim": self.split_dim,
-            "fisher": self.fisher,
-            "factor_decay": self.factor_decay,
-            "trace_filter": self.trace_filter,
-            "kl_clip": self.kl_clip,
-            "factor_examples": self.factor_examples,
-            "inverse_assignment": self.inverse_assignment,
-        })
-        for key in ("clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps"):
+        config.update(self.config.get_config())
+        for key in REFUSED_KERAS_ARGUMENTS:
             config.pop(key, None)
         return config
 

@@ -1,0 +1,245 @@
+"""``ThorConfig``: THOR's options, validated once and shared by the optimizer and the engine.
+
+``thor_tf.wrap(model, **options)`` validates the options here (a ``ValueError`` naming the option
+and the allowed values), the ``ThorOptimizer`` made at ``compile`` holds the same config, and the
+engine reads its settings from it (``optimizer.config``) instead of from optimizer attributes.
+
+Learning rate and Keras' own optimizer arguments (``loss_scale_factor``, ``name``, ...) are not
+THOR's options: :func:`split_options` separates them and checks their names against Keras'
+``Optimizer`` signature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import numbers
+import os
+from typing import Any, Optional, Tuple
+
+import keras
+
+from thor_tf.scheduler import PRESETS, TRACE_FILTERS, CadenceSchedule
+
+FISHER_TYPES = ("empirical", "sampled")
+#: Who inverts a refreshing layer's factors under a multi-replica strategy (README "Distributed").
+INVERSE_ASSIGNMENTS = ("all", "balanced")
+DEFAULT_FREQUENCY = 10
+#: Noise filter of the trace rule ("none" = the rule as published); see README and scheduler.py.
+DEFAULT_TRACE_FILTER = "mean"
+#: K-FAC's trust region on the preconditioned step (kfac-pytorch's default); see README.
+DEFAULT_KL_CLIP = 0.001
+#: Keras optimizer arguments ThorOptimizer refuses (they would act before preconditioning).
+REFUSED_KERAS_ARGUMENTS = ("clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps")
+
+
+def is_schedule(value):
+    """A ``LearningRateSchedule`` or a callable of the step."""
+    return isinstance(value, keras.optimizers.schedules.LearningRateSchedule) or callable(value)
+
+
+def check_positive_or_schedule(name, value, allow_zero=False):
+    if is_schedule(value):
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+            value > 0 or (allow_zero and value == 0)):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(
+            f"`{name}` must be a float {bound} or a LearningRateSchedule / callable of the step; "
+            f"got {value!r}.")
+
+
+def resolve_split_dim(split_dim):
+    """``split_dim`` as an int: an int >= 1, or the path of a calibration JSON with key ``split_dim``."""
+    if isinstance(split_dim, (str, os.PathLike)):
+        path = os.fspath(split_dim)
+        try:
+            with open(path) as fh:
+                value = json.load(fh)["split_dim"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(
+                f"`split_dim` must be an int >= 1 or the path of a calibration JSON file with a "
+                f"'split_dim' key; could not read one from {path!r}: {err}") from err
+        split_dim = value
+    if isinstance(split_dim, bool) or not isinstance(split_dim, numbers.Integral) or split_dim < 1:
+        raise ValueError(
+            f"`split_dim` must be an int >= 1 or the path of a calibration JSON file; "
+            f"got {split_dim!r}.")
+    return int(split_dim)
+
+
+def resolve_omegas(preset, omega1, omega2):
+    """``(ω1, ω2)`` from a preset name and/or explicit values (explicit values win)."""
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"`preset` must be one of {sorted(PRESETS)} or None; got {preset!r}.")
+    base1, base2 = PRESETS[preset or "thor"]
+    omega1 = base1 if omega1 is None else omega1
+    omega2 = base2 if omega2 is None else omega2
+    for name, value in (("omega1", omega1), ("omega2", omega2)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or value < 0:
+            raise ValueError(f"`{name}` must be a float >= 0; got {value!r}.")
+    if omega2 > omega1:
+        raise ValueError(
+            f"`omega2` must be <= `omega1` (0 <= omega2 <= omega1); got omega1={omega1}, "
+            f"omega2={omega2}.")
+    return float(omega1), float(omega2)
+
+
+def _is_real(value):
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class ThorConfig:
+    """THOR's options (see ``ThorOptimizer`` for each one's meaning), validated on construction.
+
+    Derived, read-only: ``omegas`` (ω1, ω2 after the preset), ``cadence`` (the
+    :class:`~thor_tf.scheduler.CadenceSchedule` of ``frequency``); ``split_dim`` is resolved to
+    an int (a calibration JSON path is read once, here).
+    """
+
+    momentum: float = 0.9
+    damping: Any = 0.03
+    weight_decay: float = 0.0
+    weight_decay_exclude: Optional[Tuple[str, ...]] = None
+    clip_norm: Optional[float] = None
+    frequency: Any = DEFAULT_FREQUENCY
+    preset: Optional[str] = "thor"
+    omega1: Optional[float] = None
+    omega2: Optional[float] = None
+    split_dim: Any = 128
+    fisher: str = "empirical"
+    factor_decay: float = 0.0
+    trace_filter: str = DEFAULT_TRACE_FILTER
+    kl_clip: Optional[float] = DEFAULT_KL_CLIP
+    factor_examples: Optional[int] = None
+    inverse_assignment: str = "all"
+
+    def __post_init__(self):
+        def set_(name, value):
+            object.__setattr__(self, name, value)
+
+        check_positive_or_schedule("damping", self.damping)
+        m = self.momentum
+        if not _is_real(m) or not 0 <= m < 1:
+            raise ValueError(f"`momentum` must be a float in [0, 1); got {m!r}.")
+        if not _is_real(self.weight_decay) or self.weight_decay < 0:
+            raise ValueError(f"`weight_decay` must be a float >= 0; got {self.weight_decay!r}.")
+        if self.clip_norm is not None and (not _is_real(self.clip_norm) or self.clip_norm <= 0):
+            raise ValueError(f"`clip_norm` must be None or a float > 0; got {self.clip_norm!r}.")
+        if self.fisher not in FISHER_TYPES:
+            raise ValueError(f"`fisher` must be one of {list(FISHER_TYPES)}; got {self.fisher!r}.")
+        if not _is_real(self.factor_decay) or not 0 <= self.factor_decay < 1:
+            raise ValueError(f"`factor_decay` must be a float in [0, 1); got {self.factor_decay!r}.")
+        if not isinstance(self.trace_filter, str) or self.trace_filter not in TRACE_FILTERS:
+            raise ValueError(
+                f"`trace_filter` must be one of {list(TRACE_FILTERS)}; got {self.trace_filter!r}.")
+        if self.kl_clip is not None and (not _is_real(self.kl_clip) or self.kl_clip <= 0):
+            raise ValueError(f"`kl_clip` must be None or a float > 0; got {self.kl_clip!r}.")
+        k = self.factor_examples
+        if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1):
+            raise ValueError(f"`factor_examples` must be None or an int >= 1; got {k!r}.")
+        if (not isinstance(self.inverse_assignment, str)
+                or self.inverse_assignment not in INVERSE_ASSIGNMENTS):
+            raise ValueError(f"`inverse_assignment` must be one of {list(INVERSE_ASSIGNMENTS)}; "
+                             f"got {self.inverse_assignment!r}.")
+        exclude = self.weight_decay_exclude
+        if exclude is not None and (isinstance(exclude, str)
+                                    or not all(isinstance(p, str) for p in exclude)):
+            raise ValueError(
+                f"`weight_decay_exclude` must be None or a list of variable-name patterns; "
+                f"got {exclude!r}.")
+        set_("weight_decay_exclude", tuple(exclude) if exclude else None)
+        set_("momentum", float(m))
+        set_("weight_decay", float(self.weight_decay))
+        set_("clip_norm", None if self.clip_norm is None else float(self.clip_norm))
+        set_("factor_decay", float(self.factor_decay))
+        set_("kl_clip", None if self.kl_clip is None else float(self.kl_clip))
+        set_("factor_examples", None if k is None else int(k))
+        set_("split_dim", resolve_split_dim(self.split_dim))
+        set_("_omegas", resolve_omegas(self.preset, self.omega1, self.omega2))
+        set_("_cadence", CadenceSchedule(self.frequency))
+
+    @property
+    def omegas(self):
+        """``(ω1, ω2)``: the preset's thresholds overridden by explicit ``omega1``/``omega2``."""
+        return self._omegas
+
+    @property
+    def cadence(self):
+        return self._cadence
+
+    def options(self):
+        """The options as constructor keywords (live objects: schedules, callables)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def get_config(self):
+        """JSON-able options (schedules serialized; a callable ``frequency`` becomes the default,
+        as callables do not serialize)."""
+        out = self.options()
+        if is_schedule(self.damping) and not _is_real(self.damping):
+            out["damping"] = keras.saving.serialize_keras_object(self.damping)
+        frequency = self.cadence.get_config()
+        out["frequency"] = DEFAULT_FREQUENCY if frequency is None else frequency
+        out["weight_decay_exclude"] = list(self.weight_decay_exclude) if self.weight_decay_exclude else None
+        return out
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        if isinstance(config.get("damping"), dict):
+            config["damping"] = keras.saving.deserialize_keras_object(
+                config["damping"], custom_objects=custom_objects)
+        if isinstance(config.get("frequency"), list):
+            config["frequency"] = [tuple(p) for p in config["frequency"]]
+        return cls(**config)
+
+
+THOR_OPTIONS = tuple(f.name for f in dataclasses.fields(ThorConfig))
+
+
+def keras_optimizer_arguments():
+    """Names ``keras.optimizers.Optimizer`` accepts (learning_rate, name, loss_scale_factor, ...)."""
+    # The backend's Optimizer takes (*args, **kwargs) and passes them on: the named arguments are
+    # those of the first class in its MRO that names them (Keras' BaseOptimizer).
+    for cls in keras.optimizers.Optimizer.__mro__:
+        names = tuple(p for p in inspect.signature(cls.__init__).parameters
+                      if p not in ("self", "args", "kwargs"))
+        if names:
+            return names
+    return ()
+
+
+def split_options(options):
+    """``(ThorConfig, learning_rate, keras_kwargs)`` from ``wrap``/``ThorOptimizer`` options.
+
+    Raises ``ValueError`` for a bad value, a refused Keras argument or an unknown name.
+    """
+    options = dict(options)
+    for refused in REFUSED_KERAS_ARGUMENTS:
+        if options.get(refused) is None:
+            options.pop(refused, None)
+            continue
+        if refused == "gradient_accumulation_steps":
+            raise ValueError(
+                "`gradient_accumulation_steps` is not supported by ThorOptimizer (factors are "
+                "per batch); use a larger batch size.")
+        raise ValueError(
+            f"`{refused}` is not supported by ThorOptimizer (it would clip before "
+            f"preconditioning); use `clip_norm`, which clips the update in THOR's order.")
+    if "trace_smoothing" in options:
+        raise ValueError(
+            f"`trace_smoothing` was replaced by `trace_filter` (one of {list(TRACE_FILTERS)}; "
+            f"\"none\" is the rule as published); got trace_smoothing="
+            f"{options['trace_smoothing']!r}.")
+    learning_rate = options.pop("learning_rate", 0.05)
+    check_positive_or_schedule("learning_rate", learning_rate)
+    thor = {k: options.pop(k) for k in THOR_OPTIONS if k in options}
+    allowed = keras_optimizer_arguments()
+    unknown = sorted(k for k in options if k not in allowed)
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) {unknown}: THOR's options are {list(THOR_OPTIONS)}, plus "
+            f"`learning_rate` and Keras optimizer arguments {[a for a in allowed if a not in REFUSED_KERAS_ARGUMENTS]}.")
+    return ThorConfig(**thor), learning_rate, options

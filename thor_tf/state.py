@@ -1,0 +1,148 @@
+"""THOR's curvature state as named objects, created on (and saved with) the optimizer.
+
+* :class:`LayerFactors`, one per block: ``A`` ``[nb_a, d_a, d_a]`` and ``G`` ``[nb_g, d_g, d_g]``
+  (the diagonal blocks of the undamped factors in use: the only part the split inverse needs, so
+  the only part computed), ``A_inv`` and ``G_inv`` (same shapes: split inverses of the damped
+  factors, identity before the first refresh).
+* :class:`ThorState`: the layers' factors, then one vector per statistic with one entry per block
+  (vectors, so a cadence point writes every layer's decision in one assignment): traces of the
+  factors in use, the trace filter (a :class:`~thor_tf.scheduler.FilterState` of vectors), the
+  count of consecutive Δ < ω2 (``calm``), last Δ, refresh / reuse counts, frozen flag and step,
+  last refresh step; and the model-wide scalars: next cadence step, cadence points, non-finite
+  steps, epoch, cadence interval, non-finite traces, the last KL-clip scale ν.
+
+Variables are created in a fixed order with fixed names (checkpoints match by them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List
+
+import keras
+import tensorflow as tf
+
+from thor_tf import scheduler
+from thor_tf.algebra import split_layout
+
+
+def variable_name(block_name):
+    """A block name as Keras accepts it in a variable name (layer paths have '/')."""
+    return block_name.replace("/", "__")
+
+
+def _identity_blocks(num_blocks, size):
+    def init(shape=None, dtype=None):
+        return tf.eye(size, batch_shape=[num_blocks], dtype=dtype or "float32")
+
+    return init
+
+
+@dataclasses.dataclass
+class LayerFactors:
+    """One block's factors and split inverses (optimizer variables)."""
+
+    A: object
+    A_inv: object
+    G: object
+    G_inv: object
+
+    def shapes(self):
+        """``(A's shape, G's shape)`` as tuples (the inverses have the same)."""
+        return tuple(tuple(int(d) for d in v.shape) for v in (self.A, self.G))
+
+
+#: Model-wide scalars (int64 unless noted) in creation order: attribute -> (variable name, initial).
+COUNTERS = {
+    "next_cadence": ("thor_next_cadence_step", 0),
+    "cadence_points": ("thor_cadence_points", 0),
+    "nonfinite_steps": ("thor_nonfinite_steps", 0),
+    "epoch": ("thor_epoch", 0),
+    "interval": ("thor_interval", None),  # the cadence's base interval
+    "nonfinite_traces": ("thor_nonfinite_traces", 0),
+}
+
+
+@dataclasses.dataclass
+class ThorState:
+    """Everything THOR keeps between steps (see the module docstring)."""
+
+    layers: List[LayerFactors]
+    trace_a: object
+    trace_g: object
+    filter: scheduler.FilterState
+    calm: object
+    last_delta: object
+    refreshes: object
+    reuses: object
+    frozen: object
+    frozen_at: object
+    last_refresh: object
+    next_cadence: object
+    cadence_points: object
+    nonfinite_steps: object
+    epoch: object
+    interval: object
+    nonfinite_traces: object
+    kl_scale: object
+
+    @classmethod
+    def create(cls, optimizer, blocks, split_dim, interval_base):
+        """Add the state's variables to ``optimizer`` (inside its ``build``)."""
+        n = len(blocks)
+        layers = []
+        for b in blocks:
+            prefix = variable_name(b.name)
+            made = {}
+            for factor, dim, size in zip(("A", "G"), (b.a_dim, b.g_dim), b.split_sizes(split_dim)):
+                nb, size = split_layout(dim, size)
+                made[factor] = optimizer.add_variable((nb, size, size), name=f"{prefix}_{factor}")
+                made[factor + "_inv"] = optimizer.add_variable(
+                    (nb, size, size), initializer=_identity_blocks(nb, size),
+                    name=f"{prefix}_{factor}_inv")
+            layers.append(LayerFactors(**made))
+
+        def vector(name, dtype, value):
+            return optimizer.add_variable(
+                (n,), initializer=keras.initializers.Constant(value), dtype=dtype, name=name)
+
+        def scalar(name, value):
+            return optimizer.add_variable(
+                (), initializer=keras.initializers.Constant(value), dtype="int64", name=name)
+
+        trace_a = vector("thor_trace_a", "float32", 0.0)
+        trace_g = vector("thor_trace_g", "float32", 0.0)
+        window = optimizer.add_variable((n, scheduler.TRACE_WINDOW), initializer="zeros",
+                                        dtype="float32", name="thor_filter_window")
+        trace_filter = scheduler.FilterState(
+            window=window,
+            count=vector("thor_filter_count", "int64", 0),
+            ref_mean=vector("thor_filter_ref_mean", "float32", 0.0),
+            ref_count=vector("thor_filter_ref_count", "int64", 0),
+            last=vector("thor_filter_last", "float32", 0.0),
+            noise=vector("thor_filter_noise", "float32", 0.0),
+            noise_count=vector("thor_filter_noise_count", "int64", 0))
+        per_block = dict(
+            calm=vector("thor_calm", "int64", 0),
+            last_delta=vector("thor_last_delta", "float32", float("nan")),
+            refreshes=vector("thor_refreshes", "int64", 0),
+            reuses=vector("thor_reuses", "int64", 0),
+            frozen=vector("thor_frozen", "int64", 0),
+            frozen_at=vector("thor_frozen_at", "int64", -1),
+            last_refresh=vector("thor_last_refresh", "int64", -1))
+        counters = {attr: scalar(name, interval_base if initial is None else initial)
+                    for attr, (name, initial) in COUNTERS.items()}
+        kl_scale = optimizer.add_variable(
+            (), initializer=keras.initializers.Constant(1.0), dtype="float32", name="thor_kl_scale")
+        return cls(layers=layers, trace_a=trace_a, trace_g=trace_g, filter=trace_filter,
+                   **per_block, **counters, kl_scale=kl_scale)
+
+    def filter_row(self, i):
+        """Layer ``i``'s trace filter (a :class:`~thor_tf.scheduler.FilterState` of scalars)."""
+        return scheduler.FilterState(*[tf.identity(v[i]) for v in self.filter])
+
+    def counters(self):
+        """The model-wide scalars as Python numbers (host values)."""
+        out = {attr: int(getattr(self, attr).numpy()) for attr in COUNTERS}
+        out["kl_scale"] = float(self.kl_scale.numpy())
+        return out
