@@ -36,6 +36,6 @@ setup(
         # scikit-learn: load_digits, the embedded offline dataset of the experiments and tests
         "experiments": ["scikit-learn", "matplotlib"],
         "tensorboard": ["tensorboard"],  # TraceRuleLogger(log_dir=...)
-        "test": ["pytest", "scikit-learn", "matplotlib", "tensorboard"],
+        "test": ["pytest", "pytest-xdist", "scikit-learn", "matplotlib", "tensorboard"],
     },
 )

@@ -72,6 +72,17 @@ class _CadenceLayer(NamedTuple):
     examples: tf.Tensor  # examples behind the statistics (float32 scalar): the replica's weight
 
 
+class _Decisions(NamedTuple):
+    """One cadence point's trace-rule outcome, one entry per active layer (``[n_active]``)."""
+
+    delta: tf.Tensor  # Δ (NaN: frozen, or traces not finite)
+    refresh: tf.Tensor  # bool
+    freeze: tf.Tensor  # bool
+    nonfinite: tf.Tensor  # bool: the traces were not finite (nothing changed)
+    calm: tf.Tensor  # int64: consecutive Δ < ω2 after this point
+    filter: scheduler.FilterState  # the trace filter after this point ([n_active, ...])
+
+
 class ThorEngine:
     """Registry and per-step work for one model.
 
@@ -343,12 +354,13 @@ class ThorEngine:
             layers = self._cadence_inputs(active, records, output_grads_fn(), batch_size)
             weight = layers[0].examples if layers else tf.constant(1.0)
             damping = opt.current_damping()
-            local = [self._local_traces(layer) for layer in layers]
-            traces = distributed.weighted_mean(local, weight)
-            decisions = [self._judge(layer, trace, damping) for layer, trace in zip(layers, traces)]
-            self._refresh(layers, decisions, damping, weight)
-            refreshed_any = self._record_decisions(
-                {layer.index: d for layer, d in zip(layers, decisions)}, step)
+            if not layers:
+                return
+            local = tf.stack([self._local_traces(layer) for layer in layers])  # [n_active, 2]
+            traces, = distributed.weighted_mean([local], weight)
+            decisions = self._judge(layers, traces, damping)
+            self._refresh(layers, tf.unstack(decisions.refresh, num=len(layers)), damping, weight)
+            refreshed_any = self._record_decisions(layers, decisions, step)
             if self.config.cadence.adaptive is not None:
                 s.interval.assign(scheduler.adapt_interval(
                     s.interval, refreshed_any, self.config.cadence.adaptive.base,
@@ -385,60 +397,68 @@ class ThorEngine:
         return tf.cond(s.frozen[i] > 0, lambda: tf.zeros([2]),
                        lambda: tf.stack([block.trace_a(layer.records), block.trace_g(layer.grads)]))
 
-    def _judge(self, layer, traces, damping):
-        """The trace rule for one layer from the global batch's traces ``[tr A, tr G]``.
+    def _judge(self, layers, traces, damping):
+        """The trace rule for every active layer at once, from the global batch's traces.
 
-        Returns a dict of tensors: ``delta``, ``refresh``, ``freeze``, ``nonfinite`` (the traces
-        were not finite: nothing changes), ``calm`` and the layer's new
-        :class:`~thor_tf.scheduler.FilterState` (``filter``). A frozen layer decides nothing.
+        Args:
+          layers: the active layers' :class:`_CadenceLayer`.
+          traces: ``[n_active, 2]`` float32, ``[tr A, tr G]`` per layer.
+          damping: λ (float32 scalar).
+
+        Returns:
+          :class:`_Decisions` of ``[n_active]`` vectors. Every formula is elementwise over layers
+          (:mod:`thor_tf.scheduler`), so one set of ops serves all layers (no per-layer branch).
+          A frozen layer decides nothing; a layer whose traces are not finite (e.g. ``‖a‖²``
+          overflowing float32) decides nothing, changes nothing and is counted.
         """
         s = self.state
-        i, block = layer.index, layer.block
-        beta = self.config.factor_decay
-        filtered = self.config.trace_filter == "mean"
-        freeze_after = scheduler.FREEZE_AFTER if filtered else 1
-        has_used = s.refreshes[i] > 0
-        used_a, used_g = s.trace_a[i], s.trace_g[i]
-        calm = s.calm[i]
-        old_filter = s.filter_row(i)
-        block_damping = damping / layer.positions  # λ_b = λ/P
-        damping_term = block_damping * block.a_dim * block.g_dim
-        batch_a, batch_g = traces[0], traces[1]
+        index = [layer.index for layer in layers]
 
-        def unchanged(nonfinite):
-            return {"delta": tf.constant(float("nan")), "refresh": tf.constant(False),
-                    "freeze": tf.constant(False), "nonfinite": tf.constant(nonfinite),
-                    "calm": tf.identity(calm), "filter": old_filter}
+        def rows(v):
+            return tf.gather(tf.convert_to_tensor(v), index)
 
-        def judge():
-            if filtered:
-                delta, refresh, freeze, new_calm, new_filter = scheduler.filter_step(
-                    old_filter, batch_a * batch_g, damping_term, has_used, *self.config.omegas,
-                    calm, freeze_after)
-            else:
-                new_filter = old_filter
-                trace_a, trace_g = batch_a, batch_g
-                if beta > 0:
-                    trace_a = tf.where(has_used, beta * used_a + (1 - beta) * trace_a, trace_a)
-                    trace_g = tf.where(has_used, beta * used_g + (1 - beta) * trace_g, trace_g)
-                new = scheduler.trace_product(trace_a, trace_g, block_damping, block.a_dim,
-                                              block.g_dim)
-                used = scheduler.trace_product(used_a, used_g, block_damping, block.a_dim,
-                                               block.g_dim)
-                delta = scheduler.relative_trace_change(new, used, has_used)
-                refresh, freeze, new_calm = scheduler.decide(
-                    delta, *self.config.omegas, calm, freeze_after)
-            return {"delta": delta, "refresh": refresh, "freeze": freeze,
-                    "nonfinite": tf.constant(False), "calm": new_calm, "filter": new_filter}
-
-        # Non-finite traces (e.g. ‖a‖² overflowing float32) decide nothing and change nothing.
+        frozen = rows(s.frozen) > 0
+        has_used = rows(s.refreshes) > 0
+        used_a, used_g = rows(s.trace_a), rows(s.trace_g)
+        calm = rows(s.calm)
+        old_filter = scheduler.FilterState(*[rows(v) for v in s.filter])
+        block_damping = damping / tf.stack([layer.positions for layer in layers])  # λ_b = λ/P
+        a_dims = tf.constant([float(layer.block.a_dim) for layer in layers])
+        g_dims = tf.constant([float(layer.block.g_dim) for layer in layers])
+        batch_a, batch_g = traces[:, 0], traces[:, 1]
+        omega1, omega2 = self.config.omegas
+        if self.config.trace_filter == "mean":
+            delta, refresh, freeze, new_calm, new_filter = scheduler.filter_step(
+                old_filter, batch_a * batch_g, block_damping * a_dims * g_dims, has_used, omega1,
+                omega2, calm, scheduler.FREEZE_AFTER)
+        else:
+            new_filter = old_filter
+            beta = self.config.factor_decay
+            trace_a, trace_g = batch_a, batch_g
+            if beta > 0:
+                trace_a = tf.where(has_used, beta * used_a + (1 - beta) * trace_a, trace_a)
+                trace_g = tf.where(has_used, beta * used_g + (1 - beta) * trace_g, trace_g)
+            new = scheduler.trace_product(trace_a, trace_g, block_damping, a_dims, g_dims)
+            used = scheduler.trace_product(used_a, used_g, block_damping, a_dims, g_dims)
+            delta = scheduler.relative_trace_change(new, used, has_used)
+            refresh, freeze, new_calm = scheduler.decide(delta, omega1, omega2, calm, 1)
         finite = tf.logical_and(tf.math.is_finite(batch_a * batch_g),
-                                tf.reduce_all(tf.math.is_finite(traces)))
-        return tf.cond(s.frozen[i] > 0, lambda: unchanged(False),
-                       lambda: tf.cond(finite, judge, lambda: unchanged(True)))
+                                tf.reduce_all(tf.math.is_finite(traces), axis=1))
+        live = tf.logical_and(tf.logical_not(frozen), finite)
+
+        def keep(new, old):
+            mask = live if new.shape.rank == 1 else live[:, None]
+            return tf.where(mask, new, old)
+
+        return _Decisions(
+            delta=tf.where(live, delta, tf.fill(tf.shape(delta), float("nan"))),
+            refresh=tf.logical_and(live, refresh), freeze=tf.logical_and(live, freeze),
+            nonfinite=tf.logical_and(tf.logical_not(frozen), tf.logical_not(finite)),
+            calm=keep(new_calm, calm),
+            filter=scheduler.FilterState(*[keep(n, o) for n, o in zip(new_filter, old_filter)]))
 
     # -- refresh: factors -> (combined over replicas) -> inverses ---------------------------------
-    def _refresh(self, layers, decisions, damping, weight):
+    def _refresh(self, layers, refresh, damping, weight):
         """Refresh the layers whose decision says so: new factors, inverses and used traces.
 
         On one replica each refreshing layer does all its work in one ``tf.cond``. Under a
@@ -448,9 +468,6 @@ class ThorEngine:
         or each layer is inverted by the replica it is assigned to and one more packed collective
         shares the inverses (``"balanced"``).
         """
-        if not layers:
-            return
-        refresh = [d["refresh"] for d in decisions]
         if distributed.replica_context() is None:
             for layer, flag in zip(layers, refresh):
                 tf.cond(flag, lambda layer=layer: self._install(
@@ -543,42 +560,42 @@ class ThorEngine:
         """Flops-proportional cost of inverting block ``i``'s factors: ``Σ nb·d³``."""
         return float(sum(int(sh[0]) * int(sh[1]) ** 3 for sh in self._factor_shapes(i)))
 
-    def _record_decisions(self, results, step):
-        """Write one cadence point's per-layer outcomes into the stat vectors.
+    def _record_decisions(self, layers, decisions, step):
+        """Write one cadence point's decisions (:class:`_Decisions` over the active layers) into
+        the per-block vectors; layers not active this step keep their entries.
 
         Returns a boolean scalar: whether any layer refreshed.
         """
         s = self.state
-        n = len(self.blocks)
-        present = np.zeros(n, bool)
-        present[list(results)] = True
-        present_t = tf.constant(present)
+        index = tf.constant([[layer.index] for layer in layers], tf.int64)
 
-        def gather(get, fill, dtype):
-            return tf.stack([tf.cast(get(results[i]), dtype) if i in results else tf.constant(fill, dtype)
-                             for i in range(n)]) if n else tf.zeros([0], dtype)
+        def put(variable, values):
+            variable.assign(tf.tensor_scatter_nd_update(
+                tf.convert_to_tensor(variable), index, tf.cast(values, variable.dtype)))
 
-        delta = gather(lambda r: r["delta"], float("nan"), tf.float32)
-        refresh = gather(lambda r: r["refresh"], False, tf.bool)
-        freeze = gather(lambda r: r["freeze"], False, tf.bool)
-        nonfinite = gather(lambda r: r["nonfinite"], False, tf.bool)
-        was_frozen = s.frozen > 0
-        evaluated = tf.logical_and(tf.logical_not(was_frozen), present_t)
-        reuse = tf.logical_and(evaluated, tf.logical_not(tf.logical_or(refresh, freeze)))
-        s.calm.assign(tf.where(present_t, gather(lambda r: r["calm"], 0, tf.int64), s.calm))
-        for k, var in zip(scheduler.FilterState._fields, s.filter):
-            if n:
-                rows = tf.stack([tf.cast(getattr(results[i]["filter"], k), var.dtype) if i in results
-                                 else tf.convert_to_tensor(var[i]) for i in range(n)])
-                var.assign(rows)
-        s.last_delta.assign(tf.where(evaluated, delta, s.last_delta))  # NaN: non-finite traces
-        s.refreshes.assign_add(tf.cast(refresh, tf.int64))
-        s.reuses.assign_add(tf.cast(reuse, tf.int64))
-        s.last_refresh.assign(tf.where(refresh, step, s.last_refresh))
-        s.frozen_at.assign(tf.where(freeze, step, s.frozen_at))
-        s.frozen.assign(tf.where(freeze, tf.ones_like(s.frozen), s.frozen))
-        s.nonfinite_traces.assign_add(tf.reduce_sum(tf.cast(nonfinite, tf.int64)))
-        return tf.reduce_any(refresh)
+        def add(variable, flags):
+            variable.assign(tf.tensor_scatter_nd_add(
+                tf.convert_to_tensor(variable), index, tf.cast(flags, variable.dtype)))
+
+        was_frozen = tf.gather(tf.convert_to_tensor(s.frozen), index[:, 0]) > 0
+        evaluated = tf.logical_not(was_frozen)
+        reuse = tf.logical_and(evaluated, tf.logical_not(
+            tf.logical_or(decisions.refresh, decisions.freeze)))
+        put(s.calm, decisions.calm)
+        for variable, values in zip(s.filter, decisions.filter):
+            put(variable, values)
+        last_delta = tf.gather(tf.convert_to_tensor(s.last_delta), index[:, 0])
+        put(s.last_delta, tf.where(evaluated, decisions.delta, last_delta))  # NaN: non-finite traces
+        add(s.refreshes, decisions.refresh)
+        add(s.reuses, reuse)
+        step_vector = tf.fill(tf.shape(decisions.refresh), step)
+        last_refresh = tf.gather(tf.convert_to_tensor(s.last_refresh), index[:, 0])
+        put(s.last_refresh, tf.where(decisions.refresh, step_vector, last_refresh))
+        frozen_at = tf.gather(tf.convert_to_tensor(s.frozen_at), index[:, 0])
+        put(s.frozen_at, tf.where(decisions.freeze, step_vector, frozen_at))
+        add(s.frozen, decisions.freeze)
+        s.nonfinite_traces.assign_add(tf.reduce_sum(tf.cast(decisions.nonfinite, tf.int64)))
+        return tf.reduce_any(decisions.refresh)
 
     def precondition(self, active, records, grads, variables, ok=True):
         """Preconditioned gradients of the blocks' variables (see :mod:`thor_tf.precondition`);
