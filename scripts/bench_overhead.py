@@ -4,6 +4,8 @@ One worker process per (model, optimizer), so that every figure is a fresh proce
 compiling included, peak memory per optimizer), all in one run of this script on one machine:
 
 * ``first_step_s``: the first ``train_on_batch`` (trace + compile + one step), as a user pays it;
+  ``trace_python_s``: the part of it spent in Python building the graph (the first call of
+  ``train_step``); the rest is TensorFlow optimizing and running it;
 * ``steady_step_s``: median of later steps that do no curvature work (THOR: no cadence point);
 * ``cadence_step_s`` (THOR): median step when every block refreshes (``preset="thor_nt"``,
   ``frequency=1``: factors, traces and inversion at every step);
@@ -77,6 +79,22 @@ def _compiled(model_name, optimizer, seed=0, **thor_options):
     return wrapped
 
 
+def _python_trace_seconds(model):
+    """A list that receives the seconds of each Python call of ``model.train_step`` (the first:
+    tracing the train function)."""
+    original = model.train_step
+    spent = []
+
+    def timed(data):
+        start = time.perf_counter()
+        out = original(data)
+        spent.append(time.perf_counter() - start)
+        return out
+
+    object.__setattr__(model, "train_step", timed)
+    return spent
+
+
 def worker(model_name, optimizer, steps, amortize_steps):
     """Measure one (model, optimizer) in this process; returns a dict."""
     import numpy as np
@@ -89,7 +107,9 @@ def worker(model_name, optimizer, steps, amortize_steps):
     # THOR: a cadence point at step 0 only, so later steps are plain preconditioned steps.
     options = {"frequency": 10 ** 9} if optimizer == "thor" else {}
     model = _compiled(model_name, optimizer, **options)
+    traced = _python_trace_seconds(model)
     out["first_step_s"] = _timed(lambda: model.train_on_batch(x, y))
+    out["trace_python_s"] = traced[0] if traced else None
     times = [_timed(lambda: model.train_on_batch(x, y)) for _ in range(steps)]
     out["steady_step_s"] = statistics.median(times[1:])
     if optimizer == "thor":
@@ -139,6 +159,8 @@ def ratios(results):
                 continue
             ref = by_opt[base]
             row[f"first_step_vs_{base}"] = thor["first_step_s"] / ref["first_step_s"]
+            if thor.get("trace_python_s") and ref.get("trace_python_s"):
+                row[f"trace_python_vs_{base}"] = thor["trace_python_s"] / ref["trace_python_s"]
             row[f"steady_step_vs_{base}"] = thor["steady_step_s"] / ref["steady_step_s"]
             row[f"amortized_step_vs_{base}"] = thor["amortized_step_s"] / ref["steady_step_s"]
             row[f"peak_rss_vs_{base}"] = thor["peak_rss_mb"] / ref["peak_rss_mb"]
@@ -194,7 +216,8 @@ def main(argv=None):
         for optimizer in args.optimizers.split(","):
             result = run_worker(args, model_name, optimizer)
             results.append(result)
-            print(f"{model_name:9s} {optimizer:5s} first {result['first_step_s']:7.2f}s  steady "
+            print(f"{model_name:9s} {optimizer:5s} first {result['first_step_s']:7.2f}s (python "
+                  f"{result['trace_python_s'] or float('nan'):6.2f}s)  steady "
                   f"{result['steady_step_s'] * 1e3:8.1f}ms"
                   + (f"  cadence {result['cadence_step_s'] * 1e3:8.1f}ms  amortized "
                      f"{result['amortized_step_s'] * 1e3:8.1f}ms" if optimizer == "thor" else "")
