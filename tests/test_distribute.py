@@ -252,3 +252,35 @@ def test_a_dead_worker_makes_the_other_fail_not_hang():
     assert workers[0].returncode not in (0, None), stderr[-3000:]
     assert "Collective" in stderr or "Unavailable" in stderr or "aborted" in stderr, stderr[-3000:]
     assert elapsed < 200, elapsed
+
+
+LOOP_METRICS_SCRIPT = r"""
+import _dist_common as common
+tf = common.setup(2)
+x, y = common.digits(64)
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    model = common.conv_model()  # compiled with metrics=["accuracy"], not built yet
+
+@tf.function
+def step(batch):
+    strategy.run(model.train_step, args=(batch,))
+
+message = None
+try:
+    for batch in strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(32)):
+        step(batch)
+except ValueError as err:
+    message = str(err)
+common.report({"message": message})
+"""
+
+
+def test_custom_loop_with_unbuilt_compiled_metrics_says_what_to_do():
+    """MirroredStrategy cannot create the compiled metrics' variables inside a replica: the train
+    step names the cause and the two ways out instead of TF's placeholder error."""
+    proc = subprocess.run([sys.executable, "-c", LOOP_METRICS_SCRIPT], capture_output=True,
+                          text=True, env=_env(), timeout=300, cwd=SCRIPTS)
+    message = _result(proc.stdout, proc.stderr)["message"]
+    assert message and "Compile without `metrics`" in message and "evaluate()" in message, message

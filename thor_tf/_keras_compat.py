@@ -22,6 +22,11 @@ this is the one module to adapt.
   reduces each log with ``strategy.reduce("MEAN", v, axis=0)``, which fails on the scalar logs
   every train step returns; logs of shape ``[1]`` reduce to their mean over replicas.
 
+* :func:`unbuilt_compiled_metrics` - ``Trainer._compile_metrics``: Keras builds the metrics given
+  to ``compile`` at the first ``fit``/``evaluate``; a custom loop under a strategy cannot create
+  their variables inside the replica function, so the train step says so instead of failing with
+  TF's "You must feed a value for placeholder tensor".
+
 Overridden rather than called: ``ThorOptimizer._all_reduce_sum_gradients`` (the TF backend
 optimizer's hook that all-reduces the gradients given to ``apply``), turned into the identity for
 THOR's gradients, which the engine all-reduces before preconditioning.
@@ -94,3 +99,9 @@ def multi_worker_logs(logs, strategy):
         return logs
     return tf.nest.map_structure(
         lambda v: tf.reshape(v, [1]) if isinstance(v, tf.Tensor) and v.shape.rank == 0 else v, logs)
+
+
+def unbuilt_compiled_metrics(model):
+    """Whether ``compile`` was given metrics that Keras has not built yet."""
+    metrics = getattr(model, "_compile_metrics", None)
+    return metrics is not None and not getattr(metrics, "built", True)

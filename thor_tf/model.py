@@ -225,6 +225,16 @@ class ThorModel(keras.Model):
         if thor is None:
             return super().train_step(data)
         self._build_thor_state()  # custom loops calling train_step directly
+        # MirroredStrategy cannot create variables inside its replica threads (TF fails with
+        # "You must feed a value for placeholder tensor"); MultiWorkerMirroredStrategy can.
+        if (_keras_compat.unbuilt_compiled_metrics(self)
+                and isinstance(tf.distribute.get_strategy(), tf.distribute.MirroredStrategy)
+                and not tf.distribute.in_cross_replica_context()):
+            raise ValueError(
+                "`metrics` given to compile() are built by Keras at the first fit()/evaluate(); a "
+                "custom loop under a distribution strategy cannot create them inside the replica "
+                "function. Compile without `metrics` and track them yourself (as TF's custom-loop "
+                "tutorial does), or call model.evaluate() on one batch before the loop.")
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         sampled = thor.fisher == "sampled"
         batch_size = tf.shape(next(i for i in tf.nest.flatten(x) if i is not None))[0]
