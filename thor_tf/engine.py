@@ -352,15 +352,16 @@ class ThorEngine:
 
         def cadence():
             layers = self._cadence_inputs(active, records, output_grads_fn(), batch_size)
-            weight = layers[0].examples if layers else tf.constant(1.0)
-            damping = opt.current_damping()
-            if not layers:
-                return
-            local = tf.stack([self._local_traces(layer) for layer in layers])  # [n_active, 2]
-            traces, = distributed.weighted_mean([local], weight)
-            decisions = self._judge(layers, traces, damping)
-            self._refresh(layers, tf.unstack(decisions.refresh, num=len(layers)), damping, weight)
-            refreshed_any = self._record_decisions(layers, decisions, step)
+            refreshed_any = tf.constant(False)
+            if layers:
+                weight = layers[0].examples  # this replica's examples behind the statistics
+                damping = opt.current_damping()
+                local = tf.stack([self._local_traces(layer) for layer in layers])  # [n, 2]
+                traces, = distributed.weighted_mean([local], weight)
+                decisions = self._judge(layers, traces, damping)
+                self._refresh(layers, tf.unstack(decisions.refresh, num=len(layers)), damping,
+                              weight)
+                refreshed_any = self._record_decisions(layers, decisions, step)
             if self.config.cadence.adaptive is not None:
                 s.interval.assign(scheduler.adapt_interval(
                     s.interval, refreshed_any, self.config.cadence.adaptive.base,
@@ -492,8 +493,7 @@ class ThorEngine:
         distributed.run_if(tf.reduce_any(tf.stack(refresh)), exchange)
 
     def _factor_shapes(self, i):
-        s = self.state
-        return s.layers[i].shapes()
+        return self.state.layers[i].shapes()
 
     def _local_factors(self, layer):
         """This replica's diagonal factor blocks ``(A [nb, d, d], G [nb, d, d])``."""
