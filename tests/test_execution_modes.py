@@ -6,13 +6,15 @@ import pytest
 
 import thor_tf
 from digits_models import digits, small_cnn
+from thor_tf.callbacks import TraceRuleLogger
 
 
-def _train(**compile_options):
+def _train(callbacks=(), **compile_options):
     x, y = digits(256)
     wrapped = thor_tf.wrap(small_cnn(0), frequency=2, verbose=False)
     wrapped.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"], **compile_options)
-    history = wrapped.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    history = wrapped.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
+                          callbacks=list(callbacks))
     return wrapped, history.history
 
 
@@ -29,3 +31,19 @@ def test_execution_mode_takes_the_plain_steps(options):
     for name in ("conv", "fc", "out"):
         np.testing.assert_allclose(other.thor.factors(name)["A"], plain.thor.factors(name)["A"],
                                    rtol=1e-4, atol=1e-6)
+
+
+def test_trace_rule_logger_sees_every_cadence_point_under_steps_per_execution():
+    """4 steps per execution and a cadence point every 2 steps: two cadence points pass between
+    two batch ends, and the logger still writes a row per layer for each, equal to the rows of the
+    plain run (the train step records them in the engine's decision log)."""
+    plain_logger, grouped_logger = TraceRuleLogger(summary=False), TraceRuleLogger(summary=False)
+    _train(callbacks=[plain_logger])
+    _train(callbacks=[grouped_logger], steps_per_execution=4)
+    assert [r["step"] for r in plain_logger.rows] == [s for s in (0, 2, 4, 6) for _ in range(3)]
+    assert len(grouped_logger.rows) == len(plain_logger.rows) == 12
+    for a, b in zip(grouped_logger.rows, plain_logger.rows):
+        assert (a["step"], a["layer"], a["decision"], a["refreshes"], a["reuses"]) == (
+            b["step"], b["layer"], b["decision"], b["refreshes"], b["reuses"])
+        np.testing.assert_allclose(a["delta"], b["delta"], rtol=1e-4)
+    assert {r["decision"] for r in plain_logger.rows} >= {"refresh"}

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import csv
 import os
+import warnings
 
 import keras
 import numpy as np
 import tensorflow as tf
+
+from thor_tf.state import DECISION_CODES
 
 DECISIONS = ("refresh", "reuse", "freeze", "frozen")
 
@@ -20,8 +23,10 @@ class TraceRuleLogger(keras.callbacks.Callback):
     work). With ``log_dir`` the same Δ and a decision code (2 refresh, 1 reuse, 0 freeze/frozen)
     go to TensorBoard scalars ``thor/<layer>/delta`` and ``thor/<layer>/decision`` at that step.
 
-    The callback reads the engine's small counter vectors after each batch (a few scalars per
-    layer); the train step itself never leaves the device.
+    The train step writes each cadence point's decisions into the engine's ``decision_log`` (the
+    last 64 points); the callback reads the rows it has not seen after each batch, so with
+    ``steps_per_execution > 1`` every cadence point still gets its rows. The train step itself
+    never leaves the device.
 
     Args:
       csv_path: where to write the CSV (None: keep rows in memory only, see ``rows``).
@@ -55,47 +60,43 @@ class TraceRuleLogger(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         engine = self._engine()
         self._names = [b.name for b in engine.blocks]
-        self._previous = self._snapshot()  # fit builds the THOR state before callbacks start
-        self._last_points = int(self._previous["cadence_points"])
+        # fit builds the THOR state before callbacks start
+        self._last_points = int(engine.state.cadence_points.numpy())
+        self._lost_warned = False
         if self.log_dir:
             self._writer = tf.summary.create_file_writer(self.log_dir)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
 
-    def _snapshot(self):
-        state = self._engine().state
-        return {key: getattr(state, key).numpy().copy() for key in
-                ("cadence_points", "refreshes", "reuses", "frozen", "last_delta", "last_refresh")}
-
     def on_train_batch_end(self, batch, logs=None):
-        points = int(self._engine().state.cadence_points.numpy())
+        engine = self._engine()
+        points = int(engine.state.cadence_points.numpy())
         if points == self._last_points:
             return
-        now = self._snapshot()
-        step = int(self.model.optimizer.iterations.numpy()) - 1
-        for i, name in enumerate(self._names):
-            if now["refreshes"][i] > self._previous["refreshes"][i]:
-                decision = "refresh"
-            elif now["frozen"][i] and not self._previous["frozen"][i]:
-                decision = "freeze"
-            elif now["frozen"][i]:
-                decision = "frozen"
-            else:
-                decision = "reuse"
-            delta = float(now["last_delta"][i]) if decision != "frozen" else float("nan")
-            self.rows.append({
-                "step": step, "epoch": self._epoch, "layer": name, "delta": delta,
-                "decision": decision, "refreshes": int(now["refreshes"][i]),
-                "reuses": int(now["reuses"][i]),
-            })
-            if self._writer is not None:
-                code = {"refresh": 2, "reuse": 1}.get(decision, 0)
-                with self._writer.as_default(step=step):
-                    if np.isfinite(delta):
-                        tf.summary.scalar(f"thor/{name}/delta", delta)
-                    tf.summary.scalar(f"thor/{name}/decision", code)
-        self._previous = now
+        log = engine.decision_log
+        if points - self._last_points > log.size and not self._lost_warned:
+            warnings.warn(
+                f"TraceRuleLogger: {points - self._last_points} cadence points passed between two "
+                f"batch ends; only the last {log.size} are kept (lower steps_per_execution).",
+                stacklevel=2)
+            self._lost_warned = True
+        for row in log.rows(self._last_points, points):
+            step = int(row["step"])
+            for i, name in enumerate(self._names):
+                decision = DECISION_CODES[int(row["code"][i])]
+                delta = float(row["delta"][i]) if decision != "frozen" else float("nan")
+                self.rows.append({
+                    "step": step, "epoch": int(row["epoch"]), "layer": name, "delta": delta,
+                    "decision": decision, "refreshes": int(row["refreshes"][i]),
+                    "reuses": int(row["reuses"][i]),
+                })
+                if self._writer is not None:
+                    code = {"refresh": 2, "reuse": 1}.get(decision, 0)
+                    with self._writer.as_default(step=step):
+                        if np.isfinite(delta):
+                            tf.summary.scalar(f"thor/{name}/delta", delta)
+                        tf.summary.scalar(f"thor/{name}/decision", code)
         self._last_points = points
 
     def on_train_end(self, logs=None):

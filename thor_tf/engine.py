@@ -36,7 +36,7 @@ import tensorflow as tf
 from thor_tf import _keras_compat, algebra, capture, distributed, fisher, precondition, scheduler
 from thor_tf.blocks import block_class_for
 from thor_tf.inverse import invert_blocks, split_layout
-from thor_tf.state import ThorState
+from thor_tf.state import DecisionLog, ThorState
 
 #: Layers whose parameters are first order by design (not worth a warning).
 _EXPECTED_FIRST_ORDER = (
@@ -244,6 +244,8 @@ class ThorEngine:
             print(self.registration_table(self.config.split_dim))
         self._state = ThorState.create(optimizer, self.blocks, self.config.split_dim,
                                        self.config.cadence.interval_base())
+        #: The last cadence points' decisions, for TraceRuleLogger (telemetry, not saved).
+        self.decision_log = DecisionLog(len(self.blocks))
 
     def reset_state(self):
         """Forget the state of a previous optimizer (``compile`` again: a new optimizer builds its
@@ -251,6 +253,7 @@ class ThorEngine:
         self._state = None
         self.optimizer = None
         self.config = None
+        self.decision_log = None
 
     @property
     def state(self):
@@ -568,6 +571,8 @@ class ThorEngine:
         """
         s = self.state
         index = tf.constant([[layer.index] for layer in layers], tf.int64)
+        frozen_before = tf.identity(s.frozen)
+        refreshes_before = tf.identity(s.refreshes)
 
         def put(variable, values):
             variable.assign(tf.tensor_scatter_nd_update(
@@ -595,6 +600,12 @@ class ThorEngine:
         put(s.frozen_at, tf.where(decisions.freeze, step_vector, frozen_at))
         add(s.frozen, decisions.freeze)
         s.nonfinite_traces.assign_add(tf.reduce_sum(tf.cast(decisions.nonfinite, tf.int64)))
+        frozen = tf.convert_to_tensor(s.frozen) > 0
+        code = tf.where(tf.convert_to_tensor(s.refreshes) > refreshes_before, 2,
+                        tf.where(tf.logical_and(frozen, frozen_before <= 0), 3,
+                                 tf.where(frozen, 0, 1)))
+        self.decision_log.write(s.cadence_points, step, s.epoch, code, s.last_delta, s.refreshes,
+                                s.reuses)
         return tf.reduce_any(decisions.refresh)
 
     def precondition(self, active, records, grads, variables, ok=True):

@@ -146,3 +146,54 @@ class ThorState:
         out = {attr: int(getattr(self, attr).numpy()) for attr in COUNTERS}
         out["kl_scale"] = float(self.kl_scale.numpy())
         return out
+
+
+#: Decision codes of :class:`DecisionLog` (and ``TraceRuleLogger``'s names for them).
+DECISION_CODES = {0: "frozen", 1: "reuse", 2: "refresh", 3: "freeze"}
+
+
+class DecisionLog:
+    """The last ``size`` cadence points' decisions, written inside the train step.
+
+    ``TraceRuleLogger`` reads it between batches: with ``steps_per_execution > 1`` several cadence
+    points pass between two reads, and each still gets its row. Telemetry, not training state:
+    plain ``tf.Variable`` s on the engine, not saved with the optimizer. Row ``c % size`` holds
+    cadence point ``c``: ``step`` and ``epoch`` ``[size]``; per block ``[size, n]``: ``code``
+    (:data:`DECISION_CODES`), ``delta`` (Δ, NaN when not evaluated), cumulative ``refreshes`` and
+    ``reuses``.
+    """
+
+    def __init__(self, num_blocks, size=64):
+        self.size = int(size)
+
+        def variable(shape, dtype, value=0):
+            return tf.Variable(tf.fill(shape, tf.constant(value, dtype)), trainable=False,
+                               aggregation=tf.VariableAggregation.NONE)
+
+        n = max(int(num_blocks), 1)
+        self.step = variable([self.size], tf.int64, -1)
+        self.epoch = variable([self.size], tf.int64)
+        self.code = variable([self.size, n], tf.int64)
+        self.delta = variable([self.size, n], tf.float32, float("nan"))
+        self.refreshes = variable([self.size, n], tf.int64)
+        self.reuses = variable([self.size, n], tf.int64)
+
+    def write(self, point, step, epoch, code, delta, refreshes, reuses):
+        """Row ``point % size`` := this cadence point (tensors; ``[n]`` per block)."""
+        row = [[tf.cast(point, tf.int64) % self.size]]
+        for variable, value in ((self.step, step), (self.epoch, epoch), (self.code, code),
+                                (self.delta, delta), (self.refreshes, refreshes),
+                                (self.reuses, reuses)):
+            value = tf.cast(value, variable.dtype)
+            variable.assign(tf.tensor_scatter_nd_update(
+                tf.convert_to_tensor(variable), row, value[None]))
+
+    def rows(self, first, last):
+        """Host rows of cadence points ``first .. last-1`` (at most the last ``size``)."""
+        arrays = {k: getattr(self, k).numpy() for k in
+                  ("step", "epoch", "code", "delta", "refreshes", "reuses")}
+        out = []
+        for point in range(max(first, last - self.size), last):
+            r = point % self.size
+            out.append({k: v[r] for k, v in arrays.items()})
+        return out
