@@ -35,9 +35,10 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
+
+from bench_worker import report, run_self
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -157,15 +158,9 @@ def memory_worker(name, method, split_dim):
 
 def _run_self(args, **environ):
     """Run this script with ``args`` in a fresh process (this checkout first on the path, plus
-    ``environ``); the value it prints after RESULT."""
-    cmd = [sys.executable, os.path.abspath(__file__)] + list(args)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-               **environ)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{' '.join(args)} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(lines[0][len("RESULT"):])
+    ``environ``); the value it reports."""
+    return run_self(__file__, args, PYTHONPATH=os.pathsep.join(
+        [ROOT, os.environ.get("PYTHONPATH", "")]), **environ)
 
 
 def refresh_worker(method, steps):
@@ -239,10 +234,10 @@ def main(argv=None):
     p.add_argument("--memory-worker", nargs=2, metavar=("LAYER", "METHOD"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.refresh_worker:
-        print("RESULT" + json.dumps(refresh_worker(args.refresh_worker, args.refresh_steps)), flush=True)
+        report(refresh_worker(args.refresh_worker, args.refresh_steps))
         return
     if args.memory_worker:
-        print("RESULT" + json.dumps(memory_worker(*args.memory_worker, args.split_dim)), flush=True)
+        report(memory_worker(*args.memory_worker, args.split_dim))
         return
     import tensorflow as tf
 

@@ -34,9 +34,10 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
+
+from bench_worker import report, run_self
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -188,14 +189,8 @@ def worker(model_name, replicas, batch, steps):
 
 
 def run_worker(args, model_name, replicas):
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", model_name, str(replicas),
-           "--batch", str(args.batch), "--steps", str(args.steps)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"worker {model_name}/{replicas} failed:\n{proc.stdout[-2000:]}\n"
-                           f"{proc.stderr[-3000:]}")
-    return json.loads(lines[0][len("RESULT"):])
+    return run_self(__file__, ["--worker", model_name, replicas, "--batch", args.batch,
+                               "--steps", args.steps], timeout=args.timeout)
 
 
 def check_bytes(result):
@@ -261,7 +256,7 @@ def main(argv=None):
         args.steps = 3
     if args.worker:
         result = worker(args.worker[0], int(args.worker[1]), args.batch, args.steps)
-        print("RESULT" + json.dumps(result), flush=True)
+        report(result)
         return
     import tensorflow as tf
 

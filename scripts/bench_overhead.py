@@ -29,9 +29,10 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import time
+
+from bench_worker import report, run_self
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -135,14 +136,8 @@ def worker(model_name, optimizer, steps, amortize_steps):
 
 
 def run_worker(args, model_name, optimizer):
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", model_name, optimizer,
-           "--steps", str(args.steps), "--amortize-steps", str(args.amortize_steps)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"worker {model_name}/{optimizer} failed:\n{proc.stdout[-2000:]}\n"
-                           f"{proc.stderr[-3000:]}")
-    return json.loads(lines[0][len("RESULT"):])
+    return run_self(__file__, ["--worker", model_name, optimizer, "--steps", args.steps,
+                               "--amortize-steps", args.amortize_steps], timeout=args.timeout)
 
 
 def ratios(results):
@@ -207,7 +202,7 @@ def main(argv=None):
     if args.quick:
         args.steps, args.amortize_steps = 4, 12
     if args.worker:
-        print("RESULT" + json.dumps(worker(*args.worker, args.steps, args.amortize_steps)), flush=True)
+        report(worker(*args.worker, args.steps, args.amortize_steps))
         return
     import tensorflow as tf
 
