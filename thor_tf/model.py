@@ -232,7 +232,7 @@ class ThorModel(keras.Model):
                 and not tf.distribute.in_cross_replica_context()):
             raise ValueError(
                 "`metrics` given to compile() are built by Keras at the first fit()/evaluate(); a "
-                "custom loop under a distribution strategy cannot create them inside the replica "
+                "custom loop under MirroredStrategy cannot create them inside the replica "
                 "function. Compile without `metrics` and track them yourself (as TF's custom-loop "
                 "tutorial does), or call model.evaluate() on one batch before the loop.")
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
