@@ -208,7 +208,7 @@ def check_bytes(result):
                     "weighted_mean@cadence": [design["traces_per_cadence_point"]],
                     "weighted_mean@exchange": [design["factors_per_refresh"]]}
         if assignment == "balanced":
-            expected["sum_packed@_install_shared_inverses"] = [design["inverses_per_refresh_balanced"]]
+            expected["sum_packed@_shared_inverses"] = [design["inverses_per_refresh_balanced"]]
         checks[assignment] = recorded == expected
     return checks
 

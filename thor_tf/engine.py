@@ -35,7 +35,7 @@ import tensorflow as tf
 
 from thor_tf import _keras_compat, algebra, capture, distributed, fisher, precondition, scheduler
 from thor_tf.blocks import block_class_for
-from thor_tf.inverse import invert_blocks, split_layout
+from thor_tf.inverse import damped_diagonal, invert_blocks, invert_damped, split_layout
 from thor_tf.state import DecisionLog, ThorState
 
 #: Layers whose parameters are first order by design (not worth a warning).
@@ -465,17 +465,23 @@ class ThorEngine:
     def _refresh(self, layers, refresh, damping, weight):
         """Refresh the layers whose decision says so: new factors, inverses and used traces.
 
-        On one replica each refreshing layer does all its work in one ``tf.cond``. Under a
-        strategy, and only when some layer refreshes: each replica computes its batch's factors
-        of the refreshing layers (zeros for the others), one packed collective makes them the
-        global batch's factors, then every replica inverts them (``inverse_assignment="all"``),
-        or each layer is inverted by the replica it is assigned to and one more packed collective
-        shares the inverses (``"balanced"``).
+        Factors are computed only for the refreshing layers (a ``tf.cond`` per layer; the others
+        pass their factors in use through). Under a strategy, and only when some layer
+        refreshes, each replica computes its batch's factors (zeros for the other layers) and
+        one packed collective makes them the global batch's. Inversion is batched: the blocks of
+        every layer's A and G that share a block size are inverted in one batched Cholesky
+        (:func:`thor_tf.inverse.invert_damped`) when one of those layers refreshes, and only the
+        refreshing layers take the result (``inverse_assignment="balanced"``: each layer is
+        inverted by the replica it is assigned to, one more packed collective shares them).
         """
         if distributed.replica_context() is None:
+            factors = []
             for layer, flag in zip(layers, refresh):
-                tf.cond(flag, lambda layer=layer: self._install(
-                    layer, *self._local_factors(layer), damping), lambda: tf.constant(0))
+                factors.append(tf.cond(
+                    flag, lambda layer=layer: self._factors_in_use(layer, *self._local_factors(layer)),
+                    lambda layer=layer: self._factors_now(layer)))
+            self._install(layers, refresh, factors, self._batched_inverses(
+                layers, refresh, factors, damping))
             return
 
         def exchange():
@@ -485,18 +491,26 @@ class ThorEngine:
                 local.extend(tf.cond(flag, lambda layer=layer: self._local_factors(layer),
                                      lambda shapes=shapes: tuple(tf.zeros(sh) for sh in shapes)))
             combined = distributed.weighted_mean(local, weight)
-            factors = [tuple(combined[2 * k: 2 * k + 2]) for k in range(len(layers))]
+            factors = []
+            for k, (layer, flag) in enumerate(zip(layers, refresh)):
+                in_use = self._factors_in_use(layer, combined[2 * k], combined[2 * k + 1])
+                factors.append(tuple(tf.where(flag, new, now) for new, now in
+                                     zip(in_use, self._factors_now(layer))))
             if self.config.inverse_assignment == "balanced":
-                self._install_shared_inverses(layers, refresh, factors, damping)
-                return
-            for layer, flag, (fa, fg) in zip(layers, refresh, factors):
-                tf.cond(flag, lambda layer=layer, fa=fa, fg=fg: self._install(layer, fa, fg, damping),
-                        lambda: tf.constant(0))
+                inverses = self._shared_inverses(layers, refresh, factors, damping)
+            else:
+                inverses = self._batched_inverses(layers, refresh, factors, damping)
+            self._install(layers, refresh, factors, inverses)
 
         distributed.run_if(tf.reduce_any(tf.stack(refresh)), exchange)
 
     def _factor_shapes(self, i):
         return self.state.layers[i].shapes()
+
+    def _factors_now(self, layer):
+        """The factors in use (``(A, G)`` tensors): what a layer that does not refresh keeps."""
+        state = self.state.layers[layer.index]
+        return tf.identity(state.A), tf.identity(state.G)
 
     def _local_factors(self, layer):
         """This replica's diagonal factor blocks ``(A [nb, d, d], G [nb, d, d])``."""
@@ -517,47 +531,87 @@ class ThorEngine:
         return factor_a, factor_g
 
     def _inverses(self, layer, factor_a, factor_g, damping):
-        """Split inverses of the damped factors (``√(λ/P)`` per factor)."""
+        """Split inverses of one layer's damped factors (``√(λ/P)`` per factor)."""
         s, i, block = self.state, layer.index, layer.block
         per_factor = tf.sqrt(damping / layer.positions)
         return (invert_blocks(factor_a, per_factor, block.a_dim, previous=s.layers[i].A_inv),
                 invert_blocks(factor_g, per_factor, block.g_dim, previous=s.layers[i].G_inv))
 
-    def _install(self, layer, factor_a, factor_g, damping, inverses=None):
-        """Write a refreshed layer's factors, inverses and used traces (returns a dummy 0)."""
-        s, i = self.state, layer.index
-        factor_a, factor_g = self._factors_in_use(layer, factor_a, factor_g)
-        inv_a, inv_g = inverses or self._inverses(layer, factor_a, factor_g, damping)
-        s.layers[i].A.assign(factor_a)
-        s.layers[i].G.assign(factor_g)
-        s.layers[i].A_inv.assign(inv_a)
-        s.layers[i].G_inv.assign(inv_g)
-        for traces, factor in ((s.trace_a, factor_a), (s.trace_g, factor_g)):
-            traces.assign(tf.tensor_scatter_nd_update(
-                traces, [[i]], [tf.reduce_sum(tf.linalg.trace(factor))]))
-        return tf.constant(0)
+    def _batched_inverses(self, layers, refresh, factors, damping):
+        """Split inverses of every layer's damped factors, one batched inversion per block size.
 
-    def _install_shared_inverses(self, layers, refresh, factors, damping):
+        The blocks of size ``d`` of all layers' A and G are concatenated (each layer's damping
+        ``√(λ/P)`` on its true diagonal, 1 on padding) and inverted together, in a ``tf.cond`` on
+        whether any of those layers refreshes; a layer that does not refresh keeps its inverses
+        (:meth:`_install` selects). Fewer, larger Cholesky calls: a handful of branches to trace
+        instead of two per layer. Returns ``[(A_inv, G_inv)]`` aligned with ``layers``.
+        """
+        s = self.state
+        groups = {}  # block size -> [(layer position, 0 for A / 1 for G)]
+        for k, (fa, fg) in enumerate(factors):
+            for which, factor in enumerate((fa, fg)):
+                groups.setdefault(int(factor.shape[-1]), []).append((k, which))
+        out = [[None, None] for _ in layers]
+        for size, members in sorted(groups.items()):
+            blocks, diagonals, dampings, previous, counts = [], [], [], [], []
+            for k, which in members:
+                layer = layers[k]
+                factor = factors[k][which]
+                nb = int(factor.shape[0])
+                dim = layer.block.a_dim if which == 0 else layer.block.g_dim
+                per_factor = tf.sqrt(damping / layer.positions)
+                held = s.layers[layer.index]
+                blocks.append(factor)
+                diagonals.append(damped_diagonal(per_factor, dim, nb, size))
+                dampings.append(tf.fill([nb], per_factor))
+                previous.append(tf.convert_to_tensor(held.A_inv if which == 0 else held.G_inv))
+                counts.append(nb)
+            previous = tf.concat(previous, axis=0)
+            due = tf.reduce_any(tf.stack([refresh[k] for k, _ in members]))
+            inverses = tf.cond(
+                due, lambda b=blocks, d=diagonals, p=dampings, prev=previous: invert_damped(
+                    tf.concat(b, 0), tf.concat(d, 0), tf.concat(p, 0), prev),
+                lambda prev=previous: prev)
+            for (k, which), part in zip(members, tf.split(inverses, counts)):
+                out[k][which] = part
+        return [tuple(pair) for pair in out]
+
+    def _install(self, layers, refresh, factors, inverses):
+        """Write the refreshing layers' factors, inverses and used traces (``factors`` of the
+        other layers are their factors in use: writing them changes nothing)."""
+        s = self.state
+        traces_a, traces_g = [], []
+        for layer, flag, (fa, fg), (ia, ig) in zip(layers, refresh, factors, inverses):
+            held = s.layers[layer.index]
+            held.A.assign(fa)
+            held.G.assign(fg)
+            held.A_inv.assign(tf.where(flag, ia, held.A_inv))
+            held.G_inv.assign(tf.where(flag, ig, held.G_inv))
+            traces_a.append(tf.reduce_sum(tf.linalg.trace(fa)))
+            traces_g.append(tf.reduce_sum(tf.linalg.trace(fg)))
+        index = tf.constant([[layer.index] for layer in layers], tf.int64)
+        flags = tf.stack(refresh)
+        for variable, new in ((s.trace_a, traces_a), (s.trace_g, traces_g)):
+            old = tf.gather(tf.convert_to_tensor(variable), index[:, 0])
+            variable.assign(tf.tensor_scatter_nd_update(
+                tf.convert_to_tensor(variable), index, tf.where(flags, tf.stack(new), old)))
+
+    def _shared_inverses(self, layers, refresh, factors, damping):
         """``inverse_assignment="balanced"``: each refreshing layer is inverted on the replica
         it is assigned to (longest-processing-time by the cost ``Σ d³`` of its blocks), zeros
-        elsewhere; one packed SUM shares the inverses; every replica installs them."""
+        elsewhere; one packed SUM shares the inverses. Returns ``[(A_inv, G_inv)]``."""
         owners = distributed.balanced_owners(
             [self._inversion_cost(layer.index) for layer in layers], distributed.num_replicas())
         me = distributed.replica_id()
         local = []
         for layer, flag, owner, (fa, fg) in zip(layers, refresh, owners, factors):
             shapes = self._factor_shapes(layer.index)
-
-            def invert(layer=layer, fa=fa, fg=fg):
-                return self._inverses(layer, *self._factors_in_use(layer, fa, fg), damping)
-
-            local.extend(tf.cond(tf.logical_and(flag, tf.equal(me, owner)), invert,
+            local.extend(tf.cond(tf.logical_and(flag, tf.equal(me, owner)),
+                                 lambda layer=layer, fa=fa, fg=fg: self._inverses(
+                                     layer, fa, fg, damping),
                                  lambda shapes=shapes: tuple(tf.zeros(sh) for sh in shapes)))
         shared = distributed.sum_packed(local)
-        for k, (layer, flag, (fa, fg)) in enumerate(zip(layers, refresh, factors)):
-            inverses = (shared[2 * k], shared[2 * k + 1])
-            tf.cond(flag, lambda layer=layer, fa=fa, fg=fg, inverses=inverses: self._install(
-                layer, fa, fg, damping, inverses), lambda: tf.constant(0))
+        return [(shared[2 * k], shared[2 * k + 1]) for k in range(len(layers))]
 
     def _inversion_cost(self, i):
         """Flops-proportional cost of inverting block ``i``'s factors: ``Σ nb·d³``."""

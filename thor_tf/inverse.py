@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from thor_tf.algebra import diagonal_blocks, split_layout
 
-__all__ = ["invert_blocks", "split_inverse", "split_layout"]  # split_layout: from algebra
+__all__ = ["damped_diagonal", "invert_blocks", "invert_damped", "split_inverse", "split_layout"]  # split_layout: from algebra
 
 
 def _cholesky_inverse(blocks):
@@ -29,6 +29,14 @@ def _cholesky_inverse(blocks):
 
 def _finite_per_block(blocks):
     return tf.reduce_all(tf.math.is_finite(blocks), axis=[1, 2])
+
+
+def damped_diagonal(damping, dim: int, num_blocks: int, size: int):
+    """``[num_blocks, size]``: the diagonal to add to a factor's blocks: ``damping`` on the
+    factor's ``dim`` true entries, 1 on the padding (padded rows stay decoupled)."""
+    real = tf.cast(tf.range(num_blocks * size) < dim, tf.float32)
+    damping = tf.cast(damping, tf.float32)
+    return tf.reshape(damping * real + (1.0 - real), [num_blocks, size])
 
 
 def invert_blocks(blocks, damping, dim: int, previous=None, retry_scale: float = 10.0):
@@ -48,10 +56,24 @@ def invert_blocks(blocks, damping, dim: int, previous=None, retry_scale: float =
     """
     blocks = tf.convert_to_tensor(blocks, tf.float32)
     num_blocks, size = int(blocks.shape[0]), int(blocks.shape[-1])
-    damping = tf.cast(damping, tf.float32)
-    # Damping on the true diagonal, 1 on the padding diagonal: padded rows stay decoupled.
-    real = tf.cast(tf.range(num_blocks * size) < dim, tf.float32)
-    diagonal = tf.reshape(damping * real + (1.0 - real), [num_blocks, size])
+    diagonal = damped_diagonal(damping, dim, num_blocks, size)
+    block_damping = tf.fill([num_blocks], tf.cast(damping, tf.float32))
+    return invert_damped(blocks, diagonal, block_damping, previous, retry_scale)
+
+
+def invert_damped(blocks, diagonal, block_damping, previous=None, retry_scale: float = 10.0):
+    """Inverses of ``blocks + diag(diagonal)``: one batched Cholesky for blocks that may come
+    from several factors (each with its own damping), the float64 retry for those that fail.
+
+    Args:
+      blocks: ``[B, d, d]`` float32 undamped diagonal blocks.
+      diagonal: ``[B, d]`` what to add to each block's diagonal (:func:`damped_diagonal`).
+      block_damping: ``[B]`` each block's damping (scales the retry's extra damping).
+      previous: ``[B, d, d]`` inverses kept where even the retry fails (default: identity).
+      retry_scale: how much the damping grows for the float64 retry.
+    """
+    blocks = tf.convert_to_tensor(blocks, tf.float32)
+    num_blocks, size = int(blocks.shape[0]), int(blocks.shape[-1])
     blocks = blocks + tf.linalg.diag(diagonal)
     inverse = _cholesky_inverse(blocks)
     ok = _finite_per_block(inverse)
@@ -62,7 +84,7 @@ def invert_blocks(blocks, damping, dim: int, previous=None, retry_scale: float =
         blocks64 = tf.cast(blocks, tf.float64)
         # More damping, scaled to the block so that it helps whatever the factor's magnitude.
         mean_diag = tf.reduce_mean(tf.linalg.diag_part(blocks64), axis=-1)
-        extra = retry_scale * tf.cast(damping, tf.float64) + 1e-6 * tf.abs(mean_diag) + 1e-12
+        extra = retry_scale * tf.cast(block_damping, tf.float64) + 1e-6 * tf.abs(mean_diag) + 1e-12
         extra = tf.where(tf.math.is_finite(extra), extra, tf.ones_like(extra))
         boosted = blocks64 + extra[:, None, None] * tf.eye(size, dtype=tf.float64)
         inverse64 = tf.cast(_cholesky_inverse(boosted), tf.float32)
