@@ -369,7 +369,8 @@ def wrap(model, **options):
         (``"thor"``, ``"thor_stop"``, ``"thor_nt"``), ``omega1``, ``omega2``, ``split_dim`` (int
         or calibration JSON path), ``fisher`` (``"empirical"`` or ``"sampled"``),
         ``factor_decay``, ``kl_clip`` (κ or None), ``factor_examples`` (None or k),
-        ``trace_filter`` (``"mean"`` or ``"none"``); Keras optimizer arguments such as
+        ``trace_filter`` (``"mean"`` or ``"none"``), ``inverse_assignment`` (``"all"`` or
+        ``"balanced"``); Keras optimizer arguments such as
         ``loss_scale_factor``; plus ``exclude`` (layer names kept first order) and ``verbose``
         (print the registration table, default True).
 
