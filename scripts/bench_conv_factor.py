@@ -31,14 +31,12 @@ batch (each part its own ``tf.function``, median of ``--refresh-steps``): per bl
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
 
-from bench_worker import report, run_self
+from bench_worker import report, run_self, write_results
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -239,7 +237,6 @@ def main(argv=None):
     if args.memory_worker:
         report(memory_worker(*args.memory_worker, args.split_dim))
         return
-    import tensorflow as tf
 
     layers = {}
     for name in args.layers.split(","):
@@ -265,21 +262,10 @@ def main(argv=None):
                   f"{r['profile_refresh_over_forward_backward']:.2f}  conv2 factors "
                   f"{r['profile']['layers']['conv2']['factors'] * 1e3:.1f}ms", flush=True)
         summary["cnn_refresh"] = refresh
-    summary.update({
-        "settings": {"split_dim": args.split_dim, "seeds": args.seeds, "repeats": args.repeats,
-                     "refresh_steps": args.refresh_steps if args.refresh else None},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "tensorflow": tf.__version__},
-        "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join(["python", "scripts/bench_conv_factor.py"]
-                            + (sys.argv[1:] if argv is None else list(argv))),
-    })
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(summary, fh, indent=1)
-    png = os.path.splitext(args.out)[0] + ".png"
-    plot(layers, png)
-    print(f"wrote {args.out} and {png}")
+    summary["settings"] = {"split_dim": args.split_dim, "seeds": args.seeds,
+                           "repeats": args.repeats,
+                           "refresh_steps": args.refresh_steps if args.refresh else None}
+    write_results(args.out, summary, __file__, argv, plot, layers)
 
 
 if __name__ == "__main__":

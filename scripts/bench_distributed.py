@@ -30,14 +30,11 @@ from __future__ import annotations
 import argparse
 import collections
 import inspect
-import json
 import os
-import platform
 import statistics
-import sys
 import time
 
-from bench_worker import report, run_self
+from bench_worker import report, run_self, write_results
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -258,7 +255,6 @@ def main(argv=None):
         result = worker(args.worker[0], int(args.worker[1]), args.batch, args.steps)
         report(result)
         return
-    import tensorflow as tf
 
     results = []
     for model_name in args.models.split(","):
@@ -272,22 +268,8 @@ def main(argv=None):
                   f"plain {r['plain_step_s'] / r['sgd_step_s']:.2f}x  {cadence}  "
                   f"factors {r['design_bytes']['factors_per_refresh'] / 1e6:.2f} MB/refresh  "
                   f"bytes as designed {r['bytes_match_design']}", flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    summary = {
-        "results": results,
-        "settings": {"steps": args.steps, "global_batch": args.batch},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "gpus": len(tf.config.list_physical_devices("GPU")),
-                    "tensorflow": tf.__version__},
-        "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join(["python", "scripts/bench_distributed.py"]
-                            + (sys.argv[1:] if argv is None else list(argv))),
-    }
-    with open(args.out, "w") as fh:
-        json.dump(summary, fh, indent=1)
-    png = os.path.splitext(args.out)[0] + ".png"
-    plot(results, png)
-    print(f"wrote {args.out} and {png}")
+    summary = {"results": results, "settings": {"steps": args.steps, "global_batch": args.batch}}
+    write_results(args.out, summary, __file__, argv, plot, results)
 
 
 if __name__ == "__main__":

@@ -24,15 +24,12 @@ the data). Writes JSON (``--out``) and a PNG of the ratios next to it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import resource
 import statistics
-import sys
 import time
 
-from bench_worker import report, run_self
+from bench_worker import report, run_self, write_results
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -204,7 +201,6 @@ def main(argv=None):
     if args.worker:
         report(worker(*args.worker, args.steps, args.amortize_steps))
         return
-    import tensorflow as tf
 
     results = []
     for model_name in args.models.split(","):
@@ -220,22 +216,12 @@ def main(argv=None):
     table = ratios(results)
     for model_name, row in sorted(table.items()):
         print(model_name + ": " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(row.items())))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     summary = {
         "results": results, "ratios": table,
         "settings": {"steps": args.steps, "amortize_steps": args.amortize_steps,
                      "batches": {m: MODELS[m][2] for m in MODELS}},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "gpus": len(tf.config.list_physical_devices("GPU")),
-                    "tensorflow": tf.__version__},
-        "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join(["python", "scripts/bench_overhead.py"] + (sys.argv[1:] if argv is None else list(argv))),
     }
-    with open(args.out, "w") as fh:
-        json.dump(summary, fh, indent=1)
-    png = os.path.splitext(args.out)[0] + ".png"
-    plot(table, png)
-    print(f"wrote {args.out} and {png}")
+    write_results(args.out, summary, __file__, argv, plot, table)
 
 
 if __name__ == "__main__":

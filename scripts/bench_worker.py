@@ -28,3 +28,28 @@ def run_self(script, args, timeout=1800, **environ):
         raise RuntimeError(f"worker {' '.join(cmd[1:])} failed:\n{proc.stdout[-2000:]}\n"
                            f"{proc.stderr[-3000:]}")
     return json.loads(lines[0][len("RESULT"):])
+
+
+def write_results(out, summary, script, argv, plot, plot_data):
+    """Write ``summary`` with the machine, date and command to JSON ``out``, and the plot of
+    ``plot_data`` (``plot(plot_data, path)``) to the PNG next to it."""
+    import platform
+    import time
+
+    import tensorflow as tf
+
+    summary = dict(summary)
+    summary.update({
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "gpus": len(tf.config.list_physical_devices("GPU")),
+                    "tensorflow": tf.__version__},
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(["python", f"scripts/{os.path.basename(script)}"]
+                            + (sys.argv[1:] if argv is None else list(argv))),
+    })
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as fh:
+        json.dump(summary, fh, indent=1)
+    png = os.path.splitext(out)[0] + ".png"
+    plot(plot_data, png)
+    print(f"wrote {out} and {png}")

@@ -49,15 +49,6 @@ def replica_id():
     return tf.cast(context.replica_id_in_sync_group, tf.int32)
 
 
-def all_true(flag):
-    """Logical AND of a boolean scalar over replicas (every replica takes the same branch)."""
-    context = replica_context()
-    if context is None:
-        return flag
-    failures = context.all_reduce(tf.distribute.ReduceOp.SUM, 1.0 - tf.cast(flag, tf.float32))
-    return failures < 0.5
-
-
 def sum_gradients(grads):
     """All-reduce (SUM) the gradients over replicas; ``None`` entries stay None.
 
@@ -115,11 +106,6 @@ def unpack(vector, shapes):
     sizes = [int(np.prod(s.as_list() if isinstance(s, tf.TensorShape) else s)) for s in shapes]
     parts = tf.split(vector, sizes) if len(sizes) > 1 else [vector]
     return [tf.reshape(p, s) for p, s in zip(parts, shapes)]
-
-
-def packed_bytes(shapes):
-    """Bytes of one packed float32 collective over ``shapes``."""
-    return 4 * int(sum(np.prod(s) for s in shapes))
 
 
 def run_if(flag, fn):

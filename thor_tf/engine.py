@@ -30,7 +30,6 @@ import warnings
 from typing import NamedTuple
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from thor_tf import _keras_compat, algebra, capture, distributed, fisher, precondition, scheduler
@@ -69,7 +68,6 @@ class _CadenceLayer(NamedTuple):
     records: list  # [capture.Record] (first ``factor_examples`` examples when set)
     grads: list  # per-example dℓ/dz tensors aligned with ``records``
     positions: tf.Tensor  # P, rows per example (float32 scalar)
-    examples: tf.Tensor  # examples behind the statistics (float32 scalar): the replica's weight
 
 
 class _Decisions(NamedTuple):
@@ -332,7 +330,7 @@ class ThorEngine:
         pre = self.precondition(active, records, grads, variables, ok)
         state = self.state
         state.nonfinite_steps.assign_add(tf.cast(tf.logical_not(ok), tf.int64))
-        opt.apply_masked(pre, variables, ok, reduced=True)
+        opt.apply_masked(pre, variables, ok)
         return ok
 
     def model_loss(self):
@@ -354,10 +352,9 @@ class ThorEngine:
         due = tf.logical_and(ok, step >= s.next_cadence)
 
         def cadence():
-            layers = self._cadence_inputs(active, records, output_grads_fn(), batch_size)
+            layers, weight = self._cadence_inputs(active, records, output_grads_fn(), batch_size)
             refreshed_any = tf.constant(False)
             if layers:
-                weight = layers[0].examples  # this replica's examples behind the statistics
                 damping = opt.current_damping()
                 local = tf.stack([self._local_traces(layer) for layer in layers])  # [n, 2]
                 traces, = distributed.weighted_mean([local], weight)
@@ -377,7 +374,9 @@ class ThorEngine:
         distributed.run_if(due, cadence)
 
     def _cadence_inputs(self, active, records, output_grads, batch_size):
-        """One :class:`_CadenceLayer` per active block (``factor_examples`` applied)."""
+        """``([_CadenceLayer per active block], examples)`` with ``factor_examples`` applied;
+        ``examples`` (float32 scalar) is the number of examples behind the statistics, this
+        replica's weight when they are combined over replicas."""
         k = self.config.factor_examples
         examples = tf.cast(batch_size, tf.float32)
         if k is not None:
@@ -391,8 +390,8 @@ class ThorEngine:
                 recs = [capture.Record(r.inputs[:k], r.z[:k]) for r in recs]
                 gs = [g[:k] for g in gs]
             positions = b.positions(records[b.name])
-            layers.append(_CadenceLayer(self._block_index[b.name], b, recs, gs, positions, examples))
-        return layers
+            layers.append(_CadenceLayer(self._block_index[b.name], b, recs, gs, positions))
+        return layers, examples
 
     def _local_traces(self, layer):
         """``[tr A, tr G]`` of this replica's batch (float32 ``[2]``; zeros for a frozen layer:
@@ -487,7 +486,7 @@ class ThorEngine:
         def exchange():
             local = []
             for layer, flag in zip(layers, refresh):
-                shapes = self._factor_shapes(layer.index)
+                shapes = self.state.layers[layer.index].shapes()
                 local.extend(tf.cond(flag, lambda layer=layer: self._local_factors(layer),
                                      lambda shapes=shapes: tuple(tf.zeros(sh) for sh in shapes)))
             combined = distributed.weighted_mean(local, weight)
@@ -503,9 +502,6 @@ class ThorEngine:
             self._install(layers, refresh, factors, inverses)
 
         distributed.run_if(tf.reduce_any(tf.stack(refresh)), exchange)
-
-    def _factor_shapes(self, i):
-        return self.state.layers[i].shapes()
 
     def _factors_now(self, layer):
         """The factors in use (``(A, G)`` tensors): what a layer that does not refresh keeps."""
@@ -605,7 +601,7 @@ class ThorEngine:
         me = distributed.replica_id()
         local = []
         for layer, flag, owner, (fa, fg) in zip(layers, refresh, owners, factors):
-            shapes = self._factor_shapes(layer.index)
+            shapes = self.state.layers[layer.index].shapes()
             local.extend(tf.cond(tf.logical_and(flag, tf.equal(me, owner)),
                                  lambda layer=layer, fa=fa, fg=fg: self._inverses(
                                      layer, fa, fg, damping),
@@ -615,7 +611,7 @@ class ThorEngine:
 
     def _inversion_cost(self, i):
         """Flops-proportional cost of inverting block ``i``'s factors: ``Σ nb·d³``."""
-        return float(sum(int(sh[0]) * int(sh[1]) ** 3 for sh in self._factor_shapes(i)))
+        return float(sum(int(sh[0]) * int(sh[1]) ** 3 for sh in self.state.layers[i].shapes()))
 
     def _record_decisions(self, layers, decisions, step):
         """Write one cadence point's decisions (:class:`_Decisions` over the active layers) into

@@ -154,7 +154,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         return tf.cast(damping, tf.float32)
 
     # -- the update chain ----------------------------------------------------------------------------
-    def apply_masked(self, grads, variables, ok, reduced=False):
+    def apply_masked(self, grads, variables, ok):
         """``apply`` of already unscaled gradients, every change masked by the boolean ``ok``.
 
         The engine divides the gradients by the loss scale before preconditioning (the KL clip
@@ -163,14 +163,14 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         in ``iterations`` (the convention of Keras' ``LossScaleOptimizer``): learning-rate and
         damping schedules and the cadence do not move over skipped batches.
 
-        ``reduced=True``: the gradients are already the global batch's (the engine all-reduces
-        them before preconditioning, so that every replica preconditions the same gradient), and
-        Keras' all-reduce of the gradients it is given is switched off: summing R identical
+        The gradients are already the global batch's (the engine all-reduces them before
+        preconditioning, so that every replica preconditions the same gradient), so Keras'
+        all-reduce of the gradients it is given is switched off: summing R identical
         preconditioned gradients would multiply the step by R.
         """
         self._step_ok = ok
         loss_scale_factor, self.loss_scale_factor = self.loss_scale_factor, None
-        self._gradients_reduced = reduced
+        self._gradients_reduced = True
         try:
             self.apply(grads, variables)
         finally:

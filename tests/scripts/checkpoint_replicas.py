@@ -9,7 +9,6 @@ counters against the reference's.
 """
 
 import os
-import sys
 import tempfile
 
 import _dist_common as common
