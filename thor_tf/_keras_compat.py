@@ -27,6 +27,11 @@ this is the one module to adapt.
   their variables inside the replica function, so the train step says so instead of failing with
   TF's "You must feed a value for placeholder tensor".
 
+* :func:`in_xla_context` - TensorFlow's ``control_flow_util.GraphOrParentsInXlaContext``:
+  whether the ops being built will be compiled by XLA (``jit_compile=True``), which needs static
+  shapes (the engine then inverts a fixed batch of blocks instead of gathering the refreshing
+  ones).
+
 Overridden rather than called: ``ThorOptimizer._all_reduce_sum_gradients`` (the TF backend
 optimizer's hook that all-reduces the gradients given to ``apply``), turned into the identity for
 THOR's gradients, which the engine all-reduces before preconditioning.
@@ -105,3 +110,15 @@ def unbuilt_compiled_metrics(model):
     """Whether ``compile`` was given metrics that Keras has not built yet."""
     metrics = getattr(model, "_compile_metrics", None)
     return metrics is not None and not getattr(metrics, "built", True)
+
+
+def in_xla_context():
+    """True when the graph being built is compiled by XLA (``jit_compile=True``): shapes must be
+    static there. Unknown (the helper moved): True, the choice that works everywhere."""
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # pragma: no cover - a future TensorFlow
+        return True
+    if tf.executing_eagerly():
+        return False
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))

@@ -34,7 +34,7 @@ import tensorflow as tf
 
 from thor_tf import _keras_compat, algebra, capture, distributed, fisher, precondition, scheduler
 from thor_tf.blocks import block_class_for
-from thor_tf.inverse import damped_diagonal, invert_blocks, invert_damped, split_layout
+from thor_tf.inverse import batched_layout, invert_blocks, invert_damped, split_layout
 from thor_tf.state import DecisionLog, ThorState
 
 #: Layers whose parameters are first order by design (not worth a warning).
@@ -356,7 +356,7 @@ class ThorEngine:
             refreshed_any = tf.constant(False)
             if layers:
                 damping = opt.current_damping()
-                local = tf.stack([self._local_traces(layer) for layer in layers])  # [n, 2]
+                local = self._local_traces(layers)  # [n, 2]
                 traces, = distributed.weighted_mean([local], weight)
                 decisions = self._judge(layers, traces, damping)
                 self._refresh(layers, tf.unstack(decisions.refresh, num=len(layers)), damping,
@@ -393,12 +393,14 @@ class ThorEngine:
             layers.append(_CadenceLayer(self._block_index[b.name], b, recs, gs, positions))
         return layers, examples
 
-    def _local_traces(self, layer):
-        """``[tr A, tr G]`` of this replica's batch (float32 ``[2]``; zeros for a frozen layer:
-        no work for it)."""
-        s, i, block = self.state, layer.index, layer.block
-        return tf.cond(s.frozen[i] > 0, lambda: tf.zeros([2]),
-                       lambda: tf.stack([block.trace_a(layer.records), block.trace_g(layer.grads)]))
+    def _local_traces(self, layers):
+        """``[n, 2]``: ``[tr A, tr G]`` of this replica's batch per layer (zeros for a frozen
+        layer). Computed for every layer without a branch: a trace is a sum of squares, cheaper
+        at run time than a ``tf.cond`` per layer is to trace and optimize."""
+        traces = tf.stack([tf.stack([layer.block.trace_a(layer.records),
+                                     layer.block.trace_g(layer.grads)]) for layer in layers])
+        frozen = tf.gather(tf.convert_to_tensor(self.state.frozen), [layer.index for layer in layers]) > 0
+        return tf.where(frozen[:, None], tf.zeros_like(traces), traces)
 
     def _judge(self, layers, traces, damping):
         """The trace rule for every active layer at once, from the global batch's traces.
@@ -518,8 +520,8 @@ class ThorEngine:
         """The batch's factors blended with the old ones (``factor_decay``); a non-finite factor
         (e.g. a sampled-Fisher overflow) keeps the one in use."""
         s, i, beta = self.state, layer.index, self.config.factor_decay
-        has_used = s.refreshes[i] > 0
         if beta > 0:
+            has_used = s.refreshes[i] > 0
             factor_a = tf.where(has_used, beta * s.layers[i].A + (1 - beta) * factor_a, factor_a)
             factor_g = tf.where(has_used, beta * s.layers[i].G + (1 - beta) * factor_g, factor_g)
         factor_a = tf.where(tf.reduce_all(tf.math.is_finite(factor_a)), factor_a, s.layers[i].A)
@@ -534,43 +536,61 @@ class ThorEngine:
                 invert_blocks(factor_g, per_factor, block.g_dim, previous=s.layers[i].G_inv))
 
     def _batched_inverses(self, layers, refresh, factors, damping):
-        """Split inverses of every layer's damped factors, one batched inversion per block size.
+        """Split inverses of the refreshing layers' damped factors in one batched inversion.
 
-        The blocks of size ``d`` of all layers' A and G are concatenated (each layer's damping
-        ``√(λ/P)`` on its true diagonal, 1 on padding) and inverted together, in a ``tf.cond`` on
-        whether any of those layers refreshes; a layer that does not refresh keeps its inverses
-        (:meth:`_install` selects). Fewer, larger Cholesky calls: a handful of branches to trace
-        instead of two per layer. Returns ``[(A_inv, G_inv)]`` aligned with ``layers``.
+        Every diagonal block of every layer's A and G is padded to the largest block size ``S``
+        (identity on the padding, so the top-left block of the inverse is the block's exact
+        inverse); the blocks of the refreshing layers are gathered, inverted together
+        (:func:`thor_tf.inverse.invert_damped`: one Cholesky over ``[K, S, S]``, each block with
+        its layer's damping ``√(λ/P)``) and scattered over the inverses in use. No branch: with no
+        layer refreshing ``K`` is 0. A handful of ops for all layers, where a cond per block size
+        (or per layer) made tracing and graph optimization grow with the model. Under XLA (static
+        shapes) all blocks are inverted when any layer refreshes and the refreshing ones kept.
+
+        Returns ``[(A_inv, G_inv)]`` aligned with ``layers``: the new inverses of refreshing layers,
+        the ones in use for the others.
         """
         s = self.state
-        groups = {}  # block size -> [(layer position, 0 for A / 1 for G)]
-        for k, (fa, fg) in enumerate(factors):
-            for which, factor in enumerate((fa, fg)):
-                groups.setdefault(int(factor.shape[-1]), []).append((k, which))
-        out = [[None, None] for _ in layers]
-        for size, members in sorted(groups.items()):
-            blocks, diagonals, dampings, previous, counts = [], [], [], [], []
-            for k, which in members:
-                layer = layers[k]
-                factor = factors[k][which]
-                nb = int(factor.shape[0])
-                dim = layer.block.a_dim if which == 0 else layer.block.g_dim
-                per_factor = tf.sqrt(damping / layer.positions)
-                held = s.layers[layer.index]
-                blocks.append(factor)
-                diagonals.append(damped_diagonal(per_factor, dim, nb, size))
-                dampings.append(tf.fill([nb], per_factor))
-                previous.append(tf.convert_to_tensor(held.A_inv if which == 0 else held.G_inv))
-                counts.append(nb)
-            previous = tf.concat(previous, axis=0)
-            due = tf.reduce_any(tf.stack([refresh[k] for k, _ in members]))
-            inverses = tf.cond(
-                due, lambda b=blocks, d=diagonals, p=dampings, prev=previous: invert_damped(
-                    tf.concat(b, 0), tf.concat(d, 0), tf.concat(p, 0), prev),
-                lambda prev=previous: prev)
-            for (k, which), part in zip(members, tf.split(inverses, counts)):
-                out[k][which] = part
-        return [tuple(pair) for pair in out]
+        entries = []  # (layer position, factor [nb, d, d], true dim, inverse in use)
+        for k, (layer, (fa, fg)) in enumerate(zip(layers, factors)):
+            held = s.layers[layer.index]
+            entries.append((k, fa, layer.block.a_dim, held.A_inv))
+            entries.append((k, fg, layer.block.g_dim, held.G_inv))
+        size = max(int(f.shape[-1]) for _, f, _, _ in entries)
+        owner, mask, counts = batched_layout(
+            [(k, int(f.shape[0]), int(f.shape[-1]), dim) for k, f, dim, _ in entries], size)
+
+        def padded(blocks):
+            pad = size - int(blocks.shape[-1])
+            blocks = tf.convert_to_tensor(blocks)
+            return tf.pad(blocks, [[0, 0], [0, pad], [0, pad]]) if pad else blocks
+
+        blocks = tf.concat([padded(f) for _, f, _, _ in entries], axis=0)  # [B, S, S]
+        in_use = tf.concat([padded(inv) for _, _, _, inv in entries], axis=0)
+        per_layer = tf.sqrt(damping / tf.stack([layer.positions for layer in layers]))
+        per_block = tf.gather(per_layer, owner)  # [B]
+        if _keras_compat.in_xla_context():
+            # XLA needs static shapes: every block is inverted (under one cond on any refresh)
+            # and the refreshing ones are selected.
+            diagonal = mask * per_block[:, None] + (1.0 - mask)
+            selected = tf.gather(tf.stack(refresh), owner)[:, None, None]
+            out = tf.cond(tf.reduce_any(tf.stack(refresh)),
+                          lambda: tf.where(selected, invert_damped(blocks, diagonal, per_block,
+                                                                   in_use), in_use),
+                          lambda: in_use)
+        else:
+            due = tf.where(tf.gather(tf.stack(refresh), owner))  # [K, 1]
+            chosen = tf.gather_nd(per_block, due)
+            true_entries = tf.gather_nd(mask, due)  # 1 on a block's true diagonal, 0 on padding
+            diagonal = true_entries * chosen[:, None] + (1.0 - true_entries)
+            inverses = invert_damped(tf.gather_nd(blocks, due), diagonal, chosen,
+                                     tf.gather_nd(in_use, due))
+            out = tf.tensor_scatter_nd_update(in_use, due, inverses)
+        pairs = [[None, None] for _ in layers]
+        for n, ((k, f, _, _), part) in enumerate(zip(entries, tf.split(out, counts))):
+            d = int(f.shape[-1])
+            pairs[k][n % 2] = part[:, :d, :d] if d < size else part
+        return [tuple(pair) for pair in pairs]
 
     def _install(self, layers, refresh, factors, inverses):
         """Write the refreshing layers' factors, inverses and used traces (``factors`` of the

@@ -13,11 +13,12 @@ before, so non-finite values never reach the stored inverses.
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 from thor_tf.algebra import diagonal_blocks, split_layout
 
-__all__ = ["damped_diagonal", "invert_blocks", "invert_damped", "split_inverse", "split_layout"]  # split_layout: from algebra
+__all__ = ["batched_layout", "damped_diagonal", "invert_blocks", "invert_damped", "split_inverse", "split_layout"]  # split_layout: from algebra
 
 
 def _cholesky_inverse(blocks):
@@ -37,6 +38,28 @@ def damped_diagonal(damping, dim: int, num_blocks: int, size: int):
     real = tf.cast(tf.range(num_blocks * size) < dim, tf.float32)
     damping = tf.cast(damping, tf.float32)
     return tf.reshape(damping * real + (1.0 - real), [num_blocks, size])
+
+
+def batched_layout(factors, size: int):
+    """Where the blocks of several factors sit in one ``[B, size, size]`` batch.
+
+    Args:
+      factors: per factor ``(owner, nb, d, dim)``: its owner's position (e.g. the layer), its
+        number of diagonal blocks ``nb`` of size ``d <= size``, its true dimension ``dim``.
+      size: the batch's block size ``S``; each block is padded from ``d`` to ``S``.
+
+    Returns:
+      ``(owner [B] int32, mask [B, S] float32, counts)`` as NumPy arrays: each block's owner, 1 on
+      the block's true diagonal entries (inside ``d`` and before ``dim``) and 0 on padding, and
+      each factor's ``nb`` (to split the batch back).
+    """
+    owners, rows, counts = [], [], []
+    for owner, nb, d, dim in factors:
+        entries = np.arange(nb * d).reshape(nb, d) < dim
+        rows.append(np.pad(entries, [(0, 0), (0, size - d)]))
+        owners.extend([owner] * nb)
+        counts.append(nb)
+    return (np.asarray(owners, np.int32), np.concatenate(rows).astype(np.float32), counts)
 
 
 def invert_blocks(blocks, damping, dim: int, previous=None, retry_scale: float = 10.0):
@@ -73,12 +96,12 @@ def invert_damped(blocks, diagonal, block_damping, previous=None, retry_scale: f
       retry_scale: how much the damping grows for the float64 retry.
     """
     blocks = tf.convert_to_tensor(blocks, tf.float32)
-    num_blocks, size = int(blocks.shape[0]), int(blocks.shape[-1])
+    size = int(blocks.shape[-1])
     blocks = blocks + tf.linalg.diag(diagonal)
     inverse = _cholesky_inverse(blocks)
     ok = _finite_per_block(inverse)
     if previous is None:
-        previous = tf.eye(size, batch_shape=[num_blocks], dtype=tf.float32)
+        previous = tf.eye(size, batch_shape=tf.shape(blocks)[:1], dtype=tf.float32)
 
     def retry():
         blocks64 = tf.cast(blocks, tf.float64)

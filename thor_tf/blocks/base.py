@@ -52,6 +52,33 @@ def block_gram(rows, split_dim=None):
     return tf.einsum("rbi,rbj->bij", grouped, grouped) / count
 
 
+def row_count(t):
+    """The number of rows of ``t`` ``[..., features]`` (float32 scalar): its size over its last
+    axis (few ops when that axis is static)."""
+    width = t.shape[-1]
+    if width is None:
+        return tf.cast(tf.reduce_prod(tf.shape(t)[:-1]), tf.float32)
+    return tf.cast(tf.size(t), tf.float32) / float(width)
+
+
+def positions_per_example(records, g_dim: int):
+    """Rows per example ``P`` (float32 scalar) of a layer's calls ``records``: the size of ``z``
+    over ``g_dim`` (features per row) and the batch size, summed over calls.
+
+    One call whose ``z`` has static sizes past the batch axis (the usual case) gives a constant:
+    no ops to trace at each use. Otherwise (several calls, whose batch sizes may differ, or dynamic
+    sizes) ``P = Σ rows / N`` with ``N`` the first call's batch, from dynamic shapes.
+    """
+    shape = records[0].z.shape
+    if len(records) == 1 and shape.rank is not None and None not in shape[1:]:
+        per_example = 1
+        for size in shape[1:]:
+            per_example *= int(size)
+        return tf.constant(per_example / g_dim, tf.float32)
+    rows = tf.add_n([tf.cast(tf.size(r.z), tf.float32) for r in records]) / float(g_dim)
+    return rows / tf.cast(tf.shape(records[0].z)[0], tf.float32)
+
+
 class KroneckerBlock:
     """Base class: shapes, gradient reshaping and factor statistics from captured rows.
 
@@ -144,16 +171,15 @@ class KroneckerBlock:
     @staticmethod
     def output_rows(g):
         """``[R, g_dim]`` float32 rows of an output-gradient tensor ``[..., g_dim]``."""
-        return tf.reshape(tf.cast(g, tf.float32), [-1, tf.shape(g)[-1]])
+        width = g.shape[-1] if g.shape[-1] is not None else tf.shape(g)[-1]
+        return tf.reshape(tf.cast(g, tf.float32), [-1, width])
 
     def positions(self, records):
         """Rows per example ``P`` (float32 scalar): ``Ho·Wo`` for Conv2D, 1 for plain Dense.
 
         Several calls of a shared layer add their rows, so ``P`` counts them all.
         """
-        rows = tf.add_n([tf.cast(tf.reduce_prod(tf.shape(r.z)[:-1]), tf.float32) for r in records])
-        batch = tf.cast(tf.shape(records[0].z)[0], tf.float32)
-        return rows / batch
+        return positions_per_example(records, self.g_dim)
 
     def factor_a(self, records, split_dim=None):
         """Diagonal blocks of ``A = mean_rows ā āᵀ``: ``[nb, d, d]`` float32 (see :func:`block_gram`).
@@ -181,8 +207,7 @@ class KroneckerBlock:
     def trace_g(self, output_grads):
         """``tr(G)`` = mean squared norm of the output-gradient rows."""
         total = tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in output_grads])
-        count = tf.add_n([tf.cast(tf.reduce_prod(tf.shape(g)[:-1]), tf.float32) for g in output_grads])
-        return total / count
+        return total / tf.add_n([row_count(g) for g in output_grads])
 
     def describe(self):
         return {"name": self.name, "kind": self.kind, "a_dim": self.a_dim, "g_dim": self.g_dim}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import tensorflow as tf
 from keras import ops
 
-from thor_tf.blocks.base import KroneckerBlock
+from thor_tf.blocks.base import KroneckerBlock, row_count
 from thor_tf.blocks.conv_factor import Geometry, conv_factor_a
 
 #: How :meth:`Conv2DBlock.factor_a` computes A: "shifted" (default, from shifted views of the
@@ -86,5 +86,4 @@ class Conv2DBlock(KroneckerBlock):
         ones = tf.ones([self.kh, self.kw, 1, 1], tf.float32)
         per_position = tf.nn.conv2d(
             energy, ones, strides=self.strides, padding=self.padding, dilations=self.rates)
-        rows = tf.cast(tf.reduce_prod(tf.shape(per_position)[:-1]), tf.float32)
-        return tf.reduce_sum(per_position), rows
+        return tf.reduce_sum(per_position), row_count(per_position)

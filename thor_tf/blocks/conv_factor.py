@@ -165,13 +165,11 @@ def _concatenated_gram(columns: Sequence, count):
     """Unnormalized Gram ``[w, w]`` of the side-by-side segment columns by one matmul of their
     concatenation (the bias as a ones column): the faster way when segments are narrow (few
     channels), where many small products cost more than the doubled multiply-adds."""
-    ones = None
-    for c in columns:
-        if c is not None:
-            ones = tf.ones_like(c[:, :1])
-    rows = [ones if c is None else c for c in columns]
-    if ones is None:  # a block holding only the bias
+    views = [c for c in columns if c is not None]
+    if not views:  # a block holding only the bias
         return tf.reshape(count, [1, 1])
+    ones = tf.ones_like(views[0][:, :1]) if len(views) < len(columns) else None
+    rows = [ones if c is None else c for c in columns]
     rows = tf.concat(rows, axis=1) if len(rows) > 1 else rows[0]
     return tf.matmul(rows, rows, transpose_a=True)
 
@@ -179,8 +177,10 @@ def _concatenated_gram(columns: Sequence, count):
 #: Below this many input channels a block's Gram is one matmul of its concatenated columns; from
 #: it, products of segment pairs (half the work by symmetry, more and smaller matmuls). Measured
 #: on a 2-core CPU, 3x3 kernel, split 128, batch 128 at 28x28: 1, 4 and 8 channels favour the
-#: concatenation (by 15-40%), 16 is even, 32 (14x14) and 64 (8x8) favour the pairs by 30%+.
-PAIRWISE_MIN_CHANNELS = 16
+#: concatenation (by 15-40%), 16 is even, 32 (14x14) and 64 (8x8) favour the pairs by 30%+. At
+#: 16, even at run time, the concatenation wins on graph size (one matmul per block instead of
+#: ``k(k+1)/2`` products and ``k(k-1)/2`` transposes for ``k`` segments): less to trace.
+PAIRWISE_MIN_CHANNELS = 32
 
 STRATEGIES = ("auto", "pairs", "concat")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 from keras import ops
 
-from thor_tf.blocks.base import KroneckerBlock
+from thor_tf.blocks.base import KroneckerBlock, row_count
 
 
 class DenseBlock(KroneckerBlock):
@@ -24,5 +24,4 @@ class DenseBlock(KroneckerBlock):
 
     def input_sq_norm_sum(self, inputs):
         x = tf.cast(inputs, tf.float32)
-        rows = tf.cast(tf.reduce_prod(tf.shape(x)[:-1]), tf.float32)
-        return tf.reduce_sum(tf.square(x)), rows
+        return tf.reduce_sum(tf.square(x)), row_count(x)

@@ -165,7 +165,3 @@ class EinsumDenseBlock(KroneckerBlock):
         count = tf.add_n([tf.cast(tf.size(g) // self.g_dim, tf.float32) for g in output_grads])
         return total / count
 
-    def positions(self, records):
-        rows = tf.add_n([tf.cast(tf.size(r.z) // self.g_dim, tf.float32) for r in records])
-        batch = tf.cast(tf.shape(records[0].z)[0], tf.float32)
-        return rows / batch
