@@ -81,6 +81,28 @@ class _Decisions(NamedTuple):
     filter: scheduler.FilterState  # the trace filter after this point ([n_active, ...])
 
 
+def _invert_selected(blocks, in_use, mask, damping, selected):
+    """``in_use`` with the ``selected`` blocks replaced by the inverses of ``blocks`` damped.
+
+    Args:
+      blocks: ``[B, d, d]`` undamped factor blocks; in_use: ``[B, d, d]`` their inverses in use.
+      mask: ``[B, d]`` 1 on each block's true diagonal entries, 0 on padding (NumPy).
+      damping: ``[B]`` each block's damping; selected: ``[B]`` bool.
+    """
+    if _keras_compat.in_xla_context():
+        # XLA needs static shapes: all blocks are inverted when one is selected.
+        diagonal = mask * damping[:, None] + (1.0 - mask)
+        return tf.cond(tf.reduce_any(selected), lambda: tf.where(
+            selected[:, None, None], invert_damped(blocks, diagonal, damping, in_use), in_use),
+            lambda: in_use)
+    due = tf.where(selected)  # [K, 1]
+    chosen = tf.gather_nd(damping, due)
+    true_entries = tf.gather_nd(mask, due)
+    diagonal = true_entries * chosen[:, None] + (1.0 - true_entries)
+    inverses = invert_damped(tf.gather_nd(blocks, due), diagonal, chosen, tf.gather_nd(in_use, due))
+    return tf.tensor_scatter_nd_update(in_use, due, inverses)
+
+
 class ThorEngine:
     """Registry and per-step work for one model.
 
@@ -466,8 +488,9 @@ class ThorEngine:
     def _refresh(self, layers, refresh, damping, weight):
         """Refresh the layers whose decision says so: new factors, inverses and used traces.
 
-        Factors are computed only for the refreshing layers (a ``tf.cond`` per layer; the others
-        pass their factors in use through). Under a strategy, and only when some layer
+        Factors are computed only for the refreshing layers (:meth:`_local_factors_where`: a
+        ``tf.cond`` per layer, or per group of layers with the same factor graph; the others pass
+        their factors in use through). Under a strategy, and only when some layer
         refreshes, each replica computes its batch's factors (zeros for the other layers) and
         one packed collective makes them the global batch's. Inversion is batched: the blocks of
         every layer's A and G that share a block size are inverted in one batched Cholesky
@@ -476,27 +499,17 @@ class ThorEngine:
         inverted by the replica it is assigned to, one more packed collective shares them).
         """
         if distributed.replica_context() is None:
-            factors = []
-            for layer, flag in zip(layers, refresh):
-                factors.append(tf.cond(
-                    flag, lambda layer=layer: self._factors_in_use(layer, *self._local_factors(layer)),
-                    lambda layer=layer: self._factors_now(layer)))
+            local = self._local_factors_where(layers, refresh)
+            factors = self._refreshed_factors(layers, refresh, local)
             self._install(layers, refresh, factors, self._batched_inverses(
                 layers, refresh, factors, damping))
             return
 
         def exchange():
-            local = []
-            for layer, flag in zip(layers, refresh):
-                shapes = self.state.layers[layer.index].shapes()
-                local.extend(tf.cond(flag, lambda layer=layer: self._local_factors(layer),
-                                     lambda shapes=shapes: tuple(tf.zeros(sh) for sh in shapes)))
-            combined = distributed.weighted_mean(local, weight)
-            factors = []
-            for k, (layer, flag) in enumerate(zip(layers, refresh)):
-                in_use = self._factors_in_use(layer, combined[2 * k], combined[2 * k + 1])
-                factors.append(tuple(tf.where(flag, new, now) for new, now in
-                                     zip(in_use, self._factors_now(layer))))
+            local = self._local_factors_where(layers, refresh)
+            combined = distributed.weighted_mean([f for pair in local for f in pair], weight)
+            factors = self._refreshed_factors(
+                layers, refresh, [(combined[2 * k], combined[2 * k + 1]) for k in range(len(layers))])
             if self.config.inverse_assignment == "balanced":
                 inverses = self._shared_inverses(layers, refresh, factors, damping)
             else:
@@ -504,6 +517,79 @@ class ThorEngine:
             self._install(layers, refresh, factors, inverses)
 
         distributed.run_if(tf.reduce_any(tf.stack(refresh)), exchange)
+
+    def _refreshed_factors(self, layers, refresh, new):
+        """``[(A, G)]`` after this point: the batch's factors ``new`` in use (blended, checked)
+        for the refreshing layers, the factors in use for the others."""
+        out = []
+        for layer, flag, (fa, fg) in zip(layers, refresh, new):
+            out.append(tuple(tf.where(flag, fresh, now) for fresh, now in
+                             zip(self._factors_in_use(layer, fa, fg), self._factors_now(layer))))
+        return out
+
+    def _local_factors_where(self, layers, refresh):
+        """``[(A, G)]`` of this replica's batch for the refreshing layers, zeros for the others.
+
+        Layers whose factor computations are the same graph (:meth:`_factor_groups`: e.g. the
+        repeated convolutions of a ResNet stage) share one: their inputs are stacked and a
+        ``tf.map_fn`` computes each refreshing member's factors with one traced body, under one
+        cond on whether any member refreshes. Any other layer has a cond of its own. Either way
+        only the refreshing layers' factors are computed; the graph grows with the number of
+        distinct layer shapes rather than with depth.
+        """
+        out = [None] * len(layers)
+        for members in self._factor_groups(layers):
+            if len(members) == 1:
+                k = members[0]
+                layer, shapes = layers[k], self.state.layers[layers[k].index].shapes()
+                out[k] = tf.cond(refresh[k], lambda layer=layer: self._local_factors(layer),
+                                 lambda shapes=shapes: tuple(tf.zeros(sh) for sh in shapes))
+                continue
+            group = self._group_local_factors([layers[k] for k in members],
+                                              tf.stack([refresh[k] for k in members]))
+            for k, pair in zip(members, group):
+                out[k] = pair
+        return out
+
+    @staticmethod
+    def _factor_groups(layers):
+        """Positions in ``layers`` grouped by factor graph: blocks with equal
+        :meth:`~thor_tf.blocks.KroneckerBlock.factor_signature` and one call whose input and
+        output gradient have the same static sizes past the batch axis and dtypes. A layer
+        without a signature, with several calls or with dynamic sizes is a group of its own."""
+        groups = {}
+        for k, layer in enumerate(layers):
+            signature, key = layer.block.factor_signature(), ("alone", k)
+            if signature is not None and len(layer.records) == 1 and len(layer.grads) == 1:
+                x, g = layer.records[0].inputs, layer.grads[0]
+                shapes = (x.shape[1:], g.shape[1:])
+                if all(sh.is_fully_defined() for sh in shapes):
+                    key = (signature, tuple(shapes[0]), x.dtype, tuple(shapes[1]), g.dtype)
+            groups.setdefault(key, []).append(k)
+        return list(groups.values())
+
+    def _group_local_factors(self, members, flags):
+        """``[(A, G)]`` per member of a factor group (:meth:`_factor_groups`), zeros for those
+        whose ``flags`` entry is False."""
+        first, count = members[0], len(members)
+        shapes = self.state.layers[first.index].shapes()
+
+        def compute():
+            inputs = tf.stack([layer.records[0].inputs for layer in members])
+            grads = tf.stack([layer.grads[0] for layer in members])
+
+            def one(args):
+                x, g, flag = args
+                member = first._replace(records=[capture.Record(x, None)], grads=[g])
+                return tf.cond(flag, lambda: self._local_factors(member),
+                               lambda: tuple(tf.zeros(sh) for sh in shapes))
+
+            return tf.map_fn(one, (inputs, grads, flags), fn_output_signature=tuple(
+                tf.TensorSpec(sh, tf.float32) for sh in shapes))
+
+        stacked = tf.cond(tf.reduce_any(flags), compute,
+                          lambda: tuple(tf.zeros([count, *sh]) for sh in shapes))
+        return [(stacked[0][i], stacked[1][i]) for i in range(count)]
 
     def _factors_now(self, layer):
         """The factors in use (``(A, G)`` tensors): what a layer that does not refresh keeps."""
@@ -536,16 +622,18 @@ class ThorEngine:
                 invert_blocks(factor_g, per_factor, block.g_dim, previous=s.layers[i].G_inv))
 
     def _batched_inverses(self, layers, refresh, factors, damping):
-        """Split inverses of the refreshing layers' damped factors in one batched inversion.
+        """Split inverses of the refreshing layers' damped factors, one batched inversion per
+        block size.
 
-        Every diagonal block of every layer's A and G is padded to the largest block size ``S``
-        (identity on the padding, so the top-left block of the inverse is the block's exact
-        inverse); the blocks of the refreshing layers are gathered, inverted together
-        (:func:`thor_tf.inverse.invert_damped`: one Cholesky over ``[K, S, S]``, each block with
-        its layer's damping ``√(λ/P)``) and scattered over the inverses in use. No branch: with no
-        layer refreshing ``K`` is 0. A handful of ops for all layers, where a cond per block size
-        (or per layer) made tracing and graph optimization grow with the model. Under XLA (static
-        shapes) all blocks are inverted when any layer refreshes and the refreshing ones kept.
+        The diagonal blocks of size ``d`` of every layer's A and G form one ``[B, d, d]`` batch;
+        the blocks of the refreshing layers are gathered, inverted together
+        (:func:`thor_tf.inverse.invert_damped`: one Cholesky, each block with its layer's damping
+        ``√(λ/P)`` on its true diagonal, 1 on padding) and scattered over the inverses in use. No
+        branch: with no layer refreshing the gathered batch is empty. A handful of ops per block
+        size, where a cond per layer (or per size) made tracing and graph optimization grow with
+        the model; sizes are not padded to one (inverting a small block at a larger size costs
+        more than the few ops it saves). Under XLA (static shapes) all blocks of a size are
+        inverted when one of their layers refreshes, and the refreshing ones kept.
 
         Returns ``[(A_inv, G_inv)]`` aligned with ``layers``: the new inverses of refreshing layers,
         the ones in use for the others.
@@ -556,40 +644,22 @@ class ThorEngine:
             held = s.layers[layer.index]
             entries.append((k, fa, layer.block.a_dim, held.A_inv))
             entries.append((k, fg, layer.block.g_dim, held.G_inv))
-        size = max(int(f.shape[-1]) for _, f, _, _ in entries)
-        owner, mask, counts = batched_layout(
-            [(k, int(f.shape[0]), int(f.shape[-1]), dim) for k, f, dim, _ in entries], size)
-
-        def padded(blocks):
-            pad = size - int(blocks.shape[-1])
-            blocks = tf.convert_to_tensor(blocks)
-            return tf.pad(blocks, [[0, 0], [0, pad], [0, pad]]) if pad else blocks
-
-        blocks = tf.concat([padded(f) for _, f, _, _ in entries], axis=0)  # [B, S, S]
-        in_use = tf.concat([padded(inv) for _, _, _, inv in entries], axis=0)
         per_layer = tf.sqrt(damping / tf.stack([layer.positions for layer in layers]))
-        per_block = tf.gather(per_layer, owner)  # [B]
-        if _keras_compat.in_xla_context():
-            # XLA needs static shapes: every block is inverted (under one cond on any refresh)
-            # and the refreshing ones are selected.
-            diagonal = mask * per_block[:, None] + (1.0 - mask)
-            selected = tf.gather(tf.stack(refresh), owner)[:, None, None]
-            out = tf.cond(tf.reduce_any(tf.stack(refresh)),
-                          lambda: tf.where(selected, invert_damped(blocks, diagonal, per_block,
-                                                                   in_use), in_use),
-                          lambda: in_use)
-        else:
-            due = tf.where(tf.gather(tf.stack(refresh), owner))  # [K, 1]
-            chosen = tf.gather_nd(per_block, due)
-            true_entries = tf.gather_nd(mask, due)  # 1 on a block's true diagonal, 0 on padding
-            diagonal = true_entries * chosen[:, None] + (1.0 - true_entries)
-            inverses = invert_damped(tf.gather_nd(blocks, due), diagonal, chosen,
-                                     tf.gather_nd(in_use, due))
-            out = tf.tensor_scatter_nd_update(in_use, due, inverses)
+        flags = tf.stack(refresh)
+        by_size = {}
+        for n, (_, factor, _, _) in enumerate(entries):
+            by_size.setdefault(int(factor.shape[-1]), []).append(n)
         pairs = [[None, None] for _ in layers]
-        for n, ((k, f, _, _), part) in enumerate(zip(entries, tf.split(out, counts))):
-            d = int(f.shape[-1])
-            pairs[k][n % 2] = part[:, :d, :d] if d < size else part
+        for size, members in sorted(by_size.items()):
+            group = [entries[n] for n in members]
+            owner, mask, counts = batched_layout(
+                [(k, int(f.shape[0]), size, dim) for k, f, dim, _ in group], size)
+            blocks = tf.concat([f for _, f, _, _ in group], axis=0)  # [B, d, d]
+            in_use = tf.concat([tf.convert_to_tensor(inv) for _, _, _, inv in group], axis=0)
+            out = _invert_selected(blocks, in_use, mask, tf.gather(per_layer, owner),
+                                   tf.gather(flags, owner))
+            for n, part in zip(members, tf.split(out, counts)):
+                pairs[entries[n][0]][n % 2] = part
         return [tuple(pair) for pair in pairs]
 
     def _install(self, layers, refresh, factors, inverses):
@@ -603,8 +673,8 @@ class ThorEngine:
             held.G.assign(fg)
             held.A_inv.assign(tf.where(flag, ia, held.A_inv))
             held.G_inv.assign(tf.where(flag, ig, held.G_inv))
-            traces_a.append(tf.reduce_sum(tf.linalg.trace(fa)))
-            traces_g.append(tf.reduce_sum(tf.linalg.trace(fg)))
+            traces_a.append(tf.reduce_sum(tf.linalg.diag_part(fa)))
+            traces_g.append(tf.reduce_sum(tf.linalg.diag_part(fg)))
         index = tf.constant([[layer.index] for layer in layers], tf.int64)
         flags = tf.stack(refresh)
         for variable, new in ((s.trace_a, traces_a), (s.trace_g, traces_g)):

@@ -46,7 +46,7 @@ def batched_layout(factors, size: int):
     Args:
       factors: per factor ``(owner, nb, d, dim)``: its owner's position (e.g. the layer), its
         number of diagonal blocks ``nb`` of size ``d <= size``, its true dimension ``dim``.
-      size: the batch's block size ``S``; each block is padded from ``d`` to ``S``.
+      size: the batch's block size ``S`` (blocks of size ``d < S`` are padded to it by the caller).
 
     Returns:
       ``(owner [B] int32, mask [B, S] float32, counts)`` as NumPy arrays: each block's owner, 1 on

@@ -209,6 +209,14 @@ class KroneckerBlock:
         total = tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in output_grads])
         return total / tf.add_n([row_count(g) for g in output_grads])
 
+    def factor_signature(self):
+        """A hashable description of everything but the data that ``factor_a``/``factor_g``
+        depend on, or None. Layers whose blocks have equal signatures and whose inputs have the
+        same shapes compute their factors with the same graph, which the engine then traces once
+        for all of them (a ResNet's repeated convolutions). None (the default, e.g. for blocks
+        registered by users): the block's factors are always traced on their own."""
+        return None
+
     def describe(self):
         return {"name": self.name, "kind": self.kind, "a_dim": self.a_dim, "g_dim": self.g_dim}
 

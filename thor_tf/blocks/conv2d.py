@@ -59,6 +59,12 @@ class Conv2DBlock(KroneckerBlock):
         return Geometry((self.kh, self.kw), (self.strides[1], self.strides[2]),
                         (self.rates[1], self.rates[2]), self.padding)
 
+    def factor_signature(self):
+        # Conv1DBlock inherits this: its kind and causal padding are part of it.
+        return (type(self), self.kernel_shape, self.bias is not None, tuple(self.strides),
+                tuple(self.rates), self.padding, getattr(self, "left_pad", 0),
+                self.a_factor_method)
+
     def factor_a(self, records, split_dim=None):
         """Diagonal blocks of A, ``[nb, d, d]`` float32, exactly as the base class computes them
         from im2col rows; by default without forming those rows (see :attr:`a_factor_method`)."""
