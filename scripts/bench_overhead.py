@@ -12,7 +12,11 @@ compiling included, peak memory per optimizer), all in one run of this script on
 * ``amortized_step_s`` (THOR): mean step over ``--amortize-steps`` steps with THOR's defaults
   (trace rule, ``frequency=10``);
 * ``refresh_over_step``: (cadence − steady) / steady: what a refresh of all blocks costs in steps;
-* ``peak_rss_mb``: the worker's peak resident memory.
+* ``peak_rss_mb``: the worker's peak resident memory;
+* ``time_to_target``: THOR's wall time to the best first-order baseline's final accuracy over the
+  baseline's, from the README comparisons' summaries (``docs/fashion_*_summary.json``: whole
+  training runs of the experiment scripts, not re-run here); ``goals``: issue 12's table, each
+  row with the measured figure and whether it meets its goal.
 
 Ratios against SGD and Adam come from the same run. Inputs are random (timing does not depend on
 the data). Writes JSON (``--out``) and a PNG of the ratios next to it.
@@ -161,6 +165,63 @@ def ratios(results):
     return table
 
 
+#: The summaries of the README comparisons (experiments/mnist.py, experiments/resnet.py) whose
+#: wall time to the best first-order baseline's final accuracy issue 12 tracks.
+TIME_TO_TARGET = {"cnn": "docs/fashion_cnn_summary.json", "resnet20": "docs/fashion_resnet20_summary.json"}
+
+
+def time_to_target(paths):
+    """Per model: THOR's seconds to the target (the best first-order baseline's final accuracy)
+    over that baseline's own seconds to it, read from an experiment summary (these are whole
+    training runs, minutes each: measured by the experiment scripts, reported here)."""
+    import json
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = {}
+    for model_name, path in paths.items():
+        path = os.path.join(root, path)
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            summary = json.load(f)
+        runs = summary["optimizers"]
+        baseline = max((name for name in runs if name not in ("thor", "thor_nt", "thor_stop")),
+                       key=lambda name: runs[name]["final_acc"])
+        thor_s, base_s = runs["thor"].get("seconds_to_target"), runs[baseline]["seconds_to_target"]
+        out[model_name] = {
+            "source": os.path.relpath(path, root), "date": summary.get("date"), "target": summary["target"],
+            "seeds": len(runs["thor"].get("per_seed", [])) or 1, "baseline": baseline,
+            "thor_s": thor_s, "baseline_s": base_s,
+            "ratio": thor_s / base_s if thor_s is not None and base_s else None,
+        }
+    return out
+
+
+#: Issue 12's table: (measure, model, key in the ratios or "time_to_target", goal: at most).
+GOALS = [
+    ("first step (trace + compile), ResNet-50 at 32x32, THOR / SGD", "resnet50", "first_step_vs_sgd", 2.0),
+    ("first step (trace + compile), ResNet-20, THOR / SGD", "resnet20", "first_step_vs_sgd", 2.0),
+    ("amortized step, Fashion CNN batch 128, THOR / SGD steady step", "cnn", "amortized_step_vs_sgd", 1.10),
+    ("refresh of all CNN blocks, in steady steps", "cnn", "refresh_over_step", 2.5),
+    ("ResNet-20 wall time to the baseline's final accuracy, THOR / baseline", "resnet20", "time_to_target", 0.75),
+    ("Fashion CNN wall time to the baseline's final accuracy, THOR / baseline", "cnn", "time_to_target", 0.70),
+]
+
+
+def goals(table, targets):
+    """Issue 12's rows with the measured figure and whether it meets the goal (None: not
+    measured in this run, or the target was never reached)."""
+    rows = []
+    for measure, model_name, key, goal in GOALS:
+        if key == "time_to_target":
+            value = targets.get(model_name, {}).get("ratio")
+        else:
+            value = table.get(model_name, {}).get(key)
+        rows.append({"measure": measure, "value": value, "goal_at_most": goal,
+                     "met": None if value is None else value <= goal})
+    return rows
+
+
 def plot(table, path):
     import matplotlib
 
@@ -216,8 +277,14 @@ def main(argv=None):
     table = ratios(results)
     for model_name, row in sorted(table.items()):
         print(model_name + ": " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(row.items())))
+    targets = time_to_target(TIME_TO_TARGET)
+    rows = goals(table, targets)
+    for row in rows:
+        value = "not measured" if row["value"] is None else f"{row['value']:.2f}"
+        verdict = {True: "met", False: "missed", None: "-"}[row["met"]]
+        print(f"{row['measure']}: {value} (goal <= {row['goal_at_most']}: {verdict})")
     summary = {
-        "results": results, "ratios": table,
+        "results": results, "ratios": table, "time_to_target": targets, "goals": rows,
         "settings": {"steps": args.steps, "amortize_steps": args.amortize_steps,
                      "batches": {m: MODELS[m][2] for m in MODELS}},
     }
