@@ -45,3 +45,42 @@ def test_failed_cholesky_retries_in_float64_and_never_stores_non_finite():
     out = invert_blocks(tf.constant(mixed), 0.0, 6, previous=tf.constant(np.stack([previous[0]] * 2))).numpy()
     np.testing.assert_allclose(out[0], np.eye(3) / 4.0, rtol=1e-5)
     np.testing.assert_array_equal(out[1], previous[0])
+
+
+def test_size_buckets_join_sizes_within_the_ratio():
+    from thor_tf.inverse import size_buckets
+
+    assert size_buckets([9, 16, 32, 64, 72, 96, 116]) == {116: [116, 96], 72: [72, 64], 32: [32],
+                                                          16: [16], 9: [9]}
+    assert size_buckets([5, 5, 4], ratio=0.75) == {5: [5, 4]}
+
+
+def test_padded_batched_inversion_matches_each_block_and_keeps_the_others():
+    """Blocks of sizes 3 and 4 (a factor of dim 3 in one block, one of dim 7 in 4+3(+1 pad))
+    padded to 4 in one batch: the selected ones are the float64 inverses of their damped blocks
+    (1 on padding), the unselected keep their inverses in use."""
+    from thor_tf.engine import _invert_selected, _padded
+    from thor_tf.inverse import batched_layout
+
+    rng = np.random.default_rng(3)
+    small = mean_outer(rng.normal(size=(20, 3)))[None]                      # [1, 3, 3], dim 3
+    big = mean_outer(rng.normal(size=(20, 7)))
+    big_blocks = np.zeros((2, 4, 4))
+    big_blocks[0] = big[:4, :4]
+    big_blocks[1, :3, :3] = big[4:, 4:]                                     # dim 7: 1 padding
+    owner, mask, counts = batched_layout([(0, 1, 3, 3), (1, 2, 4, 7)], 4)
+    blocks = tf.concat([_padded(tf.constant(small, tf.float32), 4),
+                        tf.constant(big_blocks, tf.float32)], axis=0)
+    in_use = tf.constant(np.stack([np.full((4, 4), 7.0)] * 3), tf.float32)
+    damping = tf.constant([0.1, 0.2], tf.float32)
+    out = _invert_selected(blocks, in_use, mask, tf.gather(damping, owner),
+                           tf.constant([False, True, True])).numpy()
+    np.testing.assert_array_equal(out[0], 7.0)                              # not selected
+    np.testing.assert_allclose(out[1], np.linalg.inv(big[:4, :4] + 0.2 * np.eye(4)), rtol=1e-4)
+    np.testing.assert_allclose(out[2, :3, :3], np.linalg.inv(big[4:, 4:] + 0.2 * np.eye(3)),
+                               rtol=1e-4)
+    np.testing.assert_allclose(out[2, 3, 3], 1.0, rtol=1e-6)                # padding: identity
+    out = _invert_selected(blocks, in_use, mask, tf.gather(damping, owner),
+                           tf.constant([True, False, False])).numpy()
+    np.testing.assert_allclose(out[0, :3, :3], np.linalg.inv(small[0] + 0.1 * np.eye(3)), rtol=1e-4)
+    np.testing.assert_allclose(out[0, 3, 3], 1.0, rtol=1e-6)

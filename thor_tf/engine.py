@@ -34,7 +34,7 @@ import tensorflow as tf
 
 from thor_tf import _keras_compat, algebra, capture, distributed, fisher, precondition, scheduler
 from thor_tf.blocks import block_class_for
-from thor_tf.inverse import batched_layout, invert_blocks, invert_damped, split_layout
+from thor_tf.inverse import batched_layout, invert_blocks, invert_damped, size_buckets, split_layout
 from thor_tf.state import DecisionLog, ThorState
 
 #: Layers whose parameters are first order by design (not worth a warning).
@@ -79,6 +79,13 @@ class _Decisions(NamedTuple):
     nonfinite: tf.Tensor  # bool: the traces were not finite (nothing changed)
     calm: tf.Tensor  # int64: consecutive Δ < ω2 after this point
     filter: scheduler.FilterState  # the trace filter after this point ([n_active, ...])
+
+
+def _padded(blocks, size):
+    """``[nb, d, d]`` zero-padded to ``[nb, size, size]``."""
+    blocks = tf.convert_to_tensor(blocks)
+    pad = size - int(blocks.shape[-1])
+    return tf.pad(blocks, [[0, 0], [0, pad], [0, pad]]) if pad else blocks
 
 
 def _invert_selected(blocks, in_use, mask, damping, selected):
@@ -623,17 +630,18 @@ class ThorEngine:
 
     def _batched_inverses(self, layers, refresh, factors, damping):
         """Split inverses of the refreshing layers' damped factors, one batched inversion per
-        block size.
+        bucket of block sizes (:func:`thor_tf.inverse.size_buckets`: sizes within 0.75× of a
+        larger one are padded to it, identity on the padding).
 
-        The diagonal blocks of size ``d`` of every layer's A and G form one ``[B, d, d]`` batch;
+        The diagonal blocks of a bucket's sizes of every layer's A and G form one batch;
         the blocks of the refreshing layers are gathered, inverted together
         (:func:`thor_tf.inverse.invert_damped`: one Cholesky, each block with its layer's damping
         ``√(λ/P)`` on its true diagonal, 1 on padding) and scattered over the inverses in use. No
-        branch: with no layer refreshing the gathered batch is empty. A handful of ops per block
-        size, where a cond per layer (or per size) made tracing and graph optimization grow with
-        the model; sizes are not padded to one (inverting a small block at a larger size costs
-        more than the few ops it saves). Under XLA (static shapes) all blocks of a size are
-        inverted when one of their layers refreshes, and the refreshing ones kept.
+        branch: with no layer refreshing the gathered batch is empty. A handful of ops per bucket,
+        where a cond per layer (or per size) made tracing and graph optimization grow with the
+        model; sizes are not all padded to the largest (on the CNN that cost 9 ms per refresh of
+        all blocks). Under XLA (static shapes) all blocks of a bucket are inverted when one of
+        their layers refreshes, and the refreshing ones kept.
 
         Returns ``[(A_inv, G_inv)]`` aligned with ``layers``: the new inverses of refreshing layers,
         the ones in use for the others.
@@ -646,33 +654,32 @@ class ThorEngine:
             entries.append((k, fg, layer.block.g_dim, held.G_inv))
         per_layer = tf.sqrt(damping / tf.stack([layer.positions for layer in layers]))
         flags = tf.stack(refresh)
-        by_size = {}
-        for n, (_, factor, _, _) in enumerate(entries):
-            by_size.setdefault(int(factor.shape[-1]), []).append(n)
+        sizes = [int(factor.shape[-1]) for _, factor, _, _ in entries]
         pairs = [[None, None] for _ in layers]
-        for size, members in sorted(by_size.items()):
+        for size, joined in sorted(size_buckets(sizes).items()):
+            members = [n for n, d in enumerate(sizes) if d in joined]
             group = [entries[n] for n in members]
             owner, mask, counts = batched_layout(
-                [(k, int(f.shape[0]), size, dim) for k, f, dim, _ in group], size)
-            blocks = tf.concat([f for _, f, _, _ in group], axis=0)  # [B, d, d]
-            in_use = tf.concat([tf.convert_to_tensor(inv) for _, _, _, inv in group], axis=0)
+                [(k, int(f.shape[0]), int(f.shape[-1]), dim) for k, f, dim, _ in group], size)
+            blocks = tf.concat([_padded(f, size) for _, f, _, _ in group], axis=0)  # [B, S, S]
+            in_use = tf.concat([_padded(inv, size) for _, _, _, inv in group], axis=0)
             out = _invert_selected(blocks, in_use, mask, tf.gather(per_layer, owner),
                                    tf.gather(flags, owner))
             for n, part in zip(members, tf.split(out, counts)):
-                pairs[entries[n][0]][n % 2] = part
+                pairs[entries[n][0]][n % 2] = part[:, :sizes[n], :sizes[n]] if sizes[n] < size else part
         return [tuple(pair) for pair in pairs]
 
     def _install(self, layers, refresh, factors, inverses):
-        """Write the refreshing layers' factors, inverses and used traces (``factors`` of the
-        other layers are their factors in use: writing them changes nothing)."""
+        """Write the refreshing layers' factors, inverses and used traces (``factors`` and
+        ``inverses`` of the other layers are those in use: writing them changes nothing)."""
         s = self.state
         traces_a, traces_g = [], []
         for layer, flag, (fa, fg), (ia, ig) in zip(layers, refresh, factors, inverses):
             held = s.layers[layer.index]
             held.A.assign(fa)
             held.G.assign(fg)
-            held.A_inv.assign(tf.where(flag, ia, held.A_inv))
-            held.G_inv.assign(tf.where(flag, ig, held.G_inv))
+            held.A_inv.assign(ia)
+            held.G_inv.assign(ig)
             traces_a.append(tf.reduce_sum(tf.linalg.diag_part(fa)))
             traces_g.append(tf.reduce_sum(tf.linalg.diag_part(fg)))
         index = tf.constant([[layer.index] for layer in layers], tf.int64)
@@ -685,7 +692,8 @@ class ThorEngine:
     def _shared_inverses(self, layers, refresh, factors, damping):
         """``inverse_assignment="balanced"``: each refreshing layer is inverted on the replica
         it is assigned to (longest-processing-time by the cost ``Σ d³`` of its blocks), zeros
-        elsewhere; one packed SUM shares the inverses. Returns ``[(A_inv, G_inv)]``."""
+        elsewhere; one packed SUM shares the inverses. Returns ``[(A_inv, G_inv)]``: the new
+        inverses of refreshing layers, those in use for the others."""
         owners = distributed.balanced_owners(
             [self._inversion_cost(layer.index) for layer in layers], distributed.num_replicas())
         me = distributed.replica_id()
@@ -697,7 +705,12 @@ class ThorEngine:
                                      layer, fa, fg, damping),
                                  lambda shapes=shapes: tuple(tf.zeros(sh) for sh in shapes)))
         shared = distributed.sum_packed(local)
-        return [(shared[2 * k], shared[2 * k + 1]) for k in range(len(layers))]
+        out = []
+        for k, (layer, flag) in enumerate(zip(layers, refresh)):
+            held = self.state.layers[layer.index]
+            out.append((tf.where(flag, shared[2 * k], held.A_inv),
+                        tf.where(flag, shared[2 * k + 1], held.G_inv)))
+        return out
 
     def _inversion_cost(self, i):
         """Flops-proportional cost of inverting block ``i``'s factors: ``Σ nb·d³``."""

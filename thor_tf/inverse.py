@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from thor_tf.algebra import diagonal_blocks, split_layout
 
-__all__ = ["batched_layout", "damped_diagonal", "invert_blocks", "invert_damped", "split_inverse", "split_layout"]  # split_layout: from algebra
+__all__ = ["batched_layout", "damped_diagonal", "size_buckets", "invert_blocks", "invert_damped", "split_inverse", "split_layout"]  # split_layout: from algebra
 
 
 def _cholesky_inverse(blocks):
@@ -38,6 +38,21 @@ def damped_diagonal(damping, dim: int, num_blocks: int, size: int):
     real = tf.cast(tf.range(num_blocks * size) < dim, tf.float32)
     damping = tf.cast(damping, tf.float32)
     return tf.reshape(damping * real + (1.0 - real), [num_blocks, size])
+
+
+def size_buckets(sizes, ratio: float = 0.75):
+    """``{bucket size: [block sizes]}``: which block sizes share one batched inversion.
+
+    Each size joins the largest size ``b`` not yet placed with ``d >= ratio·b`` and is padded to
+    ``b`` (identity on the padding, so the inverse's top-left block is exact): fewer batches, each
+    a handful of ops to trace, for at most ``(1/ratio)³`` (2.4×) the flops of a padded block.
+    """
+    buckets, left = {}, sorted(set(int(d) for d in sizes), reverse=True)
+    while left:
+        top = left[0]
+        buckets[top] = [d for d in left if d >= ratio * top]
+        left = [d for d in left if d < ratio * top]
+    return buckets
 
 
 def batched_layout(factors, size: int):

@@ -204,8 +204,10 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         velocity = self._momentums[self._get_variable_index(variable)]
         new_velocity = self.momentum * velocity + update
         if self._step_ok is not None:
+            # A skipped step keeps the velocity (a non-finite gradient never enters it) and
+            # moves nothing: the learning rate is masked, a scalar, not every update.
             new_velocity = tf.where(self._step_ok, new_velocity, velocity)
-            step = tf.where(self._step_ok, lr * new_velocity, tf.zeros_like(new_velocity))
+            step = tf.where(self._step_ok, lr, tf.zeros_like(lr)) * new_velocity
         else:
             step = lr * new_velocity
         self.assign(velocity, new_velocity)
