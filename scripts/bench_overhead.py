@@ -3,7 +3,8 @@
 One worker process per (model, optimizer), so that every figure is a fresh process's (tracing and
 compiling included, peak memory per optimizer), all in one run of this script on one machine:
 
-* ``first_step_s``: the first ``train_on_batch`` (trace + compile + one step), as a user pays it;
+* ``first_step_s``: the first ``train_on_batch`` (trace + compile + one step), as a user pays it
+  (median over ``--first-step-repeats`` fresh processes);
   ``trace_python_s``: the part of it spent in Python building the graph (the first call of
   ``train_step``); the rest is TensorFlow optimizing and running it;
 * ``steady_step_s``: median of later steps that do no curvature work (THOR: no cadence point);
@@ -100,8 +101,9 @@ def _python_trace_seconds(model):
     return spent
 
 
-def worker(model_name, optimizer, steps, amortize_steps, long_run_steps=0):
-    """Measure one (model, optimizer) in this process; returns a dict."""
+def worker(model_name, optimizer, steps, amortize_steps, long_run_steps=0, first_only=False):
+    """Measure one (model, optimizer) in this process; returns a dict (``first_only``: the first
+    step and its Python tracing only, for the repeats of that figure)."""
     import numpy as np
 
     shape, classes, batch = MODELS[model_name]
@@ -115,6 +117,8 @@ def worker(model_name, optimizer, steps, amortize_steps, long_run_steps=0):
     traced = _python_trace_seconds(model)
     out["first_step_s"] = _timed(lambda: model.train_on_batch(x, y))
     out["trace_python_s"] = traced[0] if traced else None
+    if first_only:
+        return out
     times = [_timed(lambda: model.train_on_batch(x, y)) for _ in range(steps)]
     out["steady_step_s"] = statistics.median(times[1:])
     if optimizer == "thor":
@@ -185,10 +189,25 @@ def long_run(model_name, optimizer, steps):
     return out
 
 
-def run_worker(args, model_name, optimizer):
+def run_worker(args, model_name, optimizer, first_only=False):
     return run_self(__file__, ["--worker", model_name, optimizer, "--steps", args.steps,
                                "--amortize-steps", args.amortize_steps,
-                               "--long-run-steps", args.long_run_steps], timeout=args.timeout)
+                               "--long-run-steps", args.long_run_steps]
+                    + (["--first-only"] if first_only else []), timeout=args.timeout)
+
+
+def measure(args, model_name, optimizer):
+    """One full worker, plus ``--first-step-repeats − 1`` fresh processes measuring the first
+    step only: the first step and its Python tracing are the medians over all of them (a
+    single fresh process varies by ±20 % on a shared machine)."""
+    result = run_worker(args, model_name, optimizer)
+    runs = [result] + [run_worker(args, model_name, optimizer, first_only=True)
+                       for _ in range(args.first_step_repeats - 1)]
+    for key in ("first_step_s", "trace_python_s"):
+        values = [r[key] for r in runs if r.get(key) is not None]
+        result[key + "_runs"] = values
+        result[key] = statistics.median(values) if values else None
+    return result
 
 
 def ratios(results):
@@ -310,21 +329,26 @@ def main(argv=None):
     p.add_argument("--long-run-steps", type=int, default=300,
                    help="steps timed after a one-epoch warm-up on the real dataset (models in "
                         "LONG_RUN_DATA; 0: skip)")
+    p.add_argument("--first-step-repeats", type=int, default=3,
+                   help="fresh processes per (model, optimizer) whose first step is timed; the "
+                        "median is reported")
+    p.add_argument("--first-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true", help="few steps, for a smoke test")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per worker")
     p.add_argument("--out", default="runs/bench_overhead.json")
     p.add_argument("--worker", nargs=2, metavar=("MODEL", "OPTIMIZER"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
-        args.steps, args.amortize_steps, args.long_run_steps = 4, 12, 0
+        args.steps, args.amortize_steps, args.long_run_steps, args.first_step_repeats = 4, 12, 0, 1
     if args.worker:
-        report(worker(*args.worker, args.steps, args.amortize_steps, args.long_run_steps))
+        report(worker(*args.worker, args.steps, args.amortize_steps, args.long_run_steps,
+                      args.first_only))
         return
 
     results = []
     for model_name in args.models.split(","):
         for optimizer in args.optimizers.split(","):
-            result = run_worker(args, model_name, optimizer)
+            result = measure(args, model_name, optimizer)
             results.append(result)
             print(f"{model_name:9s} {optimizer:5s} first {result['first_step_s']:7.2f}s (python "
                   f"{result['trace_python_s'] or float('nan'):6.2f}s)  steady "
@@ -346,6 +370,7 @@ def main(argv=None):
     summary = {
         "results": results, "ratios": table, "time_to_target": targets, "goals": rows,
         "settings": {"steps": args.steps, "amortize_steps": args.amortize_steps,
+                     "first_step_repeats": args.first_step_repeats,
                      "long_run_steps": args.long_run_steps,
                      "batches": {m: MODELS[m][2] for m in MODELS}},
     }
