@@ -499,11 +499,10 @@ class ThorEngine:
         ``tf.cond`` per layer, or per group of layers with the same factor graph; the others pass
         their factors in use through). Under a strategy, and only when some layer
         refreshes, each replica computes its batch's factors (zeros for the other layers) and
-        one packed collective makes them the global batch's. Inversion is batched: the blocks of
-        every layer's A and G that share a block size are inverted in one batched Cholesky
-        (:func:`thor_tf.inverse.invert_damped`) when one of those layers refreshes, and only the
-        refreshing layers take the result (``inverse_assignment="balanced"``: each layer is
-        inverted by the replica it is assigned to, one more packed collective shares them).
+        one packed collective makes them the global batch's. Inversion is batched
+        (:meth:`_batched_inverses`): the refreshing layers' blocks of similar sizes are inverted
+        in one batched Cholesky (``inverse_assignment="balanced"``: each layer is inverted by the
+        replica it is assigned to, one more packed collective shares them).
         """
         if distributed.replica_context() is None:
             local = self._local_factors_where(layers, refresh)
@@ -666,7 +665,8 @@ class ThorEngine:
             out = _invert_selected(blocks, in_use, mask, tf.gather(per_layer, owner),
                                    tf.gather(flags, owner))
             for n, part in zip(members, tf.split(out, counts)):
-                pairs[entries[n][0]][n % 2] = part[:, :sizes[n], :sizes[n]] if sizes[n] < size else part
+                d = sizes[n]
+                pairs[entries[n][0]][n % 2] = part[:, :d, :d] if d < size else part
         return [tuple(pair) for pair in pairs]
 
     def _install(self, layers, refresh, factors, inverses):
@@ -674,7 +674,7 @@ class ThorEngine:
         ``inverses`` of the other layers are those in use: writing them changes nothing)."""
         s = self.state
         traces_a, traces_g = [], []
-        for layer, flag, (fa, fg), (ia, ig) in zip(layers, refresh, factors, inverses):
+        for layer, (fa, fg), (ia, ig) in zip(layers, factors, inverses):
             held = s.layers[layer.index]
             held.A.assign(fa)
             held.G.assign(fg)
