@@ -18,7 +18,8 @@ import tensorflow as tf
 
 from thor_tf.algebra import diagonal_blocks, split_layout
 
-__all__ = ["batched_layout", "damped_diagonal", "size_buckets", "invert_blocks", "invert_damped", "split_inverse", "split_layout"]  # split_layout: from algebra
+__all__ = ["batched_layout", "damped_diagonal", "invert_blocks", "invert_damped", "size_buckets",
+           "split_inverse", "split_layout"]  # split_layout: from algebra
 
 
 def _cholesky_inverse(blocks):
