@@ -59,8 +59,7 @@ def test_padded_batched_inversion_matches_each_block_and_keeps_the_others():
     """Blocks of sizes 3 and 4 (a factor of dim 3 in one block, one of dim 7 in 4+3(+1 pad))
     padded to 4 in one batch: the selected ones are the float64 inverses of their damped blocks
     (1 on padding), the unselected keep their inverses in use."""
-    from thor_tf.engine import _invert_selected, _padded
-    from thor_tf.inverse import batched_layout
+    from thor_tf.inverse import batched_layout, invert_selected, pad_blocks
 
     rng = np.random.default_rng(3)
     small = mean_outer(rng.normal(size=(20, 3)))[None]                      # [1, 3, 3], dim 3
@@ -69,18 +68,18 @@ def test_padded_batched_inversion_matches_each_block_and_keeps_the_others():
     big_blocks[0] = big[:4, :4]
     big_blocks[1, :3, :3] = big[4:, 4:]                                     # dim 7: 1 padding
     owner, mask, counts = batched_layout([(0, 1, 3, 3), (1, 2, 4, 7)], 4)
-    blocks = tf.concat([_padded(tf.constant(small, tf.float32), 4),
+    blocks = tf.concat([pad_blocks(tf.constant(small, tf.float32), 4),
                         tf.constant(big_blocks, tf.float32)], axis=0)
     in_use = tf.constant(np.stack([np.full((4, 4), 7.0)] * 3), tf.float32)
     damping = tf.constant([0.1, 0.2], tf.float32)
-    out = _invert_selected(blocks, in_use, mask, tf.gather(damping, owner),
+    out = invert_selected(blocks, in_use, mask, tf.gather(damping, owner),
                            tf.constant([False, True, True])).numpy()
     np.testing.assert_array_equal(out[0], 7.0)                              # not selected
     np.testing.assert_allclose(out[1], np.linalg.inv(big[:4, :4] + 0.2 * np.eye(4)), rtol=1e-4)
     np.testing.assert_allclose(out[2, :3, :3], np.linalg.inv(big[4:, 4:] + 0.2 * np.eye(3)),
                                rtol=1e-4)
     np.testing.assert_allclose(out[2, 3, 3], 1.0, rtol=1e-6)                # padding: identity
-    out = _invert_selected(blocks, in_use, mask, tf.gather(damping, owner),
+    out = invert_selected(blocks, in_use, mask, tf.gather(damping, owner),
                            tf.constant([True, False, False])).numpy()
     np.testing.assert_allclose(out[0, :3, :3], np.linalg.inv(small[0] + 0.1 * np.eye(3)), rtol=1e-4)
     np.testing.assert_allclose(out[0, 3, 3], 1.0, rtol=1e-6)

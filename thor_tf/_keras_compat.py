@@ -29,8 +29,8 @@ this is the one module to adapt.
 
 * :func:`in_xla_context` - TensorFlow's ``control_flow_util.GraphOrParentsInXlaContext``:
   whether the ops being built will be compiled by XLA (``jit_compile=True``), which needs static
-  shapes (the engine then inverts a fixed batch of blocks instead of gathering the refreshing
-  ones).
+  shapes (``inverse.invert_selected`` then inverts a fixed batch of blocks instead of gathering
+  the refreshing ones).
 
 Overridden rather than called: ``ThorOptimizer._all_reduce_sum_gradients`` (the TF backend
 optimizer's hook that all-reduces the gradients given to ``apply``), turned into the identity for

@@ -34,7 +34,8 @@ import tensorflow as tf
 
 from thor_tf import _keras_compat, algebra, capture, distributed, fisher, precondition, scheduler
 from thor_tf.blocks import block_class_for
-from thor_tf.inverse import batched_layout, invert_blocks, invert_damped, size_buckets, split_layout
+from thor_tf.inverse import (batched_layout, invert_blocks, invert_selected, pad_blocks,
+                             size_buckets, split_layout)
 from thor_tf.state import DecisionLog, ThorState
 
 #: Layers whose parameters are first order by design (not worth a warning).
@@ -79,35 +80,6 @@ class _Decisions(NamedTuple):
     nonfinite: tf.Tensor  # bool: the traces were not finite (nothing changed)
     calm: tf.Tensor  # int64: consecutive Δ < ω2 after this point
     filter: scheduler.FilterState  # the trace filter after this point ([n_active, ...])
-
-
-def _padded(blocks, size):
-    """``[nb, d, d]`` zero-padded to ``[nb, size, size]``."""
-    blocks = tf.convert_to_tensor(blocks)
-    pad = size - int(blocks.shape[-1])
-    return tf.pad(blocks, [[0, 0], [0, pad], [0, pad]]) if pad else blocks
-
-
-def _invert_selected(blocks, in_use, mask, damping, selected):
-    """``in_use`` with the ``selected`` blocks replaced by the inverses of ``blocks`` damped.
-
-    Args:
-      blocks: ``[B, d, d]`` undamped factor blocks; in_use: ``[B, d, d]`` their inverses in use.
-      mask: ``[B, d]`` 1 on each block's true diagonal entries, 0 on padding (NumPy).
-      damping: ``[B]`` each block's damping; selected: ``[B]`` bool.
-    """
-    if _keras_compat.in_xla_context():
-        # XLA needs static shapes: all blocks are inverted when one is selected.
-        diagonal = mask * damping[:, None] + (1.0 - mask)
-        return tf.cond(tf.reduce_any(selected), lambda: tf.where(
-            selected[:, None, None], invert_damped(blocks, diagonal, damping, in_use), in_use),
-            lambda: in_use)
-    due = tf.where(selected)  # [K, 1]
-    chosen = tf.gather_nd(damping, due)
-    true_entries = tf.gather_nd(mask, due)
-    diagonal = true_entries * chosen[:, None] + (1.0 - true_entries)
-    inverses = invert_damped(tf.gather_nd(blocks, due), diagonal, chosen, tf.gather_nd(in_use, due))
-    return tf.tensor_scatter_nd_update(in_use, due, inverses)
 
 
 class ThorEngine:
@@ -660,9 +632,9 @@ class ThorEngine:
             group = [entries[n] for n in members]
             owner, mask, counts = batched_layout(
                 [(k, int(f.shape[0]), int(f.shape[-1]), dim) for k, f, dim, _ in group], size)
-            blocks = tf.concat([_padded(f, size) for _, f, _, _ in group], axis=0)  # [B, S, S]
-            in_use = tf.concat([_padded(inv, size) for _, _, _, inv in group], axis=0)
-            out = _invert_selected(blocks, in_use, mask, tf.gather(per_layer, owner),
+            blocks = tf.concat([pad_blocks(f, size) for _, f, _, _ in group], axis=0)  # [B, S, S]
+            in_use = tf.concat([pad_blocks(inv, size) for _, _, _, inv in group], axis=0)
+            out = invert_selected(blocks, in_use, mask, tf.gather(per_layer, owner),
                                    tf.gather(flags, owner))
             for n, part in zip(members, tf.split(out, counts)):
                 d = sizes[n]

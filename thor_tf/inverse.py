@@ -16,10 +16,11 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from thor_tf import _keras_compat
 from thor_tf.algebra import diagonal_blocks, split_layout
 
-__all__ = ["batched_layout", "damped_diagonal", "invert_blocks", "invert_damped", "size_buckets",
-           "split_inverse", "split_layout"]  # split_layout: from algebra
+__all__ = ["batched_layout", "damped_diagonal", "invert_blocks", "invert_damped", "invert_selected",
+           "pad_blocks", "size_buckets", "split_inverse", "split_layout"]  # split_layout: from algebra
 
 
 def _cholesky_inverse(blocks):
@@ -33,12 +34,12 @@ def _finite_per_block(blocks):
     return tf.reduce_all(tf.math.is_finite(blocks), axis=[1, 2])
 
 
-def damped_diagonal(damping, dim: int, num_blocks: int, size: int):
-    """``[num_blocks, size]``: the diagonal to add to a factor's blocks: ``damping`` on the
-    factor's ``dim`` true entries, 1 on the padding (padded rows stay decoupled)."""
-    real = tf.cast(tf.range(num_blocks * size) < dim, tf.float32)
-    damping = tf.cast(damping, tf.float32)
-    return tf.reshape(damping * real + (1.0 - real), [num_blocks, size])
+def damped_diagonal(mask, damping):
+    """``[B, S]``: what to add to each block's diagonal: ``damping[b]`` on block ``b``'s true
+    entries (``mask`` 1, see :func:`batched_layout`), 1 on its padding (padded rows stay
+    decoupled, so the inverse of the padded block is the true block's inverse plus identity)."""
+    mask = tf.convert_to_tensor(mask, tf.float32)
+    return mask * tf.cast(damping, tf.float32)[:, None] + (1.0 - mask)
 
 
 def size_buckets(sizes, ratio: float = 0.75):
@@ -95,9 +96,10 @@ def invert_blocks(blocks, damping, dim: int, previous=None, retry_scale: float =
     """
     blocks = tf.convert_to_tensor(blocks, tf.float32)
     num_blocks, size = int(blocks.shape[0]), int(blocks.shape[-1])
-    diagonal = damped_diagonal(damping, dim, num_blocks, size)
+    _, mask, _ = batched_layout([(0, num_blocks, size, dim)], size)
     block_damping = tf.fill([num_blocks], tf.cast(damping, tf.float32))
-    return invert_damped(blocks, diagonal, block_damping, previous, retry_scale)
+    return invert_damped(blocks, damped_diagonal(mask, block_damping), block_damping, previous,
+                         retry_scale)
 
 
 def invert_damped(blocks, diagonal, block_damping, previous=None, retry_scale: float = 10.0):
@@ -132,6 +134,34 @@ def invert_damped(blocks, diagonal, block_damping, previous=None, retry_scale: f
         return tf.where(ok[:, None, None], inverse, fixed)
 
     return tf.cond(tf.reduce_all(ok), lambda: inverse, retry)
+
+
+def pad_blocks(blocks, size):
+    """``[nb, d, d]`` zero-padded to ``[nb, size, size]``."""
+    blocks = tf.convert_to_tensor(blocks)
+    pad = size - int(blocks.shape[-1])
+    return tf.pad(blocks, [[0, 0], [0, pad], [0, pad]]) if pad else blocks
+
+
+def invert_selected(blocks, in_use, mask, damping, selected):
+    """``in_use`` with the ``selected`` blocks replaced by the inverses of ``blocks`` damped.
+
+    Args:
+      blocks: ``[B, d, d]`` undamped factor blocks; in_use: ``[B, d, d]`` their inverses in use.
+      mask: ``[B, d]`` 1 on each block's true diagonal entries, 0 on padding (NumPy).
+      damping: ``[B]`` each block's damping; selected: ``[B]`` bool.
+    """
+    if _keras_compat.in_xla_context():
+        # XLA needs static shapes: all blocks are inverted when one is selected.
+        diagonal = damped_diagonal(mask, damping)
+        return tf.cond(tf.reduce_any(selected), lambda: tf.where(
+            selected[:, None, None], invert_damped(blocks, diagonal, damping, in_use), in_use),
+            lambda: in_use)
+    due = tf.where(selected)  # [K, 1]
+    chosen = tf.gather_nd(damping, due)
+    diagonal = damped_diagonal(tf.gather_nd(mask, due), chosen)
+    inverses = invert_damped(tf.gather_nd(blocks, due), diagonal, chosen, tf.gather_nd(in_use, due))
+    return tf.tensor_scatter_nd_update(in_use, due, inverses)
 
 
 def split_inverse(factor, damping, split_dim: int, previous=None):
