@@ -400,7 +400,8 @@ class ThorEngine:
         at run time than a ``tf.cond`` per layer is to trace and optimize."""
         traces = tf.stack([tf.stack([layer.block.trace_a(layer.records),
                                      layer.block.trace_g(layer.grads)]) for layer in layers])
-        frozen = tf.gather(tf.convert_to_tensor(self.state.frozen), [layer.index for layer in layers]) > 0
+        index = [layer.index for layer in layers]
+        frozen = tf.gather(tf.convert_to_tensor(self.state.frozen), index) > 0
         return tf.where(frozen[:, None], tf.zeros_like(traces), traces)
 
     def _judge(self, layers, traces, damping):
