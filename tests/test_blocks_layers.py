@@ -288,7 +288,7 @@ def test_einsum_dense_that_does_not_factor_stays_first_order_with_its_reason():
     with pytest.warns(UserWarning, match="shared \\(EinsumDense: kernel axis 'b'"):
         wrapped = _wrap(model)
     assert [b.name for b in wrapped.thor.blocks] == ["out"]
-    assert "shared (EinsumDense, kernel axis 'b' is also an input and output axis)" in \
+    assert "shared (EinsumDense: kernel axis 'b' is also an input and output axis)" in \
         wrapped.thor.registration_table(128)
 
 
@@ -434,7 +434,7 @@ def test_transformer_has_a_block_for_every_layer_and_trains_saves_and_loads(tmp_
     assert kinds == {"tokens": "embedding", "query": "einsum_dense", "key": "einsum_dense",
                      "value": "einsum_dense", "attention_output": "einsum_dense",
                      "conv": "conv1d", "ff": "dense", "out": "dense"}
-    assert "first order: ln (LayerNormalization)" in table
+    assert "first order: ln (LayerNormalization: normalization, first order by design)" in table
     wrapped.compile(loss="sparse_categorical_crossentropy")
     losses = [float(wrapped.train_on_batch(x, y)) for _ in range(5)]
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]

@@ -70,7 +70,7 @@ def test_wrap_keeps_predictions_and_registers_layers(factory, blocks, capsys):
 def test_batchnorm_is_listed_first_order(capsys):
     thor_tf.wrap(_functional_nested())
     out = capsys.readouterr().out
-    assert "first order: bn (BatchNormalization)" in out
+    assert "first order: bn (BatchNormalization: normalization, first order by design)" in out
 
 
 def test_train_step_traced_once_over_many_steps():

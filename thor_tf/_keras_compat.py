@@ -32,6 +32,10 @@ this is the one module to adapt.
   shapes (``inverse.invert_selected`` then inverts a fixed batch of blocks instead of gathering
   the refreshing ones).
 
+* :func:`tape_could_record` - TensorFlow's ``record.could_possibly_record``: whether a
+  ``GradientTape`` is active in this thread (the layer hooks record only then, so inference
+  observes nothing). Present from TF 2.16 (the floor) to 2.21.
+
 Overridden rather than called: ``ThorOptimizer._all_reduce_sum_gradients`` (the TF backend
 optimizer's hook that all-reduces the gradients given to ``apply``), turned into the identity for
 THOR's gradients, which the engine all-reduces before preconditioning.
@@ -122,3 +126,13 @@ def in_xla_context():
     if tf.executing_eagerly():
         return False
     return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
+def tape_could_record():
+    """True while a gradient tape in this thread could record operations (see above). Unknown
+    (the helper moved): True, so that training is always observed."""
+    try:
+        from tensorflow.python.eager import record
+    except ImportError:  # pragma: no cover - a future TensorFlow
+        return True
+    return bool(record.could_possibly_record())

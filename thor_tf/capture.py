@@ -1,46 +1,89 @@
-"""Layer capture: record the inputs and pre-activations of the layers that have blocks.
+"""Layer hooks: observe each registered layer's input ``a``, pre-activation ``z`` and ``dL/dz``.
 
-Keras 3 has no forward or backward hooks, and ``layer.output`` is a symbolic tensor from model
-construction, so ``tape.gradient(loss, layer.output)`` gives None. What works (DESIGN.md §6) is to
-replace ``call`` on the layer *instance* with a wrapper that computes the pre-activation ``z``
-itself, records ``(inputs, z)`` and returns ``activation(z)``. The train step then asks the tape for
-``d loss / d z`` next to the parameter gradients, in the same single backward pass.
+Keras 3 has no forward or backward hooks, so thor_tf makes them, under one invariant: **capture
+observes, it never replaces**. After :func:`install`, a layer computes exactly what it computed
+before (its own ``call``, a user's override included): outputs are bit-identical, in training and
+inference, and the user's ``train_step``, custom loop or GAN runs unchanged (DESIGN.md §6).
 
-Capture is generic: what ``z`` is for a layer type is its block's business
-(:meth:`thor_tf.blocks.KroneckerBlock.pre_activation`).
+* forward: an instance-level wrapper of ``call`` records the input and then runs the layer's own
+  ``call``. ``z`` is observed where the layer's own computation produces it
+  (:attr:`KroneckerBlock.observe <thor_tf.blocks.KroneckerBlock.observe>`): ``"activation"``
+  (Dense, Conv, EinsumDense pass ``z`` to ``self.activation``, which is swapped for the duration
+  of the call for a function that observes ``z`` and then applies the activation) or
+  ``"output"`` (the call's output is ``z``: Embedding, layers without an activation).
+* backward: ``z`` passes through a ``tf.custom_gradient`` identity whose gradient function hands
+  the incoming ``dL/dz`` to the record. It fires inside whatever tape computes the gradients (a
+  Keras ``train_step``, the user's own, a custom loop), in the same traced function as the
+  optimizer's ``apply``; parameter gradients are unchanged.
 
-Conventions
------------
-* Only while a :class:`CaptureStore` is *recording* (inside THOR's train step) are tensors kept;
-  ``predict``/``evaluate`` run the same arithmetic and record nothing.
-* The store is thread-local because ``tf.distribute.MirroredStrategy`` runs each replica's train
-  step in its own thread.
-* The wrapper computes exactly what the layer's own ``call`` computes, so wrapping does not change
-  predictions; ``unpatch`` deletes the instance attribute and restores the class method.
+Records are kept only while a gradient tape could record (or inside :meth:`CaptureStore.step`):
+``predict``/``evaluate`` observe nothing and run the layer's own ``call`` alone. The store is
+thread-local (``MirroredStrategy`` runs each replica in its own thread) and per graph (records
+of one trace never leak into another). The optimizer *takes* the records of its blocks when it
+applies gradients; a record whose forward and backward both happened but that nobody took is
+dropped at the layer's next call (e.g. a discriminator's records made while the generator
+trained), so a step sees only its own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
+
+import tensorflow as tf
+
+from thor_tf import _keras_compat
+
+#: More calls than this of one layer without a step taking them: the oldest are dropped (a loop
+#: that runs the model under a tape and never applies gradients must not grow without bound).
+MAX_RECORDS_PER_LAYER = 64
 
 
-
-@dataclass
 class Record:
-    """One call of a registered layer in the current forward pass.
+    """One call of a registered layer.
 
-    ``inputs``: the layer input as the layer saw it (compute dtype).
-    ``z``: the pre-activation output (compute dtype) that the tape differentiates against.
+    ``inputs``: the layer input as the layer's ``call`` received it (compute dtype).
+    ``z``: the pre-activation output as the layer computed it (after the identity hook, so that a
+    tape can differentiate against it); None when the hook did not fire.
+    ``grad``: ``dL/dz`` handed over by the backward hook (the first backward pass through it);
+    None before.
+    ``observed``: how many times ``z`` was observed in this call (exactly 1 is usable).
     """
 
-    inputs: object
-    z: object
+    __slots__ = ("inputs", "z", "grad", "observed")
+
+    def __init__(self, inputs, z=None, grad=None):
+        self.inputs = inputs
+        self.z = z
+        self.grad = grad
+        self.observed = 0 if z is None else 1
+
+    @property
+    def usable(self):
+        """``z`` was observed exactly once in the call."""
+        return self.observed == 1 and self.z is not None
+
+    def observe(self, z):
+        """``z`` through the backward hook: the same values; its gradient is recorded."""
+        record = self
+
+        @tf.custom_gradient
+        def hook(x):
+            def grad(dy):
+                if record.grad is None:  # the first backward pass (the loss's) is the one kept
+                    record.grad = dy
+                return dy
+
+            return tf.identity(x), grad
+
+        out = hook(z)
+        self.observed += 1
+        self.z = out
+        return out
 
 
 class CaptureStore:
-    """Per-thread store of :class:`Record` lists keyed by block name.
+    """Per-thread, per-graph lists of :class:`Record` keyed by block name.
 
     Held outside Keras attribute tracking on purpose: a list assigned to a Keras object becomes
     tracked state and raises when appended inside ``call``.
@@ -49,49 +92,123 @@ class CaptureStore:
     def __init__(self):
         self._local = threading.local()
 
+    def _records(self):
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        local = self._local
+        if getattr(local, "graph", None) is not graph or not hasattr(local, "records"):
+            local.graph, local.records = graph, {}
+        return local.records
+
     @property
-    def recording(self) -> bool:
-        return getattr(self._local, "records", None) is not None
+    def observing(self) -> bool:
+        """Whether a layer call now is recorded: inside :meth:`step`, or while a tape records."""
+        return getattr(self._local, "forced", False) or _keras_compat.tape_could_record()
 
     @contextlib.contextmanager
-    def record(self):
-        """Context in which patched layers append their ``(inputs, z)``; yields the dict."""
-        previous = getattr(self._local, "records", None)
-        self._local.records = {}
+    def step(self):
+        """A fresh set of records for one training step (``ThorModel``'s train step): what was
+        recorded before in this thread and graph is dropped, and calls are recorded whether or not
+        a tape is watching."""
+        self._records().clear()
+        previous = getattr(self._local, "forced", False)
+        self._local.forced = True
         try:
-            yield self._local.records
+            yield
         finally:
-            self._local.records = previous
+            self._local.forced = previous
 
-    def add(self, key: str, inputs, z) -> None:
-        records = getattr(self._local, "records", None)
-        if records is not None:
-            records.setdefault(key, []).append(Record(inputs, z))
+    def add(self, key: str, inputs) -> Record:
+        """A new record of one call of ``key`` (see the module docstring for stale records)."""
+        records = self._records().setdefault(key, [])
+        if records and all(r.grad is not None for r in records):
+            records.clear()  # a finished forward and backward that no step took
+        if len(records) >= MAX_RECORDS_PER_LAYER:
+            del records[0]
+        record = Record(inputs)
+        records.append(record)
+        return record
+
+    def take(self, keys):
+        """``{key: [Record]}`` for the ``keys`` that have records; they are removed from the store.
+
+        A record whose ``z`` never received a gradient (the layer's output did not reach the loss)
+        gets ``grad = 0``.
+        """
+        records = self._records()
+        out = {}
+        for key in keys:
+            taken = records.pop(key, None)
+            if not taken:
+                continue
+            for record in taken:
+                if record.grad is None and record.z is not None:
+                    record.grad = tf.zeros_like(record.z)
+            out[key] = taken
+        return out
+
+    def clear(self):
+        self._records().clear()
 
 
-def patch(block, store: CaptureStore) -> None:
-    """Replace ``block.layer.call`` on the instance with a recording wrapper.
+def _first_input(args, kwargs):
+    if args:
+        return args[0]
+    if "inputs" in kwargs:
+        return kwargs["inputs"]
+    return next(iter(kwargs.values()))
 
-    The wrapper computes ``z = block.pre_activation(inputs)``, records ``(inputs, z)`` under the
-    block's name while the store is recording, and returns ``block.activate(z)``. Keras decides
-    which keyword arguments (``training``, ``mask``) to pass from the class's ``call`` signature,
-    captured when the layer was built, so the wrapper accepts and ignores them.
+
+def install(block, store: CaptureStore) -> None:
+    """Put the observing wrapper on ``block.layer`` (an instance attribute ``call``).
+
+    The wrapper runs the layer's own ``call`` with the same arguments. While the store observes,
+    it records the input and observes ``z`` where ``block.observe`` says; ``activation`` is
+    swapped only for the duration of the call, under a per-layer lock (replica threads of a
+    strategy may call the same layer at once).
     """
     layer = block.layer
     key = block.name
+    own_call = layer.call  # bound: the class's call, or an instance attribute the user set
+    previous = layer.__dict__.get("call")
+    lock = threading.RLock()
+    observe = block.observe_point()
 
-    def call(inputs, *args, **kwargs):
-        z = block.pre_activation(inputs)
-        store.add(key, inputs, z)
-        return block.activate(z)
+    def call(*args, **kwargs):
+        if not store.observing:
+            return own_call(*args, **kwargs)
+        record = store.add(key, _first_input(args, kwargs))
+        if observe == "output":
+            return record.observe(own_call(*args, **kwargs))
+        with lock:
+            activation = layer.__dict__.get("activation")
+            if activation is None:
+                return own_call(*args, **kwargs)  # nothing to observe: the record stays unusable
+
+            def observed(z):
+                return activation(record.observe(z))
+
+            object.__setattr__(layer, "activation", observed)
+            try:
+                return own_call(*args, **kwargs)
+            finally:
+                object.__setattr__(layer, "activation", activation)
 
     # object.__setattr__ keeps the closure out of Keras attribute tracking.
     object.__setattr__(layer, "call", call)
-    object.__setattr__(layer, "_thor_patched", True)
+    object.__setattr__(layer, "_thor_hooked", (previous,))
 
 
-def unpatch(layer) -> None:
-    """Restore the class ``call`` of a patched layer."""
-    if layer.__dict__.get("_thor_patched"):
-        del layer.__dict__["call"]
-        del layer.__dict__["_thor_patched"]
+def is_installed(layer) -> bool:
+    return "_thor_hooked" in layer.__dict__
+
+
+def uninstall(layer) -> None:
+    """Restore the layer's own ``call`` (and the instance ``call`` the user had set, if any)."""
+    hooked = layer.__dict__.pop("_thor_hooked", None)
+    if hooked is None:
+        return
+    (previous,) = hooked
+    if previous is None:
+        layer.__dict__.pop("call", None)
+    else:
+        object.__setattr__(layer, "call", previous)

@@ -25,6 +25,9 @@ from thor_tf.scheduler import PRESETS, TRACE_FILTERS, CadenceSchedule
 FISHER_TYPES = ("empirical", "sampled")
 #: Who inverts a refreshing layer's factors under a multi-replica strategy (README "Distributed").
 INVERSE_ASSIGNMENTS = ("all", "balanced")
+#: How the loss reduces over the batch (undone to make G the mean of per-example outer products):
+#: "auto" reads the compiled loss in ``ThorModel.fit`` and assumes "mean" in the user's own code.
+LOSS_REDUCTIONS = ("auto", "mean", "sum")
 DEFAULT_FREQUENCY = 10
 #: Noise filter of the trace rule ("none" = the rule as published); see README and scheduler.py.
 DEFAULT_TRACE_FILTER = "mean"
@@ -115,6 +118,7 @@ class ThorConfig:
     kl_clip: Optional[float] = DEFAULT_KL_CLIP
     factor_examples: Optional[int] = None
     inverse_assignment: str = "all"
+    loss_reduction: str = "auto"
 
     def __post_init__(self):
         def set_(name, value):
@@ -144,6 +148,9 @@ class ThorConfig:
                 or self.inverse_assignment not in INVERSE_ASSIGNMENTS):
             raise ValueError(f"`inverse_assignment` must be one of {list(INVERSE_ASSIGNMENTS)}; "
                              f"got {self.inverse_assignment!r}.")
+        if not isinstance(self.loss_reduction, str) or self.loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"`loss_reduction` must be one of {list(LOSS_REDUCTIONS)}; "
+                             f"got {self.loss_reduction!r}.")
         exclude = self.weight_decay_exclude
         if exclude is not None and (isinstance(exclude, str)
                                     or not all(isinstance(p, str) for p in exclude)):

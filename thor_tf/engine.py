@@ -29,22 +29,13 @@ from __future__ import annotations
 import warnings
 from typing import NamedTuple
 
-import keras
 import tensorflow as tf
 
-from thor_tf import _keras_compat, algebra, capture, distributed, fisher, precondition, scheduler
-from thor_tf.blocks import block_class_for
+from thor_tf import (_keras_compat, algebra, capture, discovery, distributed, fisher, precondition,
+                     scheduler)
 from thor_tf.inverse import (batched_layout, invert_blocks, invert_selected, pad_blocks,
                              size_buckets, split_layout)
 from thor_tf.state import DecisionLog, ThorState
-
-#: Layers whose parameters are first order by design (not worth a warning).
-_EXPECTED_FIRST_ORDER = (
-    keras.layers.BatchNormalization,
-    keras.layers.LayerNormalization,
-    keras.layers.GroupNormalization,
-)
-
 
 def _values(gradient):
     """The dense values of a gradient (``IndexedSlices`` from an embedding lookup: its rows)."""
@@ -91,7 +82,8 @@ class ThorEngine:
     """
 
     def __init__(self, model, exclude=(), split_dim=None):
-        if not model.built or not model.trainable_variables:
+        # A model whose sub-models are built is enough (keras-io's GAN never calls itself).
+        if not model.trainable_variables:
             raise ValueError(
                 "`model` must be built (call it on data or give it an Input) and have trainable "
                 "variables before thor_tf.wrap().")
@@ -100,64 +92,48 @@ class ThorEngine:
         self.optimizer = None
         self.config = None  # the optimizer's ThorConfig, from build_state on
         self.loss = None
+        #: The ``LossScaleOptimizer`` around THOR (set by ``ThorModel.compile``), or None: the
+        #: layer hooks' ``dL/dz`` carry its dynamic scale when the user's code applies gradients.
+        self.loss_scaler = None
         #: ``split_dim`` given to ``wrap`` (reported before an optimizer is attached).
         self.split_dim = split_dim
         #: Print the registration table when the blocks change (set by ``wrap``'s ``verbose``).
         self.verbose = False
-        self._exclude = set(exclude or ())
+        self._exclude = list(exclude or ())
+        discovery.check_exclude(model, self._exclude)
+        hooked = [layer.name for layer in _keras_compat.flatten_layers(model)
+                  if capture.is_installed(layer)]
+        if hooked:
+            raise ValueError(
+                f"`model` is already wrapped (layers {hooked} record for another ThorModel); "
+                f"wrap a model once, or call `wrapped.thor.detach()` before wrapping it again.")
 
         # Candidates: every layer with a block type and no structural reason against one,
-        # trainable or not. They are all patched once, here, so that a layer frozen at wrap time
+        # trainable or not. They are all hooked once, here, so that a layer frozen at wrap time
         # and unfrozen later (transfer learning) gets its block at the next compile.
-        candidates, self._structural_first_order = [], []
-        for layer in _keras_compat.flatten_layers(model):
-            block_class = block_class_for(layer)
-            if block_class is None:
-                continue
-            reason = ("excluded" if layer.name in self._exclude
-                      else block_class.unsupported_reason(layer))
-            if reason is None:
-                candidates.append(block_class(layer.name, layer))
-            else:
-                self._structural_first_order.append((layer, reason))
-        weight_index = {id(v): i for i, v in enumerate(model.weights)}
-        candidates.sort(key=lambda b: weight_index[id(b.kernel)])
-        names = [b.name for b in candidates]
-        if len(set(names)) != len(names):
-            # Layer names are unique within a model but nested models and layers with sublayers
-            # (MultiHeadAttention's "query", ...) repeat them: use the layer's path there
-            # ("block0_attention/query"), and the position if even that repeats.
-            for block in candidates:
-                if names.count(block.name) > 1:
-                    block.name = getattr(block.layer, "path", None) or block.name
-            names = [b.name for b in candidates]
-            for i, block in enumerate(candidates):
-                if names.count(block.name) > 1:
-                    block.name = f"{i}:{block.name}"
-        self.candidates = candidates
+        self.candidates, self._structural_first_order = discovery.find_candidates(
+            model, self._exclude)
         self.blocks, self.first_order, self.frozen_layers = [], [], []
         self._block_index = {}
         self._state = None
         self._shown_selection = None
+        self._unmatched_warned = set()
+        #: The optimizer's class name when the model is compiled with a non-THOR optimizer.
+        self.other_optimizer = None
         self.select_blocks(model.trainable_variables)
 
         unsupported = [
-            f"{layer.name} ({type(layer).__name__}{': ' + reason if reason else ''})"
+            f"{layer.name} ({type(layer).__name__}: {reason})"
             for layer, reason in self.first_order
-            if not isinstance(layer, _EXPECTED_FIRST_ORDER) and reason != "excluded"
+            if not isinstance(layer, discovery.EXPECTED_FIRST_ORDER) and reason != "excluded"
         ]
         if unsupported:
             warnings.warn(
                 "thor_tf: no Kronecker block for " + ", ".join(unsupported)
                 + "; these layers get the first-order (momentum SGD) update.",
                 stacklevel=3)
-        patched = [b.layer.name for b in candidates if b.layer.__dict__.get("_thor_patched")]
-        if patched:
-            raise ValueError(
-                f"`model` is already wrapped (layers {patched} record for another ThorModel); "
-                f"wrap a model once, or call `wrapped.thor.detach()` before wrapping it again.")
-        for block in candidates:
-            capture.patch(block, self.store)
+        for block in self.candidates:
+            capture.install(block, self.store)
 
     def select_blocks(self, trainable_variables):
         """Choose the blocks for the variables an optimizer trains: the candidates whose kernel is
@@ -174,25 +150,10 @@ class ThorEngine:
         blocks = sorted((b for b in self.candidates if id(b.kernel) in index),
                         key=lambda b: index[id(b.kernel)])
         chosen = {id(b) for b in blocks}
-        first_order, frozen = [], []
-        for layer, reason in self._structural_first_order:
-            own = [v for v in getattr(layer, "_trainable_variables", []) if id(v) in index]
-            if own:
-                first_order.append((layer, reason))
-        for b in self.candidates:
-            if id(b) not in chosen:
-                frozen.append(b.layer)
-        block_layers = {id(b.layer) for b in self.candidates} | {
-            id(layer) for layer, _ in self._structural_first_order}
-        for layer in _keras_compat.flatten_layers(self.model):
-            if id(layer) in block_layers or isinstance(layer, keras.Model):
-                continue
-            own = [v for v in getattr(layer, "_trainable_variables", []) if id(v) in index]
-            if own:
-                first_order.append((layer, None))
         self.blocks = blocks
-        self.first_order = first_order
-        self.frozen_layers = frozen
+        self.first_order = discovery.first_order_layers(
+            self.model, self.candidates, self._structural_first_order, trainable_variables)
+        self.frozen_layers = [b.layer for b in self.candidates if id(b) not in chosen]
         self._block_index = {b.name: i for i, b in enumerate(blocks)}
         selection = tuple(b.name for b in blocks)
         changed = selection != self._shown_selection
@@ -202,36 +163,13 @@ class ThorEngine:
     # -- registration ----------------------------------------------------------------------------
     def registration_table(self, split_dim):
         """The one table ``wrap`` prints: layers, block kinds, factor sizes, splits, fallbacks."""
-
-        def split_text(dim, size):
-            nb, size = split_layout(dim, size)
-            return f"{size}x{nb}" if nb > 1 else f"{size}"
-
-        rows = [("layer", "block", "A", "G", "split A", "split G")]
-        for b in self.blocks:
-            split_a, split_g = b.split_sizes(split_dim)
-            rows.append((b.name, b.kind, str(b.a_dim), str(b.g_dim), split_text(b.a_dim, split_a),
-                         split_text(b.g_dim, split_g)))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = [f"thor_tf: {len(self.blocks)} layers with Kronecker blocks "
-                 f"(split_dim {split_dim}; split shown as size x blocks)"]
-        for r in rows:
-            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)))
-        if self.first_order:
-            items = [f"{layer.name} ({type(layer).__name__}{', ' + reason if reason else ''})"
-                     for layer, reason in self.first_order]
-            lines.append("  first order: " + ", ".join(items))
-        else:
-            lines.append("  first order: none")
-        if self.frozen_layers:
-            lines.append("  not trained (trainable=False): "
-                         + ", ".join(layer.name for layer in self.frozen_layers))
-        return "\n".join(lines)
+        return discovery.registration_table(self.blocks, self.first_order, self.frozen_layers,
+                                            split_dim)
 
     def detach(self):
-        """Restore every patched layer's own ``call``."""
+        """Take the layer hooks off: every layer's own ``call`` alone again."""
         for block in self.candidates:
-            capture.unpatch(block.layer)
+            capture.uninstall(block.layer)
 
     # -- state -----------------------------------------------------------------------------------
     def build_state(self, optimizer, var_list):
@@ -257,6 +195,11 @@ class ThorEngine:
     @property
     def state(self):
         if self._state is None:
+            if self.other_optimizer is not None:
+                raise ValueError(
+                    f"this model trains with {self.other_optimizer}, not THOR: there is no THOR "
+                    f"state (compile without an optimizer, or with thor_tf.ThorOptimizer, to "
+                    f"train with THOR)")
             raise ValueError("the THOR state does not exist yet: compile and fit (or build the "
                              "optimizer) first")
         return self._state
@@ -266,15 +209,45 @@ class ThorEngine:
             self._state.epoch.assign(int(epoch))
 
     # -- the per-step work (inside the traced train step) ---------------------------------------------
-    def train_update(self, tape, loss, variables, records, batch_size, loss_scale=None,
-                     sampled_loss=None):
-        """Gradients, curvature update and THOR update for one batch.
+    def take_records(self, variables):
+        """``{block name: [Record]}`` of this step for the blocks whose kernel is in ``variables``
+        (taken from the layer hooks' store). A block whose calls were not all observed as it
+        expects (``z`` not seen exactly once, or not of the block's shape: e.g. a tied embedding
+        used as the output head) is left out: first order for this step, with one warning."""
+        trained = {id(v) for v in variables}
+        names = [b.name for b in self.blocks if id(b.kernel) in trained]
+        records = self.store.take(names)
+        for name in list(records):
+            block = self.blocks[self._block_index[name]]
+            if all(r.usable and block.matches(r) for r in records[name]):
+                continue
+            del records[name]
+            if name not in self._unmatched_warned:
+                self._unmatched_warned.add(name)
+                warnings.warn(
+                    f"thor_tf: a call of layer {name!r} did not compute its output as a "
+                    f"{block.kind} block expects (its pre-activation was not observed once, or "
+                    f"has another shape); its variables get the first-order update in such steps.",
+                    stacklevel=4)
+        return records
+
+    def loss_reduction(self, user_code):
+        """``"mean"`` or ``"sum"``: ``loss_reduction`` when set, else the compiled loss's in
+        ``ThorModel.fit`` (``user_code`` False) and "mean" in the user's own code."""
+        option = self.config.loss_reduction if self.config is not None else "auto"
+        if option != "auto":
+            return option
+        if user_code or self.loss is None:
+            return "mean"
+        return fisher.loss_reduction(self.loss)
+
+    def train_update(self, tape, loss, variables, batch_size, loss_scale=None, sampled_loss=None):
+        """Gradients, curvature update and THOR update for one batch (``ThorModel.fit``'s step).
 
         Args:
           tape: the GradientTape that recorded the forward pass (persistent for sampled Fisher).
           loss: the scaled training loss (what the gradients are taken of).
           variables: the model's trainable variables.
-          records: ``{block name: [Record, ...]}`` captured in the forward pass.
           batch_size: local batch size (scalar tensor).
           loss_scale: the factor ``loss`` was multiplied by (``loss_scale_factor`` and/or the
             dynamic scale of a ``LossScaleOptimizer``; float32 scalar tensor or None). Gradients
@@ -287,18 +260,59 @@ class ThorEngine:
           weight, momentum, factor, inverse, trace or counter other than ``nonfinite_steps``
           changed; the same on every replica).
         """
+        # One backward pass: the parameter gradients, and every dL/dz through the layer hooks.
+        grads = tape.gradient(loss, list(variables))
+        records = self.take_records(variables)
+        sampled_fn = None
+        if sampled_loss is not None:
+            def sampled_fn(active):
+                zs = [r.z for b in active for r in records[b.name]]
+                gs = tape.gradient(sampled_loss, zs)
+                return [tf.zeros_like(z, tf.float32) if g is None else tf.cast(g, tf.float32)
+                        for z, g in zip(zs, gs)]
+        return self._step(grads, variables, records, batch_size, grad_scale=loss_scale,
+                          z_scale=loss_scale, loss=loss, sampled_fn=sampled_fn, user_code=False)
+
+    def apply_gradients(self, grads, variables):
+        """THOR's step for gradients the user's own code computed (``optimizer.apply`` from a
+        custom ``train_step``, a custom loop or a GAN): curvature from the layer hooks' records of
+        this step, preconditioning, the update. Returns ``ok`` (see :meth:`train_update`).
+
+        Assumes the loss reduces as ``loss_reduction`` says ("mean" by default) over the batch
+        the first hooked layer saw. Gradients are unscaled as Keras' ``apply`` would (by
+        ``loss_scale_factor``; a ``LossScaleOptimizer`` around THOR unscales them itself), the
+        hooks' ``dL/dz`` by the same factor or the ``LossScaleOptimizer``'s dynamic scale.
+        """
+        if self.config.fisher == "sampled":
+            raise ValueError(
+                "`fisher='sampled'` draws targets from the model's predictive distribution, which "
+                "only ThorModel.fit's own train step knows; with your own train_step or loop use "
+                "fisher='empirical' (the default).")
+        records = self.take_records(variables)
+        first = next((records[b.name][0] for b in self.blocks if b.name in records), None)
+        batch_size = tf.shape(first.inputs)[0] if first is not None else tf.constant(1)
+        opt = self.optimizer
+        if self.loss_scaler is not None:
+            grad_scale, z_scale = None, tf.cast(self.loss_scaler.dynamic_scale, tf.float32)
+        elif opt.loss_scale_factor is not None:
+            grad_scale = z_scale = tf.constant(float(opt.loss_scale_factor), tf.float32)
+        else:
+            grad_scale = z_scale = None
+        return self._step(list(grads), variables, records, batch_size, grad_scale=grad_scale,
+                          z_scale=z_scale, loss=None, sampled_fn=None, user_code=True)
+
+    def _step(self, grads, variables, records, batch_size, grad_scale, z_scale, loss, sampled_fn,
+              user_code):
+        """Stages 1-4 (module docstring) from the gradients and the hooks' records."""
         opt = self.optimizer
         active = [b for b in self.blocks if records.get(b.name)]
-        zs = [r.z for b in active for r in records[b.name]]
-        all_grads = tape.gradient(loss, list(variables) + zs)
-        grads = [_unscale(g, loss_scale) for g in all_grads[: len(variables)]]
-        z_grads = [tf.zeros_like(z) if g is None else g
-                   for z, g in zip(zs, all_grads[len(variables):])]
+        grads = [_unscale(g, grad_scale) for g in grads]
+        z_grads = [r.grad for b in active for r in records[b.name]]
 
         # Stage 1: the global batch's gradient (one all-reduce under a strategy; the loss rides
         # along so that a non-finite loss on any replica is seen by all). Everything after this
         # is identical on every replica.
-        loss_value = tf.reshape(tf.cast(loss, tf.float32), [])
+        loss_value = tf.constant(0.0) if loss is None else tf.reshape(tf.cast(loss, tf.float32), [])
         *grads, loss_sum = distributed.sum_gradients(grads + [loss_value])
         # Finite parameter gradients imply finite dL/dz (every dz enters a bias or kernel
         # gradient, and NaN·0 is NaN), so the large z-gradients need no check of their own.
@@ -316,27 +330,21 @@ class ThorEngine:
 
         def output_grads():
             # Built inside the cadence branch: no per-step work on the (large) z-gradients.
-            scale = fisher.example_scale(self.model_loss(), batch_size, loss_scale)
+            scale = fisher.example_scale(self.loss_reduction(user_code), batch_size, z_scale)
             return split_by_block([tf.cast(g, tf.float32) * scale for g in z_grads])
 
         def sampled_output_grads():
-            gs = tape.gradient(sampled_loss, zs)
-            return split_by_block([tf.zeros_like(z, tf.float32) if g is None else tf.cast(g, tf.float32)
-                                   for z, g in zip(zs, gs)])
+            return split_by_block(sampled_fn(active))
 
         # Stage 2: curvature at a due cadence point. Stage 3: precondition. Stage 4: update.
         self.curvature_step(active, records, ok,
-                            sampled_output_grads if sampled_loss is not None else output_grads,
+                            sampled_output_grads if sampled_fn is not None else output_grads,
                             batch_size)
         pre = self.precondition(active, records, grads, variables, ok)
         state = self.state
         state.nonfinite_steps.assign_add(tf.cast(tf.logical_not(ok), tf.int64))
         opt.apply_masked(pre, variables, ok)
         return ok
-
-    def model_loss(self):
-        """The compiled loss (set by ``ThorModel.compile``), for the reduction to undo."""
-        return self.loss if self.loss is not None else "sparse_categorical_crossentropy"
 
     def curvature_step(self, active, records, ok, output_grads_fn, batch_size):
         """At a due cadence point, apply the trace rule per layer and refresh where it says so.

@@ -64,17 +64,18 @@ def loss_reduction(loss):
     return "sum" if reduction == "sum" else "mean"
 
 
-def example_scale(loss, batch_size, loss_scale=None):
+def example_scale(reduction, batch_size, loss_scale=None):
     """Factor turning ``dL/dz`` of the reduced, replica-divided, scaled loss into ``dℓ_n/dz``.
 
     Args:
-      loss: the compiled loss (string, keras Loss or function).
+      reduction: ``"mean"`` or ``"sum"`` (how the loss reduces over the batch; see
+        :func:`loss_reduction` for a compiled loss).
       batch_size: local batch size (scalar tensor).
       loss_scale: what the loss was multiplied by before differentiation (the optimizer's
         ``loss_scale_factor`` and/or a ``LossScaleOptimizer``'s dynamic scale): float, scalar
         tensor or None.
     """
-    scale = tf.cast(batch_size, tf.float32) if loss_reduction(loss) == "mean" else tf.constant(1.0)
+    scale = tf.cast(batch_size, tf.float32) if reduction == "mean" else tf.constant(1.0)
     replicas = tf.distribute.get_strategy().num_replicas_in_sync
     scale = scale * float(replicas)
     if loss_scale is not None:

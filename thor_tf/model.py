@@ -52,6 +52,12 @@ class _EpochTracker(keras.callbacks.Callback):
         total = taken + skipped
         loss_scaled = isinstance(self.model.optimizer, keras.optimizers.LossScaleOptimizer)
         if taken == 0:
+            # No step was taken: the epoch has no finite loss or metric. Log NaN (what Keras logs
+            # for a NaN loss), not the empty averages' 0, so that ModelCheckpoint, EarlyStopping
+            # and ReduceLROnPlateau (called after this callback) see the truth.
+            for key in list(logs or {}):
+                if not key.startswith("val_"):
+                    logs[key] = float("nan")
             warnings.warn(
                 f"thor_tf: every step of epoch {epoch + 1} had a non-finite loss or gradient and was "
                 f"skipped; stopping training (the weights are those of the last finite step). "
@@ -89,6 +95,11 @@ class ThorModel(keras.Model):
             dict(thor_options or {}))
         self.model = model
         self._exclude = list(exclude or [])
+        # A model with its own train_step / compile / compute_loss trains with its own code:
+        # ThorModel hands fit's steps to it, and THOR preconditions what it applies.
+        self._delegated = frozenset(_overridden_training_methods(model))
+        if getattr(model, "output_names", None):
+            self.output_names = list(model.output_names)  # losses/metrics by output name
         engine = ThorEngine(model, exclude=self._exclude, split_dim=self._thor_config.split_dim)
         engine.verbose = bool(verbose)
         object.__setattr__(self, "thor", engine)
@@ -117,25 +128,59 @@ class ThorModel(keras.Model):
 
         Blocks are chosen here for the layers that are trainable now: freeze or unfreeze layers,
         then compile again (as Keras requires); the registration table is printed again when the
-        set of blocks changes.
+        set of blocks changes. A model with a ``compile`` of its own (a GAN's ``d_optimizer``,
+        ``g_optimizer``, ``loss_fn``) is compiled with exactly the arguments given, and a
+        ``ThorOptimizer`` among them trains with the hooks of this model; a model with its own
+        ``train_step`` is compiled too, with the same optimizer, so its code finds what it uses.
         """
+        if "compile" in self._delegated:
+            if optimizer is not None:
+                kwargs["optimizer"] = optimizer
+            if loss is not None:
+                kwargs["loss"] = loss
+            self.model.compile(**kwargs)
+            found = [o for o in _optimizers_in(kwargs, self.model) if find_thor_optimizer(o)]
+            if len({id(find_thor_optimizer(o)) for o in found}) > 1:
+                raise ValueError(
+                    "one ThorOptimizer per wrapped model: for THOR on two sub-models (a GAN's "
+                    "generator and discriminator) wrap each sub-model with thor_tf.wrap and pass "
+                    "each its own optimizer (README 'Your own training code').")
+            super().compile(optimizer=getattr(self.model, "optimizer", None))
+            if not found:
+                self.thor.reset_state()
+                self.thor.other_optimizer = f"{type(self.model).__name__}'s own optimizers"
+            for outer in found:
+                self._attach(outer)
+            return
         if optimizer is None or optimizer == "thor":
             optimizer = ThorOptimizer(learning_rate=self._learning_rate,
                                       **self._thor_config.options(), **self._keras_options)
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
+        if self._delegated:
+            self.model.compile(optimizer=self.optimizer, loss=loss, **kwargs)
         self.thor.loss = loss
-        thor = self.thor_optimizer
-        if thor is not None:
-            if not thor.built:
-                self.thor.reset_state()
-                if self.thor.select_blocks(self.trainable_variables) and self.thor.verbose:
-                    print(self.thor.registration_table(thor.split_dim))
-            thor.attach(self.thor)
-            if thor.fisher == "sampled":
-                self._loss_spec = fisher.loss_spec(loss)
-            # The state exists from here on: a custom loop (``strategy.run(model.train_step, ...)``
-            # in a tf.function, the multi-worker recipe) cannot create variables in a replica.
-            self._build_thor_state()
+        if self.thor_optimizer is None:
+            self.thor.reset_state()
+            self.thor.other_optimizer = type(self.optimizer).__name__
+            return
+        self._attach(self.optimizer)
+        if self.thor_optimizer.fisher == "sampled":
+            self._loss_spec = fisher.loss_spec(loss)
+        # The state exists from here on: a custom loop (``strategy.run(model.train_step, ...)``
+        # in a tf.function, the multi-worker recipe) cannot create variables in a replica.
+        self._build_thor_state()
+
+    def _attach(self, optimizer):
+        """Bind the ``ThorOptimizer`` in ``optimizer`` (possibly in a ``LossScaleOptimizer``) to
+        this model's hooks."""
+        thor = find_thor_optimizer(optimizer)
+        if not thor.built:
+            self.thor.reset_state()
+            if self.thor.select_blocks(self.trainable_variables) and self.thor.verbose:
+                print(self.thor.registration_table(thor.split_dim))
+        self.thor.other_optimizer = None
+        self.thor.loss_scaler = optimizer if optimizer is not thor else None
+        thor.attach(self.thor)
 
     def compile_from_config(self, config):
         # Keras skips compile on load for models with a custom ``compile``; ours only adds the
@@ -170,8 +215,8 @@ class ThorModel(keras.Model):
 
     def fit(self, *args, callbacks=None, **kwargs):
         self._build_thor_state()
-        callbacks = list(callbacks or [])
-        callbacks.append(_EpochTracker(self.thor))
+        # First, so that the logs it corrects are what the user's callbacks see.
+        callbacks = [_EpochTracker(self.thor)] + list(callbacks or [])
         return super().fit(*args, callbacks=callbacks, **kwargs)
 
     def _forward_state_variables(self):
@@ -221,6 +266,10 @@ class ThorModel(keras.Model):
                              tf.nest.map_structure(finite, y_pred), sample_weight=weights)
 
     def train_step(self, data):
+        if self._delegated:
+            # The user's own training code, unchanged: the layer hooks observe its forward and
+            # backward, and a ThorOptimizer it applies gradients with preconditions them.
+            return self.model.train_step(data)
         thor = self.thor_optimizer
         if thor is None:
             return super().train_step(data)
@@ -244,13 +293,13 @@ class ThorModel(keras.Model):
         forward_state = self._forward_state_variables()
         saved_state = [tf.identity(v) for v in forward_state]
         with tf.GradientTape(persistent=sampled) as tape:
-            with self.thor.store.record() as records:
+            with self.thor.store.step():
                 y_pred = self(x, training=True)
             loss = _keras_compat.compute_loss(self, x, y, y_pred, sample_weight)
             sampled_loss = fisher.sampled_loss(self._loss_spec, y_pred) if sampled else None
             scaled_loss = self.optimizer.scale_loss(loss)
         loss_scale = _loss_scale(self.optimizer, thor)
-        ok = self.thor.train_update(tape, scaled_loss, self.trainable_variables, records, batch_size,
+        ok = self.thor.train_update(tape, scaled_loss, self.trainable_variables, batch_size,
                                     loss_scale=loss_scale, sampled_loss=sampled_loss)
         _restore_unless(ok, forward_state, saved_state)
         if loss_scaler is not None:
@@ -260,8 +309,18 @@ class ThorModel(keras.Model):
         return _keras_compat.multi_worker_logs(self.get_metrics_result(), self.distribute_strategy)
 
     def test_step(self, data):
+        if "test_step" in self._delegated:
+            return self.model.test_step(data)
         # Keras' own, with logs that Keras can reduce across workers (see _keras_compat).
         return _keras_compat.multi_worker_logs(super().test_step(data), self.distribute_strategy)
+
+    @property
+    def metrics(self):
+        # Keras skips the metrics of nested models; a model whose own train_step reports its own
+        # trackers needs them reset at each epoch like Keras resets them for it.
+        if getattr(self, "_delegated", None):
+            return self.model.metrics
+        return super().metrics
 
     # -- serialization ------------------------------------------------------------------------------
     def get_config(self):
@@ -355,6 +414,26 @@ def _constructor_options(config, custom_objects=None):
     if isinstance(options.get("frequency"), list):
         options["frequency"] = [tuple(p) for p in options["frequency"]]
     return options
+
+
+#: Training methods whose override in the user's model means: run the user's code.
+_DELEGATED_METHODS = ("train_step", "test_step", "compile", "compute_loss")
+
+
+def _overridden_training_methods(model):
+    """The names in :data:`_DELEGATED_METHODS` that ``model``'s class overrides (Keras'
+    Sequential and Functional override none)."""
+    return {name for name in _DELEGATED_METHODS
+            if getattr(type(model), name) is not getattr(keras.Model, name)}
+
+
+def _optimizers_in(kwargs, model):
+    """Optimizers given to a user's ``compile`` (arguments, or attributes it set on ``model``)."""
+    found = [v for v in kwargs.values() if isinstance(v, keras.optimizers.Optimizer)]
+    for value in vars(model).values():
+        if isinstance(value, keras.optimizers.Optimizer) and all(value is not f for f in found):
+            found.append(value)
+    return found
 
 
 def wrap(model, **options):

@@ -64,6 +64,11 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         each layer is inverted by one replica (greedy balance of the cost ``Σ d³`` of its
         blocks, as KAISA and kfac-jax assign work) and one packed all-reduce shares the
         inverses. Both give the same step; see README "Distributed training" for when each wins.
+      loss_reduction: how the loss that the gradients come from reduces over the batch, undone so
+        that G is the mean of per-example outer products: ``"auto"`` (default) reads the compiled
+        loss in ``ThorModel.fit`` and assumes ``"mean"`` (``compute_loss``, ``reduce_mean``,
+        ``tf.nn.compute_average_loss``) when the user's own ``train_step`` or loop applies the
+        gradients; ``"mean"`` or ``"sum"`` say it.
     """
 
     def __init__(
@@ -85,6 +90,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         kl_clip=DEFAULT_KL_CLIP,
         factor_examples=None,
         inverse_assignment="all",
+        loss_reduction="auto",
         name="thor",
         **kwargs,
     ):
@@ -94,7 +100,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
             clip_norm=clip_norm, frequency=frequency, preset=preset, omega1=omega1, omega2=omega2,
             split_dim=split_dim, fisher=fisher, factor_decay=factor_decay,
             trace_filter=trace_filter, kl_clip=kl_clip, factor_examples=factor_examples,
-            inverse_assignment=inverse_assignment))
+            inverse_assignment=inverse_assignment, loss_reduction=loss_reduction))
         super().__init__(learning_rate=learning_rate, name=name, **keras_kwargs)
         #: The validated options, shared with the engine (:class:`thor_tf.config.ThorConfig`).
         self.config = config
@@ -123,6 +129,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
     kl_clip = property(lambda self: self.config.kl_clip)
     factor_examples = property(lambda self: self.config.factor_examples)
     inverse_assignment = property(lambda self: self.config.inverse_assignment)
+    loss_reduction = property(lambda self: self.config.loss_reduction)
 
     # -- wiring ------------------------------------------------------------------------------------
     def attach(self, engine):
@@ -172,12 +179,33 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         loss_scale_factor, self.loss_scale_factor = self.loss_scale_factor, None
         self._gradients_reduced = True
         try:
-            self.apply(grads, variables)
+            super().apply(grads, variables)
         finally:
             self._step_ok = None
             self._gradients_reduced = False
             self.loss_scale_factor = loss_scale_factor
         self.iterations.assign_sub(tf.cast(tf.logical_not(ok), self.iterations.dtype))
+
+    def apply(self, grads, trainable_variables=None):
+        """Apply gradients the user's code computed (``apply_gradients`` comes here too): THOR's
+        step with the curvature the layer hooks observed in this step (see
+        :meth:`thor_tf.engine.ThorEngine.apply_gradients`). ``ThorModel.fit``'s own train step
+        goes through the engine directly."""
+        if self.engine is None:
+            raise ValueError(
+                "ThorOptimizer has no model attached: compile a model returned by thor_tf.wrap() "
+                "with it (model.compile(optimizer=thor_tf.ThorOptimizer(...))), or pass it to "
+                "the compile of a wrapped model (e.g. a GAN's d_optimizer).")
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError("`trainable_variables` must be given to the first apply().")
+            trainable_variables = self._trainable_variables
+        trainable_variables = list(trainable_variables)
+        if not self.built:
+            with tf.init_scope():
+                self.build(trainable_variables)
+        self.engine.apply_gradients(list(grads), trainable_variables)
+        return self.iterations
 
     def _all_reduce_sum_gradients(self, grads_and_vars):
         # Keras' TF backend all-reduces the gradients passed to ``apply`` (private hook, see

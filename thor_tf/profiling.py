@@ -60,12 +60,13 @@ def profile_step(model, x, y, repeats=5):
 
     def forward_backward():
         with tf.GradientTape() as tape:
-            with engine.store.record() as records:
+            with engine.store.step():
                 y_pred = model(x, training=True)
             loss = model.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
-        zs = [r.z for b in engine.blocks for r in records.get(b.name, [])]
-        grads = tape.gradient(loss, list(variables) + zs)
-        return records, grads[: len(variables)], grads[len(variables):]
+        grads = tape.gradient(loss, list(variables))  # the layer hooks receive every dL/dz
+        records = engine.store.take([b.name for b in engine.blocks])
+        z_grads = [r.grad for b in engine.blocks for r in records.get(b.name, [])]
+        return records, grads, z_grads
 
     @tf.function
     def fb():
@@ -73,7 +74,8 @@ def profile_step(model, x, y, repeats=5):
         return [g for g in grads + z_grads if g is not None]
 
     result = {"forward_backward": _median_seconds(fb, repeats), "layers": {}}
-    scale = fisher.example_scale(engine.model_loss(), tf.shape(x)[0], optimizer.loss_scale_factor)
+    scale = fisher.example_scale(engine.loss_reduction(user_code=False), tf.shape(x)[0],
+                                  optimizer.loss_scale_factor)
 
     # Per-layer work timed on one concrete batch of captured tensors (no forward pass inside).
     records, grads, z_grads = forward_backward()

@@ -96,9 +96,11 @@ class ThorState:
             made = {}
             for factor, dim, size in zip(("A", "G"), (b.a_dim, b.g_dim), b.split_sizes(split_dim)):
                 nb, size = split_layout(dim, size)
-                made[factor] = optimizer.add_variable((nb, size, size), name=f"{prefix}_{factor}")
+                # float32 whatever floatx is: every statistic is computed in float32.
+                made[factor] = optimizer.add_variable((nb, size, size), dtype="float32",
+                                                      name=f"{prefix}_{factor}")
                 made[factor + "_inv"] = optimizer.add_variable(
-                    (nb, size, size), initializer=_identity_blocks(nb, size),
+                    (nb, size, size), initializer=_identity_blocks(nb, size), dtype="float32",
                     name=f"{prefix}_{factor}_inv")
             layers.append(LayerFactors(**made))
 

@@ -51,12 +51,18 @@ def registered_blocks():
     return dict(_REGISTRY)
 
 
-def block_class_for(layer):
-    """The block class for ``layer`` (nearest registered class in its MRO), or None."""
+def registered_layer_class(layer):
+    """The nearest class in ``layer``'s MRO that has a registered block, or None."""
     for cls in type(layer).__mro__:
         if cls in _REGISTRY:
-            return _REGISTRY[cls]
+            return cls
     return None
+
+
+def block_class_for(layer):
+    """The block class for ``layer`` (nearest registered class in its MRO), or None."""
+    cls = registered_layer_class(layer)
+    return None if cls is None else _REGISTRY[cls]
 
 
 register_block(keras.layers.Dense, DenseBlock)
@@ -67,4 +73,4 @@ register_block(keras.layers.Embedding, EmbeddingBlock)
 
 __all__ = ["KroneckerBlock", "DenseBlock", "Conv2DBlock", "Conv1DBlock", "EinsumDenseBlock",
            "EmbeddingBlock", "block_gram", "register_block",
-           "registered_blocks", "block_class_for"]
+           "registered_blocks", "block_class_for", "registered_layer_class"]

@@ -87,9 +87,13 @@ class KroneckerBlock:
 
     * :meth:`unsupported_reason` (classmethod): why a layer of the type gets no block (shown in the
       registration table), None if it can have one;
-    * :meth:`pre_activation`: the layer's output before its activation, computed from the
-      layer's own variables exactly as the layer computes it (the capture records it and the tape
-      differentiates against it); :meth:`activate` applies the activation;
+    * :attr:`observe`: where the layer's own ``call`` produces ``z`` (``"activation"``: the
+      argument of ``self.activation``; ``"output"``: the call's output; default: ``"activation"``
+      when the layer has an ``activation``, else ``"output"``). The layer hooks observe ``z``
+      there (:mod:`thor_tf.capture`); nothing of the layer's computation is replaced;
+    * :meth:`pre_activation`: ``z`` computed from the recorded input and the layer's variables,
+      as the layer's class computes it: used to check, once at wrap, that a subclass which
+      overrides ``call`` still computes ``z`` that way (else it stays first order);
     * :meth:`input_rows` and :meth:`input_sq_norm_sum`: the rows of A and their cheap trace;
     * optionally :meth:`to_matrix` / :meth:`from_matrix` when the kernel is not ``[..., out]``
       with the contracted axes first.
@@ -122,13 +126,26 @@ class KroneckerBlock:
         return split_dim, split_dim
 
     def pre_activation(self, inputs):
-        """``z`` for one call of the layer on ``inputs`` (compute dtype)."""
+        """``z`` for one call of the layer on ``inputs`` (compute dtype), as the layer's class
+        computes it (the wrap-time check of subclasses that override ``call``)."""
         raise NotImplementedError
 
-    def activate(self, z):
-        """The layer's output from its pre-activation ``z``."""
-        activation = getattr(self.layer, "activation", None)
-        return activation(z) if activation is not None else z
+    #: Where ``z`` is observed: ``"activation"``, ``"output"`` or None (chosen per layer: the
+    #: activation when the layer has one, else the output).
+    observe = None
+
+    def observe_point(self):
+        """:attr:`observe`, or the default for this layer: its activation if it has one."""
+        if self.observe is not None:
+            return self.observe
+        return "activation" if callable(getattr(self.layer, "activation", None)) else "output"
+
+    def matches(self, record):
+        """Whether one observed call has the block's structure (static shapes only): ``z`` ends
+        in ``g_dim`` features. A call that does not (e.g. a tied embedding used as the output
+        head) leaves the layer first order for that step."""
+        width = record.z.shape[-1] if record.z.shape.rank else None
+        return width is None or int(width) == self.g_dim
 
     def __init__(self, name: str, layer):
         self.name = name

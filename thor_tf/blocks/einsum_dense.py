@@ -105,6 +105,7 @@ class EinsumDenseBlock(KroneckerBlock):
         # Input -> [positions..., contracted...]; output -> [positions..., out_axes...].
         self._input_perm = [inp.index(c) for c in plan["positions"] + plan["contracted"]]
         self._output_perm = [out.index(c) for c in plan["positions"] + plan["out_axes"]]
+        self._out_axes = len(plan["out_axes"])
 
         bias_axes = layer.bias_axes or ""
         bias = getattr(layer, "bias", None)
@@ -120,6 +121,16 @@ class EinsumDenseBlock(KroneckerBlock):
             self._bias_perm = [in_output_order.index(c) for c in plan["out_axes"]]
             self._bias_inverse = [self._bias_perm.index(i) for i in range(len(self._bias_perm))]
         self.a_dim = self.in_dim + (1 if self.bias is not None else 0)
+
+    def matches(self, record):
+        # z has the equation's output axes; the kernel's output axes make up g_dim.
+        shape = record.z.shape
+        if shape.rank is None:
+            return True
+        if shape.rank != len(self._output_perm):
+            return False
+        sizes = [shape[i] for i in self._output_perm[len(self._output_perm) - self._out_axes:]]
+        return None in sizes or math.prod(int(s) for s in sizes) == self.g_dim
 
     def pre_activation(self, inputs):
         z = ops.einsum(self.layer.equation, inputs, self.layer.kernel)

@@ -45,8 +45,11 @@ class EmbeddingBlock(KroneckerBlock):
             inputs = ops.cast(inputs, "int32")
         return ops.cast(ops.take(self.layer.embeddings, inputs, axis=0), self.layer.compute_dtype)
 
-    def activate(self, z):
-        return z
+    def matches(self, record):
+        # A lookup maps [N, ...] tokens to [N, ..., D]; a tied head called on vectors does not.
+        rank_in, rank_z = record.inputs.shape.rank, record.z.shape.rank
+        shaped = rank_in is None or rank_z is None or rank_z == rank_in + 1
+        return shaped and super().matches(record)
 
     def to_matrix(self, kernel_value, bias_value=None):
         if isinstance(kernel_value, tf.IndexedSlices):

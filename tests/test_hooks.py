@@ -1,0 +1,383 @@
+"""The user's own code after ``wrap``: layer subclasses compute what they computed, a model's own
+``train_step`` runs (and THOR preconditions what it applies), custom loops and GANs train with
+THOR through the layer hooks, and the fit path takes the same steps as the hook path."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import thor_tf
+
+
+def _data(n=64, shape=(8, 8, 1), classes=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(n, *shape)).astype("float32"), rng.integers(0, classes, n))
+
+
+# -- layer subclasses: observe, never replace ------------------------------------------------------
+class ScaledDense(keras.layers.Dense):
+    """Goes through Dense's own computation, then scales: Dense's block sees z exactly."""
+
+    def call(self, inputs):
+        return super().call(inputs) * 3.0
+
+
+class NoisyDense(keras.layers.Dense):
+    """Adds training noise to its input before Dense's computation: z is not a @ W + b of the
+    input it was called with, so it stays first order."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(units, **kwargs)
+        self.noise = keras.random.SeedGenerator(7)
+
+    def call(self, inputs, training=None):
+        if training:
+            inputs = inputs + keras.random.normal(tf.shape(inputs), seed=self.noise)
+        return super().call(inputs)
+
+
+class MaskedConv2D(keras.layers.Conv2D):
+    """PixelCNN's masked convolution written as a subclass with its own kernel arithmetic."""
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        mask = np.ones(self.kernel.shape, "float32")
+        mask[self.kernel.shape[0] // 2, self.kernel.shape[1] // 2:] = 0
+        mask[self.kernel.shape[0] // 2 + 1:] = 0
+        self.mask = tf.constant(mask)
+
+    def call(self, inputs):
+        return self.activation(self.convolution_op(inputs, self.kernel * self.mask) + self.bias)
+
+
+class TiedEmbedding(keras.layers.Embedding):
+    """keras-hub's ReversibleEmbedding: the same matrix embeds tokens and makes the logits."""
+
+    def call(self, inputs, reverse=False):
+        if reverse:
+            return tf.matmul(inputs, self.embeddings, transpose_b=True)
+        return super().call(inputs)
+
+    def compute_output_spec(self, inputs, reverse=False):
+        if reverse:
+            return keras.KerasTensor((*inputs.shape[:-1], self.input_dim), inputs.dtype)
+        return super().compute_output_spec(inputs)
+
+
+def _subclass_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((8, 8, 1))
+    h = MaskedConv2D(3, 3, padding="same", activation="relu", name="masked")(inp)
+    h = keras.layers.Flatten()(h)
+    h = NoisyDense(8, activation="tanh", name="noisy")(h)
+    h = ScaledDense(6, activation="tanh", name="scaled")(h)
+    out = keras.layers.Dense(4, activation="softmax", name="out")(h)
+    return keras.Model(inp, out)
+
+
+def test_subclasses_compute_exactly_what_they_computed_and_get_blocks_only_where_exact(capsys):
+    x, y = _data()
+    model = _subclass_model()
+    before = model.predict(x, verbose=0)
+    noisy = model.get_layer("noisy")
+    state = noisy.noise.state.numpy()
+    train_before = model(x, training=True).numpy()
+    noisy.noise.state.assign(state)
+    wrapped = thor_tf.wrap(model, frequency=1)
+    table = capsys.readouterr().out
+    # Inference and training (the same noise draws) bit-identical, on the original model and
+    # through the wrapper.
+    np.testing.assert_array_equal(model.predict(x, verbose=0), before)
+    np.testing.assert_array_equal(wrapped.predict(x, verbose=0), before)
+    with tf.GradientTape():  # observing
+        np.testing.assert_array_equal(model(x, training=True).numpy(), train_before)
+    assert [b.name for b in wrapped.thor.blocks] == ["scaled", "out"]
+    assert "masked (MaskedConv2D: call overridden; its z differs from Conv2DBlock's" in table
+    assert "noisy (NoisyDense: call overridden; its z differs from DenseBlock's in training" in table
+    wrapped.compile(loss="sparse_categorical_crossentropy")
+    wrapped.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    stats = {s["name"]: s for s in wrapped.thor.layer_stats()}
+    assert stats["scaled"]["refreshes"] > 0
+    # ScaledDense's G is built from dL/dz of its own z (the ×3 is downstream of z): check it
+    # against float64 first principles on the last refresh's batch.
+    # (tests/test_capture.py checks dL/dz itself; here the factor A of the scaled layer)
+    factors = wrapped.thor.factors("scaled")
+    assert factors["A"].shape == (9, 9) and np.all(np.isfinite(factors["G"]))
+
+
+def test_tied_embedding_head_keeps_its_shape_and_trains_with_the_lookup_first_order():
+    keras.utils.set_random_seed(0)
+    tokens = np.random.default_rng(0).integers(0, 20, size=(32, 6))
+    labels = np.random.default_rng(1).integers(0, 20, size=(32, 6))
+    emb = TiedEmbedding(20, 8, name="tied")
+    inp = keras.Input((6,), dtype="int32")
+    h = emb(inp)
+    h = keras.layers.Dense(8, activation="tanh", name="mix")(h)
+    out = keras.layers.Activation("softmax")(emb(h, reverse=True))
+    model = keras.Model(inp, out)
+    before = model.predict(tokens, verbose=0)
+    wrapped = thor_tf.wrap(model, verbose=False)
+    np.testing.assert_array_equal(wrapped.predict(tokens, verbose=0), before)
+    assert wrapped.predict(tokens, verbose=0).shape == (32, 6, 20)
+    wrapped.compile(loss="sparse_categorical_crossentropy")
+    with pytest.warns(UserWarning, match="a call of layer 'tied' did not compute its output"):
+        history = wrapped.fit(tokens, labels, batch_size=16, epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert history.history["loss"][-1] < history.history["loss"][0]
+
+
+# -- a model's own train_step ----------------------------------------------------------------------
+class CustomModel(keras.Model):
+    """keras-io "Customizing what happens in fit()": its own train_step, counting its calls."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = tf.Variable(0, trainable=False, dtype=tf.int64)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(gradients, self.trainable_variables)
+        self.calls.assign_add(1)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def _cnn_layers():
+    return [keras.layers.Conv2D(4, 3, activation="relu", name="conv"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(4, activation="softmax", name="out")]
+
+
+def _cnn(cls=keras.Sequential, seed=0):
+    keras.utils.set_random_seed(seed)
+    if cls is keras.Sequential:
+        return keras.Sequential([keras.Input((8, 8, 1)), *_cnn_layers()])
+    inp = keras.Input((8, 8, 1))
+    h = inp
+    for layer in _cnn_layers():
+        h = layer(h)
+    return cls(inp, h)
+
+
+def test_custom_train_step_runs_once_per_step_and_takes_the_fit_path_steps():
+    x, y = _data()
+    custom = thor_tf.wrap(_cnn(CustomModel), frequency=2, verbose=False)
+    custom.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    history = custom.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert int(custom.model.calls.numpy()) == 8  # 4 steps per epoch, its own train_step each
+    assert set(history.history) == {"loss", "accuracy"}
+    stats = {s["name"]: s for s in custom.thor.layer_stats()}
+    assert stats["conv"]["refreshes"] > 0 and stats["out"]["refreshes"] > 0
+
+    plain = thor_tf.wrap(_cnn(keras.Model), frequency=2, verbose=False)
+    plain.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(custom.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(custom.thor.factors("conv")["G"], plain.thor.factors("conv")["G"],
+                               rtol=1e-5, atol=1e-7)
+
+
+class VAE(keras.Model):
+    """keras-io's VAE: its own train_step with a KL term on the encoder's outputs."""
+
+    def __init__(self, encoder, decoder, **kwargs):
+        super().__init__(**kwargs)
+        self.encoder, self.decoder = encoder, decoder
+        self.total = keras.metrics.Mean(name="total_loss")
+        self.kl = keras.metrics.Mean(name="kl_loss")
+
+    @property
+    def metrics(self):
+        return [self.total, self.kl]
+
+    def call(self, x):
+        return self.decoder(self.encoder(x)[0])
+
+    def train_step(self, data):
+        with tf.GradientTape() as tape:
+            z_mean, z_log_var = self.encoder(data)
+            eps = tf.random.normal(tf.shape(z_mean), seed=1)
+            recon = self.decoder(z_mean + tf.exp(0.5 * z_log_var) * eps)
+            rec_loss = tf.reduce_mean(tf.reduce_sum(tf.square(data - recon), axis=1))
+            kl = -0.5 * tf.reduce_mean(tf.reduce_sum(
+                1 + z_log_var - tf.square(z_mean) - tf.exp(z_log_var), axis=1))
+            loss = rec_loss + kl
+        grads = tape.gradient(loss, self.trainable_weights)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+        self.total.update_state(loss)
+        self.kl.update_state(kl)
+        return {"loss": self.total.result(), "kl_loss": self.kl.result()}
+
+
+def test_vae_trains_with_its_kl_term():
+    keras.utils.set_random_seed(0)
+    data = np.random.default_rng(0).normal(size=(128, 12)).astype("float32")
+    data[:, 6:] = data[:, :6] * 0.5  # structure to learn
+    inp = keras.Input((12,))
+    h = keras.layers.Dense(8, activation="tanh", name="enc")(inp)
+    encoder = keras.Model(inp, [keras.layers.Dense(2, name="mean")(h),
+                                keras.layers.Dense(2, name="log_var")(h)])
+    dec_in = keras.Input((2,))
+    decoder = keras.Model(dec_in, keras.layers.Dense(12, name="dec")(
+        keras.layers.Dense(8, activation="tanh", name="dec_h")(dec_in)))
+    vae = VAE(encoder, decoder)
+    vae(data[:2])
+    wrapped = thor_tf.wrap(vae, learning_rate=0.02, frequency=2, verbose=False)
+    wrapped.compile()
+    history = wrapped.fit(data, batch_size=32, epochs=4, verbose=0)
+    assert set(history.history) == {"loss", "kl_loss"}
+    assert history.history["kl_loss"][-1] > 0  # the KL term is trained, per epoch (reset)
+    assert history.history["loss"][-1] < 0.8 * history.history["loss"][0]
+    stats = {s["name"]: s for s in wrapped.thor.layer_stats()}
+    assert all(stats[n]["refreshes"] > 0 for n in ("enc", "mean", "log_var", "dec_h", "dec"))
+
+
+# -- custom loops ----------------------------------------------------------------------------------
+def _resnet_block(seed=0):
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((8, 8, 1))
+    h = keras.layers.Conv2D(4, 3, padding="same", name="c0")(inp)
+    r = keras.layers.Conv2D(4, 3, padding="same", activation="relu", name="c1")(h)
+    r = keras.layers.Conv2D(4, 3, padding="same", name="c2")(r)
+    h = keras.layers.Activation("relu")(keras.layers.Add()([h, r]))
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    return keras.Model(inp, keras.layers.Dense(4, activation="softmax", name="out")(h))
+
+
+@pytest.mark.parametrize("build", [_cnn, _resnet_block], ids=["cnn", "resnet_block"])
+@pytest.mark.parametrize("traced", [True, False], ids=["tf_function", "eager"])
+def test_custom_loop_recipe_takes_the_fit_steps(build, traced):
+    x, y = _data()
+    loss_fn = keras.losses.SparseCategoricalCrossentropy()
+
+    # The README recipe: wrap, compile (THOR is attached), then the user's own loop.
+    model = thor_tf.wrap(build(), frequency=2, verbose=False)
+    model.compile()
+    optimizer = model.optimizer
+
+    def train_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+        return loss
+
+    step = tf.function(train_step) if traced else train_step
+    for epoch in range(2):
+        for i in range(0, 64, 16):
+            step(tf.constant(x[i:i + 16]), tf.constant(y[i:i + 16]))
+
+    reference = thor_tf.wrap(build(), frequency=2, verbose=False)
+    reference.compile(loss="sparse_categorical_crossentropy")
+    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    # Traced, the loop is the fit step's graph; eager, float32 rounding of eager and graph
+    # kernels differs (~1e-7 per op), grown by 8 second-order steps.
+    tolerance = dict(rtol=1e-5, atol=1e-6) if traced else dict(rtol=1e-4, atol=1e-5)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, **tolerance)
+    assert model.thor.counters()["cadence_points"] == reference.thor.counters()["cadence_points"]
+
+
+# -- GANs ------------------------------------------------------------------------------------------
+class GAN(keras.Model):
+    """keras-io's GAN: its own compile(d_optimizer, g_optimizer, loss_fn) and train_step."""
+
+    def __init__(self, discriminator, generator, latent_dim):
+        super().__init__()
+        self.discriminator, self.generator, self.latent_dim = discriminator, generator, latent_dim
+        self.d_loss_tracker = keras.metrics.Mean(name="d_loss")
+        self.g_loss_tracker = keras.metrics.Mean(name="g_loss")
+
+    def compile(self, d_optimizer, g_optimizer, loss_fn):
+        super().compile()
+        self.d_optimizer, self.g_optimizer, self.loss_fn = d_optimizer, g_optimizer, loss_fn
+
+    @property
+    def metrics(self):
+        return [self.d_loss_tracker, self.g_loss_tracker]
+
+    def call(self, z):
+        return self.generator(z)
+
+    def train_step(self, real):
+        batch = tf.shape(real)[0]
+        noise = tf.random.normal((batch, self.latent_dim), seed=3)
+        fake = self.generator(noise)
+        images = tf.concat([fake, real], axis=0)
+        labels = tf.concat([tf.ones((batch, 1)), tf.zeros((batch, 1))], axis=0)
+        with tf.GradientTape() as tape:
+            d_loss = self.loss_fn(labels, self.discriminator(images))
+        grads = tape.gradient(d_loss, self.discriminator.trainable_weights)
+        self.d_optimizer.apply_gradients(zip(grads, self.discriminator.trainable_weights))
+        noise = tf.random.normal((batch, self.latent_dim), seed=4)
+        with tf.GradientTape() as tape:
+            g_loss = self.loss_fn(tf.zeros((batch, 1)), self.discriminator(self.generator(noise)))
+        grads = tape.gradient(g_loss, self.generator.trainable_weights)
+        self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_weights))
+        self.d_loss_tracker.update_state(d_loss)
+        self.g_loss_tracker.update_state(g_loss)
+        return {"d_loss": self.d_loss_tracker.result(), "g_loss": self.g_loss_tracker.result()}
+
+
+def _gan_parts(seed=0):
+    keras.utils.set_random_seed(seed)
+    disc = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu", name="d1"),
+                             keras.layers.Dense(1, activation="sigmoid", name="d2")], name="disc")
+    gen = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8, activation="relu", name="g1"),
+                            keras.layers.Dense(6, name="g2")], name="gen")
+    return disc, gen
+
+
+def _real(n=64):
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(n, 6)) * 0.5 + 1.0).astype("float32")
+
+
+def test_wrapped_gan_with_its_own_compile_trains_its_discriminator_with_thor():
+    disc, gen = _gan_parts()
+    gan = thor_tf.wrap(GAN(disc, gen, latent_dim=3), frequency=2, verbose=False)
+    gan.compile(d_optimizer=thor_tf.ThorOptimizer(learning_rate=0.02, frequency=2),
+                g_optimizer=keras.optimizers.Adam(1e-3),
+                loss_fn=keras.losses.BinaryCrossentropy())
+    history = gan.fit(_real(), batch_size=16, epochs=2, verbose=0)
+    assert set(history.history) == {"d_loss", "g_loss"}
+    assert np.isfinite(history.history["d_loss"]).all()
+    assert [b.name for b in gan.thor.blocks] == ["d1", "d2"]  # THOR trains the discriminator
+    stats = {s["name"]: s for s in gan.thor.layer_stats()}
+    assert stats["d1"]["refreshes"] > 0 and stats["d2"]["refreshes"] > 0
+
+
+def test_gan_recipe_with_thor_for_both_sub_models():
+    disc, gen = _gan_parts()
+    d_thor = thor_tf.wrap(disc, learning_rate=0.02, frequency=2, verbose=False)
+    g_thor = thor_tf.wrap(gen, learning_rate=0.02, frequency=2, verbose=False)
+    d_thor.compile()
+    g_thor.compile()
+    gan = GAN(d_thor, g_thor, latent_dim=3)
+    gan.compile(d_optimizer=d_thor.optimizer, g_optimizer=g_thor.optimizer,
+                loss_fn=keras.losses.BinaryCrossentropy())
+    history = gan.fit(_real(), batch_size=16, epochs=2, verbose=0)
+    assert np.isfinite(history.history["g_loss"]).all()
+    for wrapped, names in ((d_thor, ("d1", "d2")), (g_thor, ("g1", "g2"))):
+        stats = {s["name"]: s for s in wrapped.thor.layer_stats()}
+        assert all(stats[n]["refreshes"] > 0 for n in names)
+    # The generator's G comes from gradients through the discriminator: not zero.
+    assert np.abs(g_thor.thor.factors("g2")["G"]).max() > 0
+
+
+def test_hook_path_refuses_the_sampled_fisher():
+    model = thor_tf.wrap(_cnn(CustomModel), fisher="sampled", verbose=False)
+    model.compile(loss="sparse_categorical_crossentropy")
+    x, y = _data(16)
+    with pytest.raises(ValueError, match="fisher='sampled'.*fisher='empirical'"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)

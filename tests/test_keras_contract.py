@@ -1,0 +1,128 @@
+"""What plain Keras does, a wrapped model does: list outputs with losses and metrics by name,
+float64, NaN logs for an epoch with no finite step, clear errors and reasons."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import thor_tf
+
+
+def _two_outputs(seed=0):
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((6,))
+    h = keras.layers.Dense(8, activation="tanh", name="trunk")(inp)
+    cls = keras.layers.Dense(3, activation="softmax", name="cls")(h)
+    reg = keras.layers.Dense(1, name="reg")(h)
+    return keras.Model(inp, [cls, reg])
+
+
+def test_list_outputs_with_losses_and_metrics_by_name_log_what_keras_logs():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 6)).astype("float32")
+    ys = {"cls": rng.integers(0, 3, 64), "reg": rng.normal(size=(64, 1)).astype("float32")}
+    compile_args = dict(loss={"cls": "sparse_categorical_crossentropy", "reg": "mse"},
+                        loss_weights={"cls": 1.0, "reg": 0.5},
+                        metrics={"cls": ["accuracy"], "reg": ["mae"]})
+    plain = _two_outputs()
+    plain.compile(optimizer="sgd", **compile_args)
+    expected = plain.fit(x, ys, batch_size=16, epochs=1, verbose=0, validation_data=(x, ys))
+    wrapped = thor_tf.wrap(_two_outputs(), verbose=False)
+    wrapped.compile(**compile_args)
+    history = wrapped.fit(x, ys, batch_size=16, epochs=1, verbose=0, validation_data=(x, ys))
+    assert sorted(history.history) == sorted(expected.history)
+    assert "cls_accuracy" in history.history and "val_reg_mae" in history.history
+    assert wrapped.output_names == ["cls", "reg"]
+
+
+@pytest.mark.parametrize("how", ["floatx", "layer_dtype"])
+def test_float64_trains_like_keras(how):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 6))
+    y = (x[:, 0] > 0).astype("int64")
+    previous, policy = keras.config.floatx(), keras.config.dtype_policy()
+    try:
+        if how == "floatx":
+            # As at the start of a program: Keras caches the global policy at its first use.
+            keras.config.set_floatx("float64")
+            keras.config.set_dtype_policy("float64")
+        keras.utils.set_random_seed(0)
+        dtype = "float64" if how == "layer_dtype" else None
+        model = keras.Sequential([keras.Input((6,)),
+                                  keras.layers.Dense(8, activation="tanh", dtype=dtype, name="h"),
+                                  keras.layers.Dense(2, activation="softmax", dtype=dtype,
+                                                     name="out")])
+        wrapped = thor_tf.wrap(model, learning_rate=0.1, frequency=2, verbose=False)
+        wrapped.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        history = wrapped.fit(x, y, batch_size=16, epochs=4, verbose=0)
+    finally:
+        keras.config.set_floatx(previous)
+        keras.config.set_dtype_policy(policy)
+    assert model.get_layer("h").kernel.dtype == "float64"
+    assert history.history["loss"][-1] < 0.8 * history.history["loss"][0]
+    assert wrapped.thor.counters()["nonfinite_steps"] == 0
+    assert wrapped.thor.factors("h")["A"].dtype == np.float32  # statistics in float32
+
+
+def test_an_epoch_with_no_finite_step_logs_nan_and_checkpoints_keep_the_real_best(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 6)).astype("float32")
+    y = rng.integers(0, 3, 32)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3, activation="softmax")])
+    wrapped = thor_tf.wrap(model, verbose=False)
+    wrapped.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    path = str(tmp_path / "best.weights.h5")
+    checkpoint = keras.callbacks.ModelCheckpoint(path, monitor="loss", save_best_only=True,
+                                                 save_weights_only=True)
+    wrapped.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[checkpoint])
+    best = checkpoint.best
+    bad = np.full_like(x, np.nan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        history = wrapped.fit(bad, y, batch_size=16, epochs=1, verbose=0, callbacks=[checkpoint])
+    assert np.isnan(history.history["loss"][0]) and np.isnan(history.history["accuracy"][0])
+    assert checkpoint.best == best  # the NaN epoch is not "best"
+
+
+def test_exclude_names_that_match_no_layer_raise():
+    model = _two_outputs()
+    with pytest.raises(ValueError, match=r"`exclude` names layers the model does not have: \['trnk'\]"):
+        thor_tf.wrap(model, exclude=["trnk"], verbose=False)
+    wrapped = thor_tf.wrap(model, exclude=["trunk"], verbose=False)
+    assert "trunk" not in [b.name for b in wrapped.thor.blocks]
+
+
+def test_table_names_the_layers_the_user_named_and_gives_every_reason():
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((5, 4, 4, 1))
+    h = keras.layers.Conv3D(2, 2, name="c3")(inp)
+    h = keras.layers.Reshape((4, 18))(h)
+    h = keras.layers.LSTM(6, return_sequences=True, name="rnn")(h)
+    h = keras.layers.Reshape((4, 6, 1))(h)
+    h = keras.layers.Conv2DTranspose(2, 2, name="up")(h)
+    h = keras.layers.DepthwiseConv2D(2, name="dw")(h)
+    h = keras.layers.Flatten()(h)
+    out = keras.layers.Dense(2, name="out")(h)
+    model = keras.Model(inp, out)
+    with pytest.warns(UserWarning) as caught:
+        wrapped = thor_tf.wrap(model, verbose=False)
+    table = wrapped.thor.registration_table(128)
+    first_order = table.split("first order: ")[1]
+    assert "rnn (LSTM: recurrent" in first_order and "cell" not in first_order
+    assert "up (Conv2DTranspose: transposed convolution" in first_order
+    assert "dw (DepthwiseConv2D: depthwise/separable convolution" in first_order
+    assert "c3 (Conv3D: 3-D convolution" in first_order
+    assert len(caught) == 1 and "rnn (LSTM" in str(caught[0].message)
+
+
+def test_telemetry_with_another_optimizer_says_so():
+    wrapped = thor_tf.wrap(_two_outputs(), verbose=False)
+    wrapped.compile(optimizer="adam", loss=["sparse_categorical_crossentropy", "mse"])
+    with pytest.raises(ValueError, match="trains with Adam, not THOR"):
+        wrapped.thor.counters()
+    wrapped.compile(loss=["sparse_categorical_crossentropy", "mse"])  # THOR again
+    assert wrapped.thor.counters()["cadence_points"] == 0
