@@ -176,7 +176,7 @@ def worker(model_name, replicas, batch, steps):
         out[f"cadence_step_s[{assignment}]"], _ = _time_steps(model, dataset, steps)
         out[f"all_reduced_bytes[{assignment}]"] = log.summary()
     out["design_bytes"] = _design_bytes(plain)
-    costs = [plain.thor._inversion_cost(i) for i in range(len(plain.thor.blocks))]
+    costs = [plain.thor.refresher.inversion_cost(i) for i in range(len(plain.thor.blocks))]
     owners = distributed.balanced_owners(costs, replicas)
     loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(replicas)]
     out["inversion_cost_per_replica"] = {"all": sum(costs), "balanced": max(loads),

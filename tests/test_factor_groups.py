@@ -1,5 +1,5 @@
 """Layers with the same factor graph (equal block signature and input shapes) share one traced
-factor computation (``ThorEngine._group_local_factors``): each member's factors must still be its
+factor computation (``Refresher._group_local_factors``): each member's factors must still be its
 own, against float64 references from explicit patches and per-example output gradients, and only
 refreshing members are computed."""
 
@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import thor_tf
 from reference import conv_patches, homogeneous, mean_outer
-from thor_tf import capture, engine
+from thor_tf import capture, engine, refresh
 
 
 def _two_branch_model(n_filters=3, h=6, w=5, c=2):
@@ -26,13 +26,13 @@ def _two_branch_model(n_filters=3, h=6, w=5, c=2):
 
 def _spy_groups(monkeypatch):
     sizes = []
-    original = engine.ThorEngine._group_local_factors
+    original = refresh.Refresher._group_local_factors
 
     def spy(self, members, flags):
         sizes.append(len(members))
         return original(self, members, flags)
 
-    monkeypatch.setattr(engine.ThorEngine, "_group_local_factors", spy)
+    monkeypatch.setattr(refresh.Refresher, "_group_local_factors", spy)
     return sizes
 
 
@@ -86,7 +86,7 @@ def test_group_computes_only_refreshing_members(flags):
         split = eng.config.split_dim
         expected.append((block.factor_a([record], split).numpy(),
                           block.factor_g([grad], split).numpy()))
-    got = eng._group_local_factors(members, tf.constant(flags))
+    got = eng.refresher._group_local_factors(members, tf.constant(flags))
     for flag, (fa, fg), (ea, eg) in zip(flags, got, expected):
         if flag:
             np.testing.assert_allclose(fa.numpy(), ea, rtol=1e-6, atol=1e-7)

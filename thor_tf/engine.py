@@ -1,23 +1,27 @@
 """``ThorEngine``: the data path of one wrapped model.
 
-capture (records of each registered layer) → blocks (factors A, G and split inverses) → scheduler
-(refresh / reuse / freeze at cadence points) → preconditioned gradients → ``ThorOptimizer`` update.
+hooks (:mod:`thor_tf.capture`: each block layer's input, ``z`` and ``dL/dz``) → blocks (factors A,
+G) → trace rule (:mod:`thor_tf.scheduler`: refresh / reuse / freeze at cadence points) → refresh
+(:mod:`thor_tf.refresh`: factors, split inverses) → preconditioning → ``ThorOptimizer`` update.
 
-The engine is structural: it knows the model's layers and blocks and runs the per-step work inside
-the traced train step. Every layer with a registered block type is a candidate, patched once at
-wrap; the blocks in use are the candidates whose kernel the optimizer trains, chosen at each
-``compile`` (:meth:`ThorEngine.select_blocks`), so freezing and unfreezing layers between compiles
-works. Its settings are the optimizer's :class:`~thor_tf.config.ThorConfig`; its state
-(:class:`~thor_tf.state.ThorState`: per-layer factors and inverses, per-block statistics,
-counters) is created on, and saved with, the optimizer.
+Which layers have blocks is :mod:`thor_tf.discovery`'s business (at wrap, and per ``compile`` for
+the variables the optimizer trains, so freezing and unfreezing layers between compiles works);
+the read-outs (``layer_stats``, ``factors``, ...) are :mod:`thor_tf.introspection`'s. The engine
+installs the hooks, holds the selection, and runs the step. Its settings are the optimizer's
+:class:`~thor_tf.config.ThorConfig`; its state (:class:`~thor_tf.state.ThorState`: per-layer
+factors and inverses, per-block statistics, counters) is created on, and saved with, the
+optimizer.
 
-One step (:meth:`ThorEngine.train_update`), in stages:
+The step has two entries with one body (:meth:`ThorEngine._step`): ``ThorModel.fit``'s own train
+step (:meth:`ThorEngine.train_update`, which takes the gradients from its tape) and the user's
+code (:meth:`ThorEngine.apply_gradients`, from ``ThorOptimizer.apply``). Either way, in stages:
 
-1. gradients of the loss and of every recorded pre-activation; under a strategy the gradients are
+1. the records of this step are taken from the hooks; under a strategy the gradients are
    all-reduced here, so that everything after is the global batch's (:mod:`thor_tf.distributed`);
 2. at a due cadence point (:meth:`ThorEngine.curvature_step`): traces of the live layers →
    combined over replicas → the trace rule per layer (:meth:`_judge`) → factors and inverses of
-   the refreshing layers (:meth:`_refresh`, combined over replicas first) → decisions recorded;
+   the refreshing layers (:meth:`thor_tf.refresh.Refresher.refresh`, combined over replicas
+   first) → decisions recorded;
 3. preconditioning (:mod:`thor_tf.precondition`: the blocks' ``(1/P)·A_inv·M·G_inv`` as one
    block-diagonal mat of Kronecker operators, and K-FAC's KL clip);
 4. the update (:meth:`thor_tf.optimizer.ThorOptimizer.apply_masked`), skipped on every replica
@@ -31,10 +35,9 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from thor_tf import (_keras_compat, algebra, capture, discovery, distributed, fisher, precondition,
-                     scheduler)
-from thor_tf.inverse import (batched_layout, invert_blocks, invert_selected, pad_blocks,
-                             size_buckets, split_layout)
+from thor_tf import _keras_compat, capture, discovery, distributed, fisher, precondition, scheduler
+from thor_tf.introspection import Introspection
+from thor_tf.refresh import Refresher
 from thor_tf.state import DecisionLog, ThorState
 
 def _values(gradient):
@@ -73,7 +76,7 @@ class _Decisions(NamedTuple):
     filter: scheduler.FilterState  # the trace filter after this point ([n_active, ...])
 
 
-class ThorEngine:
+class ThorEngine(Introspection):
     """Registry and per-step work for one model.
 
     Args:
@@ -118,6 +121,7 @@ class ThorEngine:
         self._state = None
         self._shown_selection = None
         self._unmatched_warned = set()
+        self.refresher = Refresher(self)
         #: The optimizer's class name when the model is compiled with a non-THOR optimizer.
         self.other_optimizer = None
         self.select_blocks(model.trainable_variables)
@@ -263,15 +267,17 @@ class ThorEngine:
         # One backward pass: the parameter gradients, and every dL/dz through the layer hooks.
         grads = tape.gradient(loss, list(variables))
         records = self.take_records(variables)
-        sampled_fn = None
-        if sampled_loss is not None:
-            def sampled_fn(active):
-                zs = [r.z for b in active for r in records[b.name]]
-                gs = tape.gradient(sampled_loss, zs)
-                return [tf.zeros_like(z, tf.float32) if g is None else tf.cast(g, tf.float32)
-                        for z, g in zip(zs, gs)]
+
+        def sampled_fn(active):
+            # The second backward, of the loss at sampled targets (cadence points only).
+            zs = [r.z for b in active for r in records[b.name]]
+            gs = tape.gradient(sampled_loss, zs)
+            return [tf.zeros_like(z, tf.float32) if g is None else tf.cast(g, tf.float32)
+                    for z, g in zip(zs, gs)]
+
         return self._step(grads, variables, records, batch_size, grad_scale=loss_scale,
-                          z_scale=loss_scale, loss=loss, sampled_fn=sampled_fn, user_code=False)
+                          z_scale=loss_scale, loss=loss, user_code=False,
+                          sampled_fn=sampled_fn if sampled_loss is not None else None)
 
     def apply_gradients(self, grads, variables):
         """THOR's step for gradients the user's own code computed (``optimizer.apply`` from a
@@ -368,7 +374,7 @@ class ThorEngine:
                 local = self._local_traces(layers)  # [n, 2]
                 traces, = distributed.weighted_mean([local], weight)
                 decisions = self._judge(layers, traces, damping)
-                self._refresh(layers, tf.unstack(decisions.refresh, num=len(layers)), damping,
+                self.refresher.refresh(layers, tf.unstack(decisions.refresh, num=len(layers)), damping,
                               weight)
                 refreshed_any = self._record_decisions(layers, decisions, step)
             if self.config.cadence.adaptive is not None:
@@ -472,231 +478,6 @@ class ThorEngine:
             calm=keep(new_calm, calm),
             filter=scheduler.FilterState(*[keep(n, o) for n, o in zip(new_filter, old_filter)]))
 
-    # -- refresh: factors -> (combined over replicas) -> inverses ---------------------------------
-    def _refresh(self, layers, refresh, damping, weight):
-        """Refresh the layers whose decision says so: new factors, inverses and used traces.
-
-        Factors are computed only for the refreshing layers (:meth:`_local_factors_where`: a
-        ``tf.cond`` per layer, or per group of layers with the same factor graph; the others pass
-        their factors in use through). Under a strategy, and only when some layer
-        refreshes, each replica computes its batch's factors (zeros for the other layers) and
-        one packed collective makes them the global batch's. Inversion is batched
-        (:meth:`_batched_inverses`): the refreshing layers' blocks of similar sizes are inverted
-        in one batched Cholesky (``inverse_assignment="balanced"``: each layer is inverted by the
-        replica it is assigned to, one more packed collective shares them).
-        """
-        if distributed.replica_context() is None:
-            local = self._local_factors_where(layers, refresh)
-            factors = self._refreshed_factors(layers, refresh, local)
-            self._install(layers, refresh, factors, self._batched_inverses(
-                layers, refresh, factors, damping))
-            return
-
-        def exchange():
-            local = self._local_factors_where(layers, refresh)
-            combined = distributed.weighted_mean([f for pair in local for f in pair], weight)
-            factors = self._refreshed_factors(
-                layers, refresh, [(combined[2 * k], combined[2 * k + 1]) for k in range(len(layers))])
-            if self.config.inverse_assignment == "balanced":
-                inverses = self._shared_inverses(layers, refresh, factors, damping)
-            else:
-                inverses = self._batched_inverses(layers, refresh, factors, damping)
-            self._install(layers, refresh, factors, inverses)
-
-        distributed.run_if(tf.reduce_any(tf.stack(refresh)), exchange)
-
-    def _refreshed_factors(self, layers, refresh, new):
-        """``[(A, G)]`` after this point: the batch's factors ``new`` in use (blended, checked)
-        for the refreshing layers, the factors in use for the others."""
-        out = []
-        for layer, flag, (fa, fg) in zip(layers, refresh, new):
-            out.append(tuple(tf.where(flag, fresh, now) for fresh, now in
-                             zip(self._factors_in_use(layer, fa, fg), self._factors_now(layer))))
-        return out
-
-    def _local_factors_where(self, layers, refresh):
-        """``[(A, G)]`` of this replica's batch for the refreshing layers, zeros for the others.
-
-        Layers whose factor computations are the same graph (:meth:`_factor_groups`: e.g. the
-        repeated convolutions of a ResNet stage) share one: their inputs are stacked and a
-        ``tf.map_fn`` computes each refreshing member's factors with one traced body, under one
-        cond on whether any member refreshes. Any other layer has a cond of its own. Either way
-        only the refreshing layers' factors are computed; the graph grows with the number of
-        distinct layer shapes rather than with depth.
-        """
-        out = [None] * len(layers)
-        for members in self._factor_groups(layers):
-            if len(members) == 1:
-                k = members[0]
-                layer, shapes = layers[k], self.state.layers[layers[k].index].shapes()
-                out[k] = tf.cond(refresh[k], lambda layer=layer: self._local_factors(layer),
-                                 lambda shapes=shapes: tuple(tf.zeros(sh) for sh in shapes))
-                continue
-            group = self._group_local_factors([layers[k] for k in members],
-                                              tf.stack([refresh[k] for k in members]))
-            for k, pair in zip(members, group):
-                out[k] = pair
-        return out
-
-    @staticmethod
-    def _factor_groups(layers):
-        """Positions in ``layers`` grouped by factor graph: blocks with equal
-        :meth:`~thor_tf.blocks.KroneckerBlock.factor_signature` and one call whose input and
-        output gradient have the same static sizes past the batch axis and dtypes. A layer
-        without a signature, with several calls or with dynamic sizes is a group of its own."""
-        groups = {}
-        for k, layer in enumerate(layers):
-            signature, key = layer.block.factor_signature(), ("alone", k)
-            if signature is not None and len(layer.records) == 1 and len(layer.grads) == 1:
-                x, g = layer.records[0].inputs, layer.grads[0]
-                shapes = (x.shape[1:], g.shape[1:])
-                if all(sh.is_fully_defined() for sh in shapes):
-                    key = (signature, tuple(shapes[0]), x.dtype, tuple(shapes[1]), g.dtype)
-            groups.setdefault(key, []).append(k)
-        return list(groups.values())
-
-    def _group_local_factors(self, members, flags):
-        """``[(A, G)]`` per member of a factor group (:meth:`_factor_groups`), zeros for those
-        whose ``flags`` entry is False."""
-        first, count = members[0], len(members)
-        shapes = self.state.layers[first.index].shapes()
-
-        def compute():
-            inputs = tf.stack([layer.records[0].inputs for layer in members])
-            grads = tf.stack([layer.grads[0] for layer in members])
-
-            def one(args):
-                x, g, flag = args
-                member = first._replace(records=[capture.Record(x, None)], grads=[g])
-                return tf.cond(flag, lambda: self._local_factors(member),
-                               lambda: tuple(tf.zeros(sh) for sh in shapes))
-
-            return tf.map_fn(one, (inputs, grads, flags), fn_output_signature=tuple(
-                tf.TensorSpec(sh, tf.float32) for sh in shapes))
-
-        stacked = tf.cond(tf.reduce_any(flags), compute,
-                          lambda: tuple(tf.zeros([count, *sh]) for sh in shapes))
-        return [(stacked[0][i], stacked[1][i]) for i in range(count)]
-
-    def _factors_now(self, layer):
-        """The factors in use (``(A, G)`` tensors): what a layer that does not refresh keeps."""
-        state = self.state.layers[layer.index]
-        return tf.identity(state.A), tf.identity(state.G)
-
-    def _local_factors(self, layer):
-        """This replica's diagonal factor blocks ``(A [nb, d, d], G [nb, d, d])``."""
-        split = self.config.split_dim
-        return (layer.block.factor_a(layer.records, split),
-                layer.block.factor_g(layer.grads, split))
-
-    def _factors_in_use(self, layer, factor_a, factor_g):
-        """The batch's factors blended with the old ones (``factor_decay``); a non-finite factor
-        (e.g. a sampled-Fisher overflow) keeps the one in use."""
-        s, i, beta = self.state, layer.index, self.config.factor_decay
-        if beta > 0:
-            has_used = s.refreshes[i] > 0
-            factor_a = tf.where(has_used, beta * s.layers[i].A + (1 - beta) * factor_a, factor_a)
-            factor_g = tf.where(has_used, beta * s.layers[i].G + (1 - beta) * factor_g, factor_g)
-        factor_a = tf.where(tf.reduce_all(tf.math.is_finite(factor_a)), factor_a, s.layers[i].A)
-        factor_g = tf.where(tf.reduce_all(tf.math.is_finite(factor_g)), factor_g, s.layers[i].G)
-        return factor_a, factor_g
-
-    def _inverses(self, layer, factor_a, factor_g, damping):
-        """Split inverses of one layer's damped factors (``√(λ/P)`` per factor)."""
-        s, i, block = self.state, layer.index, layer.block
-        per_factor = tf.sqrt(damping / layer.positions)
-        return (invert_blocks(factor_a, per_factor, block.a_dim, previous=s.layers[i].A_inv),
-                invert_blocks(factor_g, per_factor, block.g_dim, previous=s.layers[i].G_inv))
-
-    def _batched_inverses(self, layers, refresh, factors, damping):
-        """Split inverses of the refreshing layers' damped factors, one batched inversion per
-        bucket of block sizes (:func:`thor_tf.inverse.size_buckets`: sizes within 0.75× of a
-        larger one are padded to it, identity on the padding).
-
-        The diagonal blocks of a bucket's sizes of every layer's A and G form one batch;
-        the blocks of the refreshing layers are gathered, inverted together
-        (:func:`thor_tf.inverse.invert_damped`: one Cholesky, each block with its layer's damping
-        ``√(λ/P)`` on its true diagonal, 1 on padding) and scattered over the inverses in use. No
-        branch: with no layer refreshing the gathered batch is empty. A handful of ops per bucket,
-        where a cond per layer (or per size) made tracing and graph optimization grow with the
-        model; sizes are not all padded to the largest (on the CNN that cost 9 ms per refresh of
-        all blocks). Under XLA (static shapes) all blocks of a bucket are inverted when one of
-        their layers refreshes, and the refreshing ones kept.
-
-        Returns ``[(A_inv, G_inv)]`` aligned with ``layers``: the new inverses of refreshing layers,
-        the ones in use for the others.
-        """
-        s = self.state
-        entries = []  # (layer position, factor [nb, d, d], true dim, inverse in use)
-        for k, (layer, (fa, fg)) in enumerate(zip(layers, factors)):
-            held = s.layers[layer.index]
-            entries.append((k, fa, layer.block.a_dim, held.A_inv))
-            entries.append((k, fg, layer.block.g_dim, held.G_inv))
-        per_layer = tf.sqrt(damping / tf.stack([layer.positions for layer in layers]))
-        flags = tf.stack(refresh)
-        sizes = [int(factor.shape[-1]) for _, factor, _, _ in entries]
-        pairs = [[None, None] for _ in layers]
-        for size, joined in sorted(size_buckets(sizes).items()):
-            members = [n for n, d in enumerate(sizes) if d in joined]
-            group = [entries[n] for n in members]
-            owner, mask, counts = batched_layout(
-                [(k, int(f.shape[0]), int(f.shape[-1]), dim) for k, f, dim, _ in group], size)
-            blocks = tf.concat([pad_blocks(f, size) for _, f, _, _ in group], axis=0)  # [B, S, S]
-            in_use = tf.concat([pad_blocks(inv, size) for _, _, _, inv in group], axis=0)
-            out = invert_selected(blocks, in_use, mask, tf.gather(per_layer, owner),
-                                   tf.gather(flags, owner))
-            for n, part in zip(members, tf.split(out, counts)):
-                d = sizes[n]
-                pairs[entries[n][0]][n % 2] = part[:, :d, :d] if d < size else part
-        return [tuple(pair) for pair in pairs]
-
-    def _install(self, layers, refresh, factors, inverses):
-        """Write the refreshing layers' factors, inverses and used traces (``factors`` and
-        ``inverses`` of the other layers are those in use: writing them changes nothing)."""
-        s = self.state
-        traces_a, traces_g = [], []
-        for layer, (fa, fg), (ia, ig) in zip(layers, factors, inverses):
-            held = s.layers[layer.index]
-            held.A.assign(fa)
-            held.G.assign(fg)
-            held.A_inv.assign(ia)
-            held.G_inv.assign(ig)
-            traces_a.append(tf.reduce_sum(tf.linalg.diag_part(fa)))
-            traces_g.append(tf.reduce_sum(tf.linalg.diag_part(fg)))
-        index = tf.constant([[layer.index] for layer in layers], tf.int64)
-        flags = tf.stack(refresh)
-        for variable, new in ((s.trace_a, traces_a), (s.trace_g, traces_g)):
-            old = tf.gather(tf.convert_to_tensor(variable), index[:, 0])
-            variable.assign(tf.tensor_scatter_nd_update(
-                tf.convert_to_tensor(variable), index, tf.where(flags, tf.stack(new), old)))
-
-    def _shared_inverses(self, layers, refresh, factors, damping):
-        """``inverse_assignment="balanced"``: each refreshing layer is inverted on the replica
-        it is assigned to (longest-processing-time by the cost ``Σ d³`` of its blocks), zeros
-        elsewhere; one packed SUM shares the inverses. Returns ``[(A_inv, G_inv)]``: the new
-        inverses of refreshing layers, those in use for the others."""
-        owners = distributed.balanced_owners(
-            [self._inversion_cost(layer.index) for layer in layers], distributed.num_replicas())
-        me = distributed.replica_id()
-        local = []
-        for layer, flag, owner, (fa, fg) in zip(layers, refresh, owners, factors):
-            shapes = self.state.layers[layer.index].shapes()
-            local.extend(tf.cond(tf.logical_and(flag, tf.equal(me, owner)),
-                                 lambda layer=layer, fa=fa, fg=fg: self._inverses(
-                                     layer, fa, fg, damping),
-                                 lambda shapes=shapes: tuple(tf.zeros(sh) for sh in shapes)))
-        shared = distributed.sum_packed(local)
-        out = []
-        for k, (layer, flag) in enumerate(zip(layers, refresh)):
-            held = self.state.layers[layer.index]
-            out.append((tf.where(flag, shared[2 * k], held.A_inv),
-                        tf.where(flag, shared[2 * k + 1], held.G_inv)))
-        return out
-
-    def _inversion_cost(self, i):
-        """Flops-proportional cost of inverting block ``i``'s factors: ``Σ nb·d³``."""
-        return float(sum(int(sh[0]) * int(sh[1]) ** 3 for sh in self.state.layers[i].shapes()))
-
     def _record_decisions(self, layers, decisions, step):
         """Write one cadence point's decisions (:class:`_Decisions` over the active layers) into
         the per-block vectors; layers not active this step keep their entries.
@@ -757,67 +538,3 @@ class ThorEngine:
         if nu is not None:
             s.kl_scale.assign(tf.where(ok, nu, s.kl_scale))
         return out
-
-    # -- introspection ---------------------------------------------------------------------------
-    def layer_stats(self):
-        """One dict per registered layer (host values; call between steps, not in the graph)."""
-        split = self.config.split_dim if self.optimizer is not None else self.split_dim
-        stats = []
-        state = self._state
-        for i, b in enumerate(self.blocks):
-            row = dict(b.describe())
-            row["split_dim"] = split
-            if state is not None:
-                row.update({
-                    "refreshes": int(state.refreshes.numpy()[i]),
-                    "reuses": int(state.reuses.numpy()[i]),
-                    "last_refresh_step": int(state.last_refresh.numpy()[i]),
-                    "frozen": bool(state.frozen.numpy()[i]),
-                    "frozen_at_step": int(state.frozen_at.numpy()[i]),
-                    "last_delta": float(state.last_delta.numpy()[i]),
-                })
-            else:
-                row.update({"refreshes": 0, "reuses": 0, "last_refresh_step": -1, "frozen": False,
-                            "frozen_at_step": -1, "last_delta": float("nan")})
-            stats.append(row)
-        return stats
-
-    def counters(self):
-        """Model-wide counters: cadence points, non-finite steps, next cadence step, epoch, the
-        cadence interval in force (``interval``: the adaptive one, else the base), the number of
-        layer evaluations skipped because their traces were not finite (``nonfinite_traces``), and
-        the last step's KL-clip scale ν (1.0: not clipped)."""
-        return self.state.counters()
-
-    def factors(self, name):
-        """``{"A": ndarray, "G": ndarray}``: the undamped factors in use for layer ``name``.
-
-        ``[a_dim, a_dim]`` and ``[g_dim, g_dim]``. Only the diagonal blocks of ``split_dim`` are
-        ever computed and used, so with ``split_dim`` below a factor's dimension the matrix is
-        block-diagonal (zeros elsewhere); with ``split_dim >= dim`` it is the full factor. A factor
-        diagonal by structure (stored as 1×1 blocks: Embedding's A, the token frequencies) comes
-        back as its diagonal, a vector ``[dim]``, never as a V×V matrix.
-        """
-        i = self._index_of(name)
-        s = self.state
-        block = self.blocks[i]
-
-        def dense(blocks, dim):
-            blocks = tf.convert_to_tensor(blocks)
-            if int(blocks.shape[-1]) == 1 and dim > 1:
-                return blocks[:dim, 0, 0].numpy()
-            return algebra.BlockDiagonal(blocks, dim).to_dense().numpy()
-
-        return {"A": dense(s.layers[i].A, block.a_dim), "G": dense(s.layers[i].G, block.g_dim)}
-
-    def _index_of(self, name):
-        if name not in self._block_index:
-            raise ValueError(f"`name` must be one of the registered layers {list(self._block_index)}; "
-                             f"got {name!r}.")
-        return self._block_index[name]
-
-    def inverses(self, name):
-        """``{"A_inv": [nb, d, d], "G_inv": [nb, d, d]}`` split inverses for layer ``name``."""
-        i = self._index_of(name)
-        s = self.state
-        return {"A_inv": s.layers[i].A_inv.numpy(), "G_inv": s.layers[i].G_inv.numpy()}

@@ -20,13 +20,19 @@ from thor_tf.engine import ThorEngine
 from thor_tf.config import is_schedule, split_options
 from thor_tf.optimizer import ThorOptimizer
 
+#: G's mean eigenvalue below this fraction of the per-factor damping in every refreshed layer:
+#: the damping swamps the curvature and THOR's step is SGD's divided by √λ (docs/internals.md).
+SWAMPED_CURVATURE = 1e-3
+
+
 class _EpochTracker(keras.callbacks.Callback):
     """Internal callback of ``ThorModel.fit``: epoch counter and a watch on skipped steps.
 
     Keeps the engine's epoch counter (for epoch-based ``frequency`` schedules) in step, warns once
-    per epoch when non-finite batches were skipped, and stops training when every step of an
-    epoch was skipped (a diverged run would otherwise go on silently, changing nothing). One
-    counter read per epoch; the train step itself never leaves the device.
+    per epoch when non-finite batches were skipped, stops training when every step of an epoch
+    was skipped (a diverged run would otherwise go on silently, changing nothing) and logs NaN
+    for it, and warns once when the damping swamps G (a loss too small in scale). A few host
+    reads per epoch; the train step itself never leaves the device.
     """
 
     def __init__(self, engine):
@@ -34,19 +40,40 @@ class _EpochTracker(keras.callbacks.Callback):
         self._engine = engine
         self._skipped_before = 0
         self._steps_before = 0
+        self._scale_warned = False
 
     def _skipped(self):
         return self._engine.counters()["nonfinite_steps"] if self._engine._state is not None else 0
 
+    def _iterations(self):
+        # THOR's own iterations (a GAN's d_optimizer is not the model's optimizer).
+        optimizer = self._engine.optimizer or self.model.optimizer
+        return int(optimizer.iterations.numpy())
+
+    def _warn_if_damping_swamps_curvature(self):
+        """Once per fit: warn when the loss's scale leaves G negligible against the damping."""
+        if self._scale_warned or self._engine._state is None:
+            return
+        ratios = self._engine.curvature_to_damping()
+        if ratios and max(ratios.values()) < SWAMPED_CURVATURE:
+            self._scale_warned = True
+            warnings.warn(
+                f"thor_tf: G's mean eigenvalue is at most {max(ratios.values()):.1e} of the "
+                f"damping √λ in every layer: the loss is so small in scale (class or sample "
+                f"weights, a loss weight, a sum divided by a large constant) that THOR's step is "
+                f"SGD's divided by √λ. Scale the loss up (e.g. class weights that average 1) or "
+                f"lower `damping`.", stacklevel=2)
+
     def on_epoch_begin(self, epoch, logs=None):
         self._engine.set_epoch(epoch)
         self._skipped_before = self._skipped()
-        self._steps_before = int(self.model.optimizer.iterations.numpy())
+        self._steps_before = self._iterations()
 
     def on_epoch_end(self, epoch, logs=None):
+        self._warn_if_damping_swamps_curvature()
         # Skipped steps do not count in ``iterations``: the epoch ran ``taken + skipped`` batches.
         skipped = self._skipped() - self._skipped_before
-        taken = int(self.model.optimizer.iterations.numpy()) - self._steps_before
+        taken = self._iterations() - self._steps_before
         if skipped == 0:
             return
         total = taken + skipped

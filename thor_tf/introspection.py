@@ -1,0 +1,89 @@
+"""What a user can read of THOR's state between steps: per-layer statistics, counters, factors
+and inverses as NumPy arrays (host values: never called inside the traced step).
+
+:class:`Introspection` is a mixin of :class:`thor_tf.engine.ThorEngine`, so that these read-outs
+are ``model.thor.layer_stats()``, ``model.thor.factors(name)`` and so on.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from thor_tf import algebra
+
+
+class Introspection:
+    """Read-outs of an engine's blocks and state (``self.blocks``, ``self.state``, ...)."""
+
+    def layer_stats(self):
+        """One dict per registered layer (host values; call between steps, not in the graph)."""
+        split = self.config.split_dim if self.optimizer is not None else self.split_dim
+        stats = []
+        state = self._state
+        for i, b in enumerate(self.blocks):
+            row = dict(b.describe())
+            row["split_dim"] = split
+            if state is not None:
+                row.update({
+                    "refreshes": int(state.refreshes.numpy()[i]),
+                    "reuses": int(state.reuses.numpy()[i]),
+                    "last_refresh_step": int(state.last_refresh.numpy()[i]),
+                    "frozen": bool(state.frozen.numpy()[i]),
+                    "frozen_at_step": int(state.frozen_at.numpy()[i]),
+                    "last_delta": float(state.last_delta.numpy()[i]),
+                })
+            else:
+                row.update({"refreshes": 0, "reuses": 0, "last_refresh_step": -1, "frozen": False,
+                            "frozen_at_step": -1, "last_delta": float("nan")})
+            stats.append(row)
+        return stats
+
+    def curvature_to_damping(self):
+        """``{name: (tr G / g_dim) / √λ}`` of the refreshed layers' factors in use (host values):
+        G's mean eigenvalue against the per-factor damping (for P = 1). G grows with the square
+        of a constant factor on the loss (it is the empirical Fisher), the damping does not."""
+        s = self.state
+        damping = float(self.optimizer.current_damping().numpy()) ** 0.5
+        traces, refreshes = s.trace_g.numpy(), s.refreshes.numpy()
+        return {b.name: float(traces[i]) / b.g_dim / damping
+                for i, b in enumerate(self.blocks) if refreshes[i] > 0}
+
+    def counters(self):
+        """Model-wide counters: cadence points, non-finite steps, next cadence step, epoch, the
+        cadence interval in force (``interval``: the adaptive one, else the base), the number of
+        layer evaluations skipped because their traces were not finite (``nonfinite_traces``), and
+        the last step's KL-clip scale ν (1.0: not clipped)."""
+        return self.state.counters()
+
+    def factors(self, name):
+        """``{"A": ndarray, "G": ndarray}``: the undamped factors in use for layer ``name``.
+
+        ``[a_dim, a_dim]`` and ``[g_dim, g_dim]``. Only the diagonal blocks of ``split_dim`` are
+        ever computed and used, so with ``split_dim`` below a factor's dimension the matrix is
+        block-diagonal (zeros elsewhere); with ``split_dim >= dim`` it is the full factor. A factor
+        diagonal by structure (stored as 1×1 blocks: Embedding's A, the token frequencies) comes
+        back as its diagonal, a vector ``[dim]``, never as a V×V matrix.
+        """
+        i = self._index_of(name)
+        s = self.state
+        block = self.blocks[i]
+
+        def dense(blocks, dim):
+            blocks = tf.convert_to_tensor(blocks)
+            if int(blocks.shape[-1]) == 1 and dim > 1:
+                return blocks[:dim, 0, 0].numpy()
+            return algebra.BlockDiagonal(blocks, dim).to_dense().numpy()
+
+        return {"A": dense(s.layers[i].A, block.a_dim), "G": dense(s.layers[i].G, block.g_dim)}
+
+    def _index_of(self, name):
+        if name not in self._block_index:
+            raise ValueError(f"`name` must be one of the registered layers {list(self._block_index)}; "
+                             f"got {name!r}.")
+        return self._block_index[name]
+
+    def inverses(self, name):
+        """``{"A_inv": [nb, d, d], "G_inv": [nb, d, d]}`` split inverses for layer ``name``."""
+        i = self._index_of(name)
+        s = self.state
+        return {"A_inv": s.layers[i].A_inv.numpy(), "G_inv": s.layers[i].G_inv.numpy()}
