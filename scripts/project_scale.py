@@ -90,8 +90,10 @@ DEVICES = {
     # This machine: AMD EPYC (family 25 model 17, Zen 4), 2 vCPUs at 2.6 GHz (/proc/cpuinfo). Zen 4
     # executes AVX-512 on two 256-bit FMA pipes: 2 x 8 fp32 FMA = 32 FLOP per cycle per core (AMD,
     # "Software Optimization Guide for the AMD Zen 4 Microarchitecture"). TF runs everything in fp32.
+    # Its memory bandwidth is not published for a 2-vCPU slice: measured by the script (a NumPy
+    # copy, replacing this placeholder).
     "cpu_here": Device("this CPU (2 cores)", {p: 2 * 2.6e9 * 32 for p in ("fp32", "matrix32", "half")},
-                       memory_bw=40e9, launch_s=0.0, source="/proc/cpuinfo; AMD Zen 4 optimization guide"),
+                       memory_bw=10e9, launch_s=0.0, source="/proc/cpuinfo; AMD Zen 4 optimization guide"),
     # NVIDIA V100 SXM2 datasheet: 15.7 TFLOPS fp32, 125 TFLOPS tensor (fp16), HBM2 900 GB/s.
     # Volta has no TF32: float32 matmuls run on the fp32 units.
     "v100": Device("V100 SXM2", {"fp32": 15.7e12, "matrix32": 15.7e12, "half": 125e12},
@@ -182,8 +184,10 @@ CLUSTERS = {
 }
 
 #: The precision a stage runs in on an accelerator (forward + backward in mixed precision, as
-#: ImageNet runs are trained; THOR's curvature in float32, DESIGN §6).
-STAGE_PRECISION = {"forward_backward": "half", "traces": "fp32", "factors": "matrix32",
+#: ImageNet runs are trained; THOR's curvature in float32, DESIGN §6); ``"memory"``: a stage
+#: bound by memory traffic (the traces: sums of squares over the im2col patches, a few FLOPs per
+#: byte), counted in bytes and carried by memory bandwidth instead of FLOP peak.
+STAGE_PRECISION = {"forward_backward": "half", "traces": "memory", "factors": "matrix32",
                    "inversion": "fp32", "precondition": "matrix32"}
 
 #: Kernels per block and stage (estimates from the engine's ops, for the launch floor): the
@@ -199,7 +203,10 @@ KERNELS = {"precondition": 6, "traces": 4, "factors": 8, "inversion": 10, "per_k
 class LayerShape:
     """One THOR block. ``in_dim``: the kernel's rows (kh·kw·Cin or Din); ``a_dim = in_dim + bias``
     (the bias folded into A); ``g_dim``: outputs; ``positions``: rows per example (Ho·Wo for
-    Conv2D, 1 for Dense on ``[N, D]``); ``first``: its input is the model's (no input gradient)."""
+    Conv2D, 1 for Dense on ``[N, D]``); ``input_size``: elements of its input per example
+    (Hin·Win·Cin; what tr(A) reads: the engine sums squares under each receptive field with a
+    ones-kernel convolution, no patches formed); ``first``: its input is the model's (no input
+    gradient)."""
 
     name: str
     kind: str
@@ -207,6 +214,7 @@ class LayerShape:
     bias: bool
     g_dim: int
     positions: int
+    input_size: int
     first: bool = False
 
     @property
@@ -250,12 +258,14 @@ def model_shape(model, name=None):
         if isinstance(layer, keras.layers.Conv2D) and layer.groups == 1:
             kh, kw, cin, cout = (int(d) for d in layer.kernel.shape)
             _, ho, wo, _ = layer.output.shape
+            size = math.prod(int(d) for d in layer.input.shape[1:])
             layers.append(LayerShape(layer.name, "conv2d", kh * kw * cin, bias, cout,
-                                     int(ho) * int(wo), first))
+                                     int(ho) * int(wo), size, first))
         elif isinstance(layer, keras.layers.Dense):
             din, dout = (int(d) for d in layer.kernel.shape)
             positions = math.prod(int(d) for d in layer.input.shape[1:-1])
-            layers.append(LayerShape(layer.name, "dense", din, bias, dout, positions, first))
+            layers.append(LayerShape(layer.name, "dense", din, bias, dout, positions,
+                                     positions * din, first))
     parameters = sum(math.prod(int(d) for d in v.shape) for v in model.trainable_variables)
     return ModelShape(name or model.name, layers, parameters, keras_layers,
                       len(model.trainable_variables))
@@ -306,7 +316,8 @@ def layer_flops(layer, batch, split_dim):
     """FLOPs of one block's stages for ``batch`` examples (a multiply-add is 2 FLOPs).
 
     forward + backward: ``2·N·P·in·g`` forward, as much for the kernel gradient and for the input
-    gradient (none for the first layer); traces: a sum of squares over the rows of a and g;
+    gradient (none for the first layer); traces: sums of squares of the layer's input and of g (in
+    bytes read: memory-bound);
     factors: only the diagonal blocks, ``nb·d²`` multiply-adds per row and factor; inversion:
     Cholesky ``d³/3`` + solve against the identity ``2·d³`` per block; preconditioning:
     ``G_inv·∇W·A_inv`` with block-diagonal inverses, ``(nb_A·d_A²·g + nb_G·d_G²·a)`` multiply-adds.
@@ -317,7 +328,7 @@ def layer_flops(layer, batch, split_dim):
     forward = 2 * rows * layer.in_dim * layer.g_dim
     return {
         "forward_backward": forward * (2 if layer.first else 3),
-        "traces": 2 * rows * (layer.a_dim + layer.g_dim),
+        "traces": 4 * (batch * layer.input_size + rows * layer.g_dim),  # bytes read: x and g
         "factors": 2 * rows * (nb_a * d_a * d_a + nb_g * d_g * d_g),
         "inversion": 7.0 / 3.0 * (nb_a * d_a ** 3 + nb_g * d_g ** 3),
         "precondition": 2 * (nb_a * d_a * d_a * layer.g_dim + nb_g * d_g * d_g * layer.a_dim),
@@ -408,7 +419,9 @@ def stage_seconds(flops, kernels, stage, device, efficiency):
     floored by its kernel launches."""
     if flops <= 0 and kernels <= 0:
         return 0.0
-    compute = flops / (efficiency[stage] * device.peak[STAGE_PRECISION[stage]])
+    precision = STAGE_PRECISION[stage]
+    peak = device.memory_bw if precision == "memory" else device.peak[precision]
+    compute = flops / (efficiency[stage] * peak)
     return max(compute, kernels * device.launch_s)
 
 
@@ -545,10 +558,11 @@ def step_times(c, cluster, replicas, assignment="all", frequency=10, algorithm="
 
 
 def _pin_threads(tf):
-    """Two intra-op threads (the machine's cores), one inter-op: less contention with other work
-    on this shared machine, the same for every measurement."""
+    """Two intra-op and two inter-op threads (the machine's cores; TF's own choice here, stated so
+    that a bigger machine measures the same way). One inter-op thread made Keras' CNN step 1.8x
+    slower than bench_distributed's unpinned one: the check must time both alike."""
     tf.config.threading.set_intra_op_parallelism_threads(2)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
 
 
 def profile_worker(name, repeats, sgd_steps):
@@ -628,9 +642,25 @@ def collective_worker(replicas, repeats):
             "alpha_s": float(max(alpha, 0.0)), "bytes_per_s": float(1.0 / max(slope, 1e-15))}
 
 
+def memory_bandwidth(megabytes=256, repeats=7):
+    """This CPU's memory bandwidth (bytes/s): a NumPy copy of a buffer far larger than the caches
+    (read + write), median of repeats."""
+    import numpy as np
+
+    a = np.ones(megabytes * 2 ** 20 // 4, np.float32)
+    b = np.empty_like(a)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(b, a)
+        times.append(time.perf_counter() - start)
+    return 2 * a.nbytes / statistics.median(times)
+
+
 def measure(args):
     """Run the workers (fresh processes), with progress."""
-    out = {"profiles": {}, "collectives": {}}
+    out = {"profiles": {}, "collectives": {}, "cpu_memory_bw": memory_bandwidth()}
+    print(f"[measure] memory bandwidth {out['cpu_memory_bw'] / 1e9:.1f} GB/s (NumPy copy)", flush=True)
     for name in args.models.split(","):
         start = time.perf_counter()
         print(f"[measure] profile_step {name} {MEASURED[name]} ...", flush=True)
@@ -647,9 +677,9 @@ def measure(args):
 # ------------------------------------------------------------------------ efficiencies
 
 
-def efficiencies(shape, profile, batch, split_dim, peak, sgd_step_s=None):
-    """Fraction of this CPU's peak each stage reached here: FLOPs counted from the shapes over the
-    measured seconds (summed over the layers ``profile_step`` timed).
+def efficiencies(shape, profile, batch, split_dim, device, sgd_step_s=None):
+    """Fraction of this CPU's peak each stage reached here: FLOPs (bytes for the traces) counted
+    from the shapes over the measured seconds (summed over the layers ``profile_step`` timed).
 
     Forward + backward is Keras' fused SGD step when measured (``sgd_step_s``): profile_step's
     stand-alone forward + backward (a separate function recording THOR's inputs) ran up to 2x
@@ -665,6 +695,8 @@ def efficiencies(shape, profile, batch, split_dim, peak, sgd_step_s=None):
     for stage, per_layer in flops.items():
         f = sum(x for layer, x in zip(shape.layers, per_layer)
                 if stage in ("forward_backward", "precondition") or layer.name in timed)
+        precision = STAGE_PRECISION[stage]
+        peak = device.memory_bw if precision == "memory" else device.peak[precision]
         out[stage] = f / (seconds[stage] * peak)
     return out
 
@@ -685,13 +717,16 @@ def refresh_fractions(name, shape):
     return [per_layer.get(l.name, mean) for l in shape.layers], os.path.relpath(path, ROOT)
 
 
-def costs_for(name, batch, measured, split_dim=128, input_shape=None, classes=None, shapes={}):
+_SHAPES = {}  # (name, input, classes) -> ModelShape: building ResNet-50 takes a second
+
+
+def costs_for(name, batch, measured, split_dim=128, input_shape=None, classes=None):
     """:class:`Costs` of ``name`` at ``batch`` per replica (projection input unless given), with
     the efficiencies measured on its own measured input."""
     key = (name, input_shape, classes)
-    if key not in shapes:
-        shapes[key] = model_shape(build_model(name, input_shape, classes), name)
-    shape = shapes[key]
+    if key not in _SHAPES:
+        _SHAPES[key] = model_shape(build_model(name, input_shape, classes), name)
+    shape = _SHAPES[key]
     fractions, _ = refresh_fractions(name, shape)
     return Costs(shape, batch, split_dim, model_flops(shape, batch, split_dim),
                  measured["efficiency"][name], fractions)
@@ -704,11 +739,16 @@ BENCH_MEASURES = {"sgd": "sgd_step_s", "plain": "plain_step_s", "refresh[all]": 
                   "refresh[balanced]": "cadence_step_s[balanced]"}
 
 
-def here_cluster(collectives):
+def here_cluster(measured):
     """This machine as a 'cluster': R logical CPU devices sharing its cores, all-reduce measured."""
-    fitted = {int(r): (c["alpha_s"], c["bytes_per_s"]) for r, c in collectives.items()}
-    return Cluster("this CPU, R logical devices", DEVICES["cpu_here"], 64, None, None,
+    fitted = {int(r): (c["alpha_s"], c["bytes_per_s"]) for r, c in measured["collectives"].items()}
+    return Cluster("this CPU, R logical devices", here_device(measured), 64, None, None,
                    shared_compute=True, measured_allreduce=fitted)
+
+
+def here_device(measured):
+    """This CPU with its measured memory bandwidth."""
+    return dataclasses.replace(DEVICES["cpu_here"], memory_bw=measured["cpu_memory_bw"])
 
 
 def remeasure_steps(models, timeout=1800):
@@ -731,7 +771,7 @@ def local_check(measured, steps, source):
     """Predicted step times at R = 1, 2, 4 on this machine against measured ones (``steps``:
     bench_distributed rows; global batch 128, so the per-replica batch is 128/R). Nothing is
     fitted: every stage comes from the profile (forward + backward from SGD's step at R = 1)."""
-    cluster = here_cluster(measured["collectives"])
+    cluster = here_cluster(measured)
     rows = []
     for rec in sorted(steps, key=lambda r: (r["model"], r["replicas"])):
         name, replicas = rec["model"], rec["replicas"]
@@ -842,26 +882,37 @@ def dominant(parts):
     return key, parts[key] / sum(parts.values())
 
 
-def sensitivity(measured, cluster_name, frequency):
+def sensitivity(measured, cluster_name, frequency, fb_calibration=None):
     """ResNet-50 at batch 32 and 256 at R = 8, 64, 512 under other assumptions: kernel launch 0
     and 10 us; inversion 10x less efficient than on this CPU (small batched Cholesky on a GPU);
-    the trace rule off (every layer refreshes at every cadence point); frequency 100."""
+    forward + backward's efficiency scaled as the MindSpore SGD check says (``fb_calibration``);
+    the trace rule off (every layer refreshes at every cadence point); frequency 100;
+    ``split_dim`` 1024 (8x larger blocks: 64x the inversion FLOPs, 8x the factor bytes)."""
     base = CLUSTERS[cluster_name]
-    variants = {
-        "as projected": (base, {}, None, frequency),
-        "launch 0 us": (dataclasses.replace(base, device=dataclasses.replace(base.device, launch_s=0.0)),
-                        {}, None, frequency),
-        "launch 10 us": (dataclasses.replace(base, device=dataclasses.replace(base.device, launch_s=10e-6)),
-                         {}, None, frequency),
-        "inversion 10x slower": (base, {"inversion": 0.1}, None, frequency),
-        "no trace rule": (base, {}, 1.0, frequency),
-        "frequency 100": (base, {}, None, 100),
+    no_launch = dataclasses.replace(base, device=dataclasses.replace(base.device, launch_s=0.0))
+    slow_launch = dataclasses.replace(base, device=dataclasses.replace(base.device, launch_s=10e-6))
+    variants = {  # label: (cluster, efficiency scales, refresh fraction, frequency, split_dim)
+        "as projected": (base, {}, None, frequency, 128),
+        "launch 0 us": (no_launch, {}, None, frequency, 128),
+        "launch 10 us": (slow_launch, {}, None, frequency, 128),
+        "inversion 10x slower": (base, {"inversion": 0.1}, None, frequency, 128),
+        "no trace rule": (base, {}, 1.0, frequency, 128),
+        "frequency 100": (base, {}, None, 100, 128),
+        "split_dim 1024": (base, {}, None, frequency, 1024),
+        "split_dim 1024, inversion 10x slower": (base, {"inversion": 0.1}, None, frequency, 1024),
+        # The traces read every layer's input and output gradient once: memory-bound, and this
+        # CPU reached ~11 % of its bandwidth on them; HBM streaming reductions reach more.
+        "traces at 50% of memory bandwidth": (base, {"traces": ("set", 0.5)}, None, frequency, 128),
     }
+    if fb_calibration:
+        variants["forward+backward calibrated on MindSpore's SGD"] = (
+            base, {"forward_backward": fb_calibration}, None, frequency, 128)
     out = {}
-    for label, (cluster, scale, fraction, freq) in variants.items():
+    for label, (cluster, scale, fraction, freq, split) in variants.items():
         for batch in (32, 256):
-            c = costs_for("resnet50", batch, measured)
-            c.efficiency = {k: v * scale.get(k, 1.0) for k, v in c.efficiency.items()}
+            c = costs_for("resnet50", batch, measured, split_dim=split)
+            c.efficiency = {k: (scale[k][1] if isinstance(scale.get(k), tuple)
+                                else v * scale.get(k, 1.0)) for k, v in c.efficiency.items()}
             if fraction is not None:
                 c.refresh_fraction = [fraction] * len(c.shape.layers)
             for r in (8, 64, 512):
@@ -890,6 +941,10 @@ def summarize(rows):
                             "refresh_over_sgd": row[a]["refresh_over_sgd"],
                             "dominant": part, "dominant_share": share}
             entry["sgd_dominant"] = dominant(row["sgd_parts"])
+            thor_only = {k: v for k, v in row["all"]["parts"].items() if k not in row["sgd_parts"]}
+            entry["largest_thor_part"] = {k: 1e3 * v for k, v in sorted(
+                thor_only.items(), key=lambda kv: -kv[1])[:2]}
+            entry["gradient_allreduce_ms"] = 1e3 * row["sgd_parts"]["gradient_allreduce"]
             entry["best_refresh"] = min(ASSIGNMENTS, key=lambda a: row[a]["refresh"])
             entry["best_amortized"] = min(ASSIGNMENTS, key=lambda a: row[a]["amortized"])
             table.append(entry)
@@ -912,6 +967,7 @@ def plot(summary, path):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     primary = summary["settings"]["cluster"]
     rows = summary["projections"][primary]
@@ -924,12 +980,13 @@ def plot(summary, path):
                      labels=[PART_LABELS[k] for k in keys], alpha=0.85)
         ax.plot(REPLICAS, [1e3 * s["sgd"] for s in series], "k--", label="SGD-momentum step")
         ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 1.6 * max(1e3 * s[best]["amortized"] for s in series))
         ax.set_xlabel("replicas (GPUs)")
         ax.set_ylabel("ms per step (per replica)")
         ax.set_title(f"ResNet-50 224x224, batch {batch}/GPU, {CLUSTERS[primary].name}\n"
                      f"THOR amortized step (frequency {summary['settings']['frequency']}, "
                      f"inverse_assignment={best!r})", fontsize=9)
-        ax.legend(fontsize=7, loc="upper left")
+        ax.legend(fontsize=7, loc="upper left", ncol=2)
     ax = axes[1][0]
     for cluster, style in ((primary, "-"), (summary["settings"]["second_cluster"], ":")):
         for name, batch in CASES:
@@ -950,6 +1007,8 @@ def plot(summary, path):
                     color=color, marker=marker, label=f"{name} b{batch}: {a}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
     ax.set_xlabel("replicas (GPUs)")
     ax.set_ylabel("ms a refresh of every layer adds to a step")
     ax.set_title("What a refresh costs by inverse_assignment\n(factors + exchanges + inversion, "
@@ -1002,13 +1061,14 @@ def plot_check(summary, path):
 
 def derive(measured):
     """Efficiencies and split dims from the raw measurements (kept in the JSON)."""
-    peak = DEVICES["cpu_here"].peak["fp32"]
+    device = here_device(measured)
     measured["efficiency"], measured["split_dim"] = {}, {}
     for name, prof in measured["profiles"].items():
         shape_in, classes, batch = MEASURED[name]
         shape = model_shape(build_model(name, shape_in, classes), name)
         measured["efficiency"][name] = efficiencies(shape, prof["profile"], batch,
-                                                    prof["split_dim"], peak, prof.get("sgd_step_s"))
+                                                    prof["split_dim"], device,
+                                                    prof.get("sgd_step_s"))
         measured["split_dim"][name] = prof["split_dim"]
     measured["collectives"] = {int(k): v for k, v in measured["collectives"].items()}
     return measured
@@ -1045,6 +1105,9 @@ def main(argv=None):
             measured = json.load(fh)["measured"]
     else:
         measured = measure(args)
+        measured["measured_by"] = {"command": " ".join(["python", "scripts/project_scale.py"]
+                                                       + (sys.argv[1:] if argv is None else list(argv))),
+                                   "date": time.strftime("%Y-%m-%d %H:%M")}
     measured = derive(measured)
     for name, eff in measured["efficiency"].items():
         print(f"[model] {name}: fraction of this CPU's peak per stage: "
@@ -1097,7 +1160,9 @@ def main(argv=None):
     for cluster in dict.fromkeys((args.cluster, args.second_cluster)):
         summary["projections"][cluster] = project(measured, cluster, args.frequency)
     summary["resnet50"] = summarize(summary["projections"][args.cluster])
-    summary["sensitivity"] = sensitivity(measured, args.cluster, args.frequency)
+    calibration = next((row["ratio"] for row in summary["check_published"]
+                        if row["step"] == "sgd"), None)
+    summary["sensitivity"] = sensitivity(measured, args.cluster, args.frequency, calibration)
     best = [e["best_amortized"] for e in summary["resnet50"]]
     summary["settings"]["plot_assignment"] = max(set(best), key=best.count)
     for e in summary["resnet50"]:

@@ -82,6 +82,7 @@ def test_cnn_bytes_from_first_principles(ps, shapes):
         "gradients": 4 * (params + 1), "traces": 4 * (2 * 4 + 1), "factors": 4 * (floats + 1),
         "inverses": 4 * floats}
     assert [l.positions for l in shapes["cnn"].layers] == [28 * 28, 14 * 14, 1, 1]
+    assert [l.input_size for l in shapes["cnn"].layers] == [28 * 28, 14 * 14 * 32, 3136, 128]
     assert [l.first for l in shapes["cnn"].layers] == [True, False, False, False]
 
 
@@ -106,11 +107,11 @@ def test_resnet50_shape_and_flops_match_published(ps, shapes):
 
 def test_layer_flops_by_hand(ps):
     """One Conv2D block, every stage written out: 3x3x64 -> 64 on 56x56, batch 2, split 128."""
-    layer = ps.LayerShape("c", "conv2d", 576, False, 64, 56 * 56)
+    layer = ps.LayerShape("c", "conv2d", 576, False, 64, 56 * 56, 56 * 56 * 64)
     f = ps.layer_flops(layer, 2, 128)
     rows = 2 * 56 * 56
     assert f["forward_backward"] == 3 * 2 * rows * 576 * 64
-    assert f["traces"] == 2 * rows * (576 + 64)
+    assert f["traces"] == 4 * (2 * 56 * 56 * 64 + rows * 64)  # bytes of x and g (memory-bound)
     assert f["factors"] == 2 * rows * (5 * 128 ** 2 + 64 ** 2)       # 576 = 4.5 blocks -> 5
     assert f["inversion"] == pytest.approx(7 / 3 * (5 * 128 ** 3 + 64 ** 3))
     assert f["precondition"] == 2 * (5 * 128 ** 2 * 64 + 64 ** 2 * 576)
