@@ -11,6 +11,8 @@ The model (DESIGN §3.7 for what is exchanged, README "Distributed training"):
   the target device, whose published peak for the stage's precision sets its time
   (``seconds = FLOPs / (efficiency · peak)``), floored by the stage's kernel launches
   (``kernels · launch latency``: a stage of many tiny kernels is launch-bound on a GPU).
+  Forward + backward is timed as Keras' fused SGD step; the traces are memory-bound and carried
+  by bytes read and memory bandwidth (this CPU's measured) instead of FLOPs and peak.
 * **Collectives** by an α-β model of NCCL's ring and tree all-reduce (hierarchical across nodes:
   reduce-scatter over NVLink, all-reduce of a 1/g shard over each GPU's InfiniBand NIC,
   all-gather over NVLink), with NCCL's own per-hop latencies and the published link bandwidths,
