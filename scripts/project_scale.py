@@ -1150,7 +1150,8 @@ def main(argv=None):
     summary["check_here"] = local_check(measured, steps, source)
     for row in summary["check_here"]["rows"]:
         print(f"  {row['model']:9s} R={row['replicas']}  "
-              + "  ".join(f"{k} {1e3 * row['predicted'][k]:.1f}/{1e3 * v:.1f}ms ({100 * row['error'][k]:+.0f}%)"
+              + "  ".join(f"{k} {1e3 * row['predicted'][k]:.1f}/{1e3 * v:.1f}ms "
+                          f"({100 * row['error'][k]:+.0f}%)"
                           for k, v in row["measured"].items()), flush=True)
     print(f"  median |error| {100 * summary['check_here']['median_abs_error']:.0f}%, "
           f"max {100 * summary['check_here']['max_abs_error']:.0f}%", flush=True)
