@@ -83,3 +83,19 @@ def test_padded_batched_inversion_matches_each_block_and_keeps_the_others():
                            tf.constant([True, False, False])).numpy()
     np.testing.assert_allclose(out[0, :3, :3], np.linalg.inv(small[0] + 0.1 * np.eye(3)), rtol=1e-4)
     np.testing.assert_allclose(out[0, 3, 3], 1.0, rtol=1e-6)
+
+
+def test_owned_blocks_are_inverted_and_the_others_are_zero_so_a_sum_over_owners_is_complete():
+    from thor_tf.inverse import invert_owned
+    rows = np.random.default_rng(4).normal(size=(30, 10))
+    factor = mean_outer(rows)
+    blocks = block_gram(tf.constant(rows, tf.float32), 4)  # blocks 4, 4, 2 (+2 padding)
+    owners = np.array([1, 0, 1])
+    parts = [invert_owned(blocks, 0.1, 10, tf.constant(owners == r)).numpy() for r in (0, 1)]
+    assert not parts[0][[0, 2]].any() and not parts[1][1].any()
+    total = parts[0] + parts[1]
+    for b, (start, stop) in enumerate([(0, 4), (4, 8), (8, 10)]):
+        expected = np.linalg.inv(factor[start:stop, start:stop] + 0.1 * np.eye(stop - start))
+        size = stop - start
+        np.testing.assert_allclose(total[b, :size, :size], expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(total[2, 2:, 2:], np.eye(2), atol=1e-6)  # padding: identity

@@ -19,7 +19,8 @@ import tensorflow as tf
 from thor_tf import _keras_compat
 from thor_tf.algebra import diagonal_blocks, split_layout
 
-__all__ = ["batched_layout", "damped_diagonal", "invert_blocks", "invert_damped", "invert_selected",
+__all__ = ["batched_layout", "damped_diagonal", "invert_blocks", "invert_damped", "invert_owned",
+           "invert_selected",
            "pad_blocks", "size_buckets", "split_inverse", "split_layout"]  # split_layout: from algebra
 
 
@@ -100,6 +101,38 @@ def invert_blocks(blocks, damping, dim: int, previous=None, retry_scale: float =
     block_damping = tf.fill([num_blocks], tf.cast(damping, tf.float32))
     return invert_damped(blocks, damped_diagonal(mask, block_damping), block_damping, previous,
                          retry_scale)
+
+
+def invert_owned(blocks, damping, dim: int, owned, previous=None):
+    """Inverses of the damped diagonal blocks a replica owns, zeros for the others.
+
+    Args:
+      blocks: ``[nb, d, d]`` float32 undamped diagonal blocks of one factor (see
+        :func:`invert_blocks`).
+      damping: scalar tensor, this factor's damping.
+      dim: the factor's true dimension.
+      owned: ``[nb]`` bool tensor: the blocks this replica inverts.
+      previous: ``[nb, d, d]`` inverses in use (kept where a block cannot be inverted).
+
+    Returns:
+      ``[nb, d, d]``: the inverses of the owned blocks, zeros elsewhere, so that a SUM over
+      replicas that own disjoint blocks gives every inverse. Only the owned blocks are inverted
+      (gathered into one batch); under XLA (static shapes) all are, and the others masked.
+    """
+    blocks = tf.convert_to_tensor(blocks, tf.float32)
+    num_blocks, size = int(blocks.shape[0]), int(blocks.shape[-1])
+    if previous is None:
+        previous = tf.eye(size, batch_shape=[num_blocks], dtype=tf.float32)
+    if _keras_compat.in_xla_context():
+        inverse = invert_blocks(blocks, damping, dim, previous)
+        return tf.where(owned[:, None, None], inverse, tf.zeros_like(inverse))
+    _, mask, _ = batched_layout([(0, num_blocks, size, dim)], size)
+    block_damping = tf.fill([num_blocks], tf.cast(damping, tf.float32))
+    index = tf.where(owned)  # [k, 1]
+    picked = [tf.gather_nd(t, index) for t in
+              (blocks, damped_diagonal(mask, block_damping), block_damping, previous)]
+    inverse = invert_damped(*picked)
+    return tf.scatter_nd(index, inverse, [num_blocks, size, size])
 
 
 def invert_damped(blocks, diagonal, block_damping, previous=None, retry_scale: float = 10.0):

@@ -61,9 +61,9 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         ``trace_smoothing`` (which now raises ValueError).
       inverse_assignment: under a strategy with several replicas, ``"all"`` (default): every
         replica inverts every refreshing layer (no communication of inverses); ``"balanced"``:
-        each layer is inverted by one replica (greedy balance of the cost ``Σ d³`` of its
-        blocks, as KAISA and kfac-jax assign work) and one packed all-reduce shares the
-        inverses. Both give the same step; see README "Distributed training" for when each wins.
+        each diagonal block of each refreshing layer is inverted by one replica (longest-
+        processing-time over all blocks of all layers by their cost ``d³``; KAISA and kfac-jax
+        assign whole layers) and one packed all-reduce shares the inverses. Both give the same step; see README "Distributed training" for when each wins.
       loss_reduction: how the loss that the gradients come from reduces over the batch, undone so
         that G is the mean of per-example outer products: ``"auto"`` (default) reads the compiled
         loss in ``ThorModel.fit`` and assumes ``"mean"`` (``compute_loss``, ``reduce_mean``,

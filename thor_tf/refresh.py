@@ -16,8 +16,8 @@ from __future__ import annotations
 import tensorflow as tf
 
 from thor_tf import capture, distributed
-from thor_tf.inverse import (batched_layout, invert_blocks, invert_selected, pad_blocks,
-                             size_buckets)
+from thor_tf.inverse import (batched_layout, invert_owned, invert_selected,
+                             pad_blocks, size_buckets)
 
 
 class Refresher:
@@ -43,8 +43,8 @@ class Refresher:
         refreshes, each replica computes its batch's factors (zeros for the other layers) and
         one packed collective makes them the global batch's. Inversion is batched
         (:meth:`_batched_inverses`): the refreshing layers' blocks of similar sizes are inverted
-        in one batched Cholesky (``inverse_assignment="balanced"``: each layer is inverted by the
-        replica it is assigned to, one more packed collective shares them).
+        in one batched Cholesky (``inverse_assignment="balanced"``: each diagonal block is inverted by
+        the replica it is assigned to, one more packed collective shares them).
         """
         if distributed.replica_context() is None:
             local = self._local_factors_where(layers, refresh)
@@ -162,13 +162,6 @@ class Refresher:
         factor_g = tf.where(tf.reduce_all(tf.math.is_finite(factor_g)), factor_g, s.layers[i].G)
         return factor_a, factor_g
 
-    def _inverses(self, layer, factor_a, factor_g, damping):
-        """Split inverses of one layer's damped factors (``√(λ/P)`` per factor)."""
-        s, i, block = self.state, layer.index, layer.block
-        per_factor = tf.sqrt(damping / layer.positions)
-        return (invert_blocks(factor_a, per_factor, block.a_dim, previous=s.layers[i].A_inv),
-                invert_blocks(factor_g, per_factor, block.g_dim, previous=s.layers[i].G_inv))
-
     def _batched_inverses(self, layers, refresh, factors, damping):
         """Split inverses of the refreshing layers' damped factors, one batched inversion per
         bucket of block sizes (:func:`thor_tf.inverse.size_buckets`: sizes within 0.75× of a
@@ -232,20 +225,26 @@ class Refresher:
                 tf.convert_to_tensor(variable), index, tf.where(flags, tf.stack(new), old)))
 
     def _shared_inverses(self, layers, refresh, factors, damping):
-        """``inverse_assignment="balanced"``: each refreshing layer is inverted on the replica
-        it is assigned to (longest-processing-time by the cost ``Σ d³`` of its blocks), zeros
-        elsewhere; one packed SUM shares the inverses. Returns ``[(A_inv, G_inv)]``: the new
-        inverses of refreshing layers, those in use for the others."""
-        owners = distributed.balanced_owners(
-            [self.inversion_cost(layer.index) for layer in layers], distributed.num_replicas())
+        """``inverse_assignment="balanced"``: every diagonal block of every layer is inverted on
+        one replica (longest-processing-time over all blocks, cost ``d³``:
+        :func:`thor_tf.distributed.balanced_block_owners`; a layer is not the unit, so one large
+        layer cannot hold the cut), zeros elsewhere; one packed SUM shares the inverses. Only
+        refreshing layers' blocks are inverted. Returns ``[(A_inv, G_inv)]``: the new inverses of
+        refreshing layers, those in use for the others."""
+        shapes = [self.state.layers[layer.index].shapes() for layer in layers]
+        owners = distributed.balanced_block_owners(
+            [[int(sh[1]) ** 3] * int(sh[0]) for pair in shapes for sh in pair],
+            distributed.num_replicas())
         me = distributed.replica_id()
         local = []
-        for layer, flag, owner, (fa, fg) in zip(layers, refresh, owners, factors):
-            shapes = self.state.layers[layer.index].shapes()
-            local.extend(tf.cond(tf.logical_and(flag, tf.equal(me, owner)),
-                                 lambda layer=layer, fa=fa, fg=fg: self._inverses(
-                                     layer, fa, fg, damping),
-                                 lambda shapes=shapes: tuple(tf.zeros(sh) for sh in shapes)))
+        for k, (layer, flag, (fa, fg)) in enumerate(zip(layers, refresh, factors)):
+            held = self.state.layers[layer.index]
+            per_factor = tf.sqrt(damping / layer.positions)
+            pairs = ((fa, layer.block.a_dim, held.A_inv, owners[2 * k]),
+                     (fg, layer.block.g_dim, held.G_inv, owners[2 * k + 1]))
+            for factor, dim, previous, own in pairs:
+                owned = tf.logical_and(flag, tf.equal(tf.constant(own, tf.int32), me))
+                local.append(invert_owned(factor, per_factor, dim, owned, previous))
         shared = distributed.sum_packed(local)
         out = []
         for k, (layer, flag) in enumerate(zip(layers, refresh)):
