@@ -1,12 +1,21 @@
 """Keras integration: ``thor_tf.wrap(model)`` returns a ``ThorModel``.
 
 ``ThorModel`` is a ``keras.Model`` holding the user's model as its only layer. It computes exactly
-what the user's model computes (``call`` delegates), trains with THOR when compiled without an
-optimizer (or with a ``ThorOptimizer``), and with any other Keras optimizer trains like plain Keras.
-Its train step keeps what ``fit`` does (``compute_loss`` with sample weights, loss tracking, loss
-scaling, metrics) and replaces only the gradient/update part with THOR's: one forward pass that
-records the registered layers, one backward pass for parameter gradients and every ``dL/dz``, the
-curvature work as tensor decisions, and the update. It is traced once for the whole run.
+what the user's model computes (``call`` delegates; the layer hooks of :mod:`thor_tf.capture`
+observe and never replace), trains with THOR when compiled without an optimizer (or with a
+``ThorOptimizer``), and with any other Keras optimizer trains like plain Keras.
+
+Two ways a step runs:
+
+* the user's model does not override ``train_step``, ``compile`` or ``compute_loss``: ThorModel's
+  own train step keeps what ``fit`` does (``compute_loss`` with sample weights, loss tracking,
+  loss scaling, metrics) and replaces only the gradient/update part with THOR's (one forward pass
+  the hooks observe, one backward pass for the parameter gradients and every ``dL/dz``, the
+  curvature work as tensor decisions, the update), and undoes a non-finite batch everywhere
+  (moving statistics, metrics). It is traced once for the whole run.
+* it does: the user's own ``train_step`` / ``compile`` runs unchanged (ThorModel compiles the
+  user's model too), and a ``ThorOptimizer`` it applies gradients with takes THOR's step from
+  what the hooks observed (:meth:`thor_tf.engine.ThorEngine.apply_gradients`).
 """
 
 from __future__ import annotations
