@@ -179,13 +179,16 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         loss_scale_factor, self.loss_scale_factor = self.loss_scale_factor, None
         self._gradients_reduced = True
         try:
-            super().apply(grads, variables)
+            # Explicit class: autograph (a user's tf.function) cannot convert a zero-argument
+            # super() (KeyError '__class__').
+            super(ThorOptimizer, self).apply(grads, variables)
         finally:
             self._step_ok = None
             self._gradients_reduced = False
             self.loss_scale_factor = loss_scale_factor
         self.iterations.assign_sub(tf.cast(tf.logical_not(ok), self.iterations.dtype))
 
+    @tf.autograph.experimental.do_not_convert
     def apply(self, grads, trainable_variables=None):
         """Apply gradients the user's code computed (``apply_gradients`` comes here too): THOR's
         step with the curvature the layer hooks observed in this step (see
