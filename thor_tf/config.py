@@ -20,6 +20,7 @@ from typing import Any, Optional, Tuple
 
 import keras
 
+from thor_tf.inverse import DAMPING_SPLITS
 from thor_tf.scheduler import PRESETS, TRACE_FILTERS, CadenceSchedule
 
 FISHER_TYPES = ("empirical", "sampled")
@@ -119,6 +120,7 @@ class ThorConfig:
     factor_examples: Optional[int] = None
     inverse_assignment: str = "all"
     loss_reduction: str = "auto"
+    damping_split: str = "sqrt"
 
     def __post_init__(self):
         def set_(name, value):
@@ -151,6 +153,9 @@ class ThorConfig:
         if not isinstance(self.loss_reduction, str) or self.loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"`loss_reduction` must be one of {list(LOSS_REDUCTIONS)}; "
                              f"got {self.loss_reduction!r}.")
+        if not isinstance(self.damping_split, str) or self.damping_split not in DAMPING_SPLITS:
+            raise ValueError(f"`damping_split` must be one of {list(DAMPING_SPLITS)}; "
+                             f"got {self.damping_split!r}.")
         exclude = self.weight_decay_exclude
         if exclude is not None and (isinstance(exclude, str)
                                     or not all(isinstance(p, str) for p in exclude)):

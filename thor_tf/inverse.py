@@ -19,9 +19,47 @@ import tensorflow as tf
 from thor_tf import _keras_compat
 from thor_tf.algebra import diagonal_blocks, split_layout
 
-__all__ = ["batched_layout", "damped_diagonal", "invert_blocks", "invert_damped", "invert_owned",
-           "invert_selected",
+__all__ = ["DAMPING_SPLITS", "batched_layout", "damped_diagonal", "factor_dampings",
+           "invert_blocks", "invert_damped", "invert_owned", "invert_selected", "pi_adjustment",
            "pad_blocks", "size_buckets", "split_inverse", "split_layout"]  # split_layout: from algebra
+
+
+#: How a block's damping λ_b (λ/P) is shared between its two factors (``damping_split``).
+DAMPING_SPLITS = ("sqrt", "pi")
+
+
+def _trace(blocks):
+    """Trace of a factor stored as diagonal blocks ``[nb, d, d]`` (padding is zero)."""
+    return tf.reduce_sum(tf.linalg.diag_part(tf.convert_to_tensor(blocks, tf.float32)))
+
+
+def pi_adjustment(factor_a, factor_g, a_dim: int, g_dim: int):
+    """π of Martens & Grosse (2015, §6.3), float32 scalar: ``√((tr A / dim A) / (tr G / dim G))``.
+
+    ``factor_a``/``factor_g`` are the undamped factors as diagonal blocks (``[nb, d, d]``, zero
+    padding), ``a_dim``/``g_dim`` their true dimensions. A π that is not finite or not > 0 (a
+    zero factor, e.g. before the first refresh) is 1, the unadjusted split.
+    """
+    ratio = (_trace(factor_a) / float(a_dim)) / (_trace(factor_g) / float(g_dim))
+    pi = tf.sqrt(ratio)
+    ok = tf.logical_and(tf.math.is_finite(pi), pi > 0)
+    return tf.where(ok, pi, tf.ones_like(pi))
+
+
+def factor_dampings(block_damping, factor_a, factor_g, a_dim: int, g_dim: int, split="sqrt"):
+    """``(d_A, d_G)``: what is added to the diagonals of A and G for the block damping λ_b.
+
+    ``split="sqrt"`` (THOR): both get ``√λ_b``. ``split="pi"`` (factored Tikhonov damping of
+    Martens & Grosse 2015 §6.3, kfac-jax's): ``d_A = π·√λ_b``, ``d_G = √λ_b / π`` with π of
+    :func:`pi_adjustment`, so ``d_A·d_G = λ_b`` either way.
+    """
+    base = tf.sqrt(tf.cast(block_damping, tf.float32))
+    if split == "sqrt":
+        return base, base
+    if split != "pi":
+        raise ValueError(f"`damping_split` must be one of {list(DAMPING_SPLITS)}; got {split!r}.")
+    pi = pi_adjustment(factor_a, factor_g, a_dim, g_dim)
+    return base * pi, base / pi
 
 
 def _cholesky_inverse(blocks):

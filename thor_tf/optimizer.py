@@ -33,7 +33,13 @@ class ThorOptimizer(keras.optimizers.Optimizer):
     Args:
       learning_rate: float or ``LearningRateSchedule`` (see :mod:`thor_tf.schedules`).
       momentum: μ in ``v = μ v + Δ``, in [0, 1).
-      damping: λ (float > 0 or schedule of the step); each factor gets ``√(λ/P)`` (P: positions).
+      damping: λ (float > 0 or schedule of the step); a block's damping is ``λ_b = λ/P`` (P:
+        positions per example), shared between its factors as ``damping_split`` says.
+      damping_split: ``"sqrt"`` (default, THOR's): A and G each get ``√λ_b``; ``"pi"``: the
+        π-adjusted factored Tikhonov damping of Martens & Grosse (2015, §6.3), as kfac-jax does:
+        ``A + π·√λ_b·I`` and ``G + (√λ_b/π)·I`` with ``π = √((tr A/dim A) / (tr G/dim G))`` of
+        the factors being inverted (1 where that is not finite or is 0). The trace rule's λ_b is
+        the same either way.
       weight_decay: coupled L2 added to the (preconditioned) update, float >= 0.
       weight_decay_exclude: variable-name patterns (regex, as Keras' ``exclude_from_weight_decay``)
         that get no weight decay, e.g. ``["bias", "gamma", "beta"]``.
@@ -91,6 +97,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         factor_examples=None,
         inverse_assignment="all",
         loss_reduction="auto",
+        damping_split="sqrt",
         name="thor",
         **kwargs,
     ):
@@ -100,7 +107,8 @@ class ThorOptimizer(keras.optimizers.Optimizer):
             clip_norm=clip_norm, frequency=frequency, preset=preset, omega1=omega1, omega2=omega2,
             split_dim=split_dim, fisher=fisher, factor_decay=factor_decay,
             trace_filter=trace_filter, kl_clip=kl_clip, factor_examples=factor_examples,
-            inverse_assignment=inverse_assignment, loss_reduction=loss_reduction))
+            inverse_assignment=inverse_assignment, loss_reduction=loss_reduction,
+            damping_split=damping_split))
         super().__init__(learning_rate=learning_rate, name=name, **keras_kwargs)
         #: The validated options, shared with the engine (:class:`thor_tf.config.ThorConfig`).
         self.config = config
@@ -113,6 +121,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
     # THOR's options, read-only views of ``config`` (what users and older code read).
     momentum = property(lambda self: self.config.momentum)
     damping = property(lambda self: self.config.damping)
+    damping_split = property(lambda self: self.config.damping_split)
     thor_weight_decay = property(lambda self: self.config.weight_decay)
     weight_decay_exclude = property(
         lambda self: list(self.config.weight_decay_exclude) if self.config.weight_decay_exclude else None)

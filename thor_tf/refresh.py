@@ -16,7 +16,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from thor_tf import capture, distributed
-from thor_tf.inverse import (batched_layout, invert_owned, invert_selected,
+from thor_tf.inverse import (batched_layout, factor_dampings, invert_owned, invert_selected,
                              pad_blocks, size_buckets)
 
 
@@ -169,8 +169,9 @@ class Refresher:
 
         The diagonal blocks of a bucket's sizes of every layer's A and G form one batch;
         the blocks of the refreshing layers are gathered, inverted together
-        (:func:`thor_tf.inverse.invert_damped`: one Cholesky, each block with its layer's damping
-        ``√(λ/P)`` on its true diagonal, 1 on padding) and scattered over the inverses in use. No
+        (:func:`thor_tf.inverse.invert_damped`: one Cholesky, each block with its factor's damping
+        on its true diagonal, 1 on padding: ``√(λ/P)``, or with ``damping_split="pi"`` π·√(λ/P)
+        for A and √(λ/P)/π for G, :meth:`_factor_dampings`) and scattered over the inverses in use. No
         branch: with no layer refreshing the gathered batch is empty. A handful of ops per bucket,
         where a cond per layer (or per size) made tracing and graph optimization grow with the
         model; sizes are not all padded to the largest (on the CNN that cost 9 ms per refresh of
@@ -181,28 +182,38 @@ class Refresher:
         the ones in use for the others.
         """
         s = self.state
-        entries = []  # (layer position, factor [nb, d, d], true dim, inverse in use)
+        entries = []  # (layer position, factor [nb, d, d], true dim, inverse in use): A, G, A, ...
+        per_factor = []  # entry n's damping (A: 2k, G: 2k + 1)
         for k, (layer, (fa, fg)) in enumerate(zip(layers, factors)):
             held = s.layers[layer.index]
             entries.append((k, fa, layer.block.a_dim, held.A_inv))
             entries.append((k, fg, layer.block.g_dim, held.G_inv))
-        per_layer = tf.sqrt(damping / tf.stack([layer.positions for layer in layers]))
-        flags = tf.stack(refresh)
+            per_factor.extend(self._factor_dampings(layer, fa, fg, damping))
+        per_factor = tf.stack(per_factor)
+        flags = tf.repeat(tf.stack(refresh), 2)  # per entry
         sizes = [int(factor.shape[-1]) for _, factor, _, _ in entries]
         pairs = [[None, None] for _ in layers]
         for size, joined in sorted(size_buckets(sizes).items()):
             members = [n for n, d in enumerate(sizes) if d in joined]
             group = [entries[n] for n in members]
-            owner, mask, counts = batched_layout(
-                [(k, int(f.shape[0]), int(f.shape[-1]), dim) for k, f, dim, _ in group], size)
+            owner, mask, counts = batched_layout(  # owner: the entry (factor) of each block
+                [(n, int(f.shape[0]), int(f.shape[-1]), dim)
+                 for n, (_, f, dim, _) in zip(members, group)], size)
             blocks = tf.concat([pad_blocks(f, size) for _, f, _, _ in group], axis=0)  # [B, S, S]
             in_use = tf.concat([pad_blocks(inv, size) for _, _, _, inv in group], axis=0)
-            out = invert_selected(blocks, in_use, mask, tf.gather(per_layer, owner),
+            out = invert_selected(blocks, in_use, mask, tf.gather(per_factor, owner),
                                    tf.gather(flags, owner))
             for n, part in zip(members, tf.split(out, counts)):
                 d = sizes[n]
                 pairs[entries[n][0]][n % 2] = part[:, :d, :d] if d < size else part
         return [tuple(pair) for pair in pairs]
+
+    def _factor_dampings(self, layer, factor_a, factor_g, damping):
+        """``(d_A, d_G)`` of one layer: its block damping ``λ/P`` split between the factors as
+        ``damping_split`` says (:func:`thor_tf.inverse.factor_dampings`; ``"pi"`` reads π from
+        the factors being inverted)."""
+        return factor_dampings(damping / layer.positions, factor_a, factor_g, layer.block.a_dim,
+                               layer.block.g_dim, self.config.damping_split)
 
     def _install(self, layers, refresh, factors, inverses):
         """Write the refreshing layers' factors, inverses and used traces (``factors`` and
@@ -239,10 +250,10 @@ class Refresher:
         local = []
         for k, (layer, flag, (fa, fg)) in enumerate(zip(layers, refresh, factors)):
             held = self.state.layers[layer.index]
-            per_factor = tf.sqrt(damping / layer.positions)
-            pairs = ((fa, layer.block.a_dim, held.A_inv, owners[2 * k]),
-                     (fg, layer.block.g_dim, held.G_inv, owners[2 * k + 1]))
-            for factor, dim, previous, own in pairs:
+            damp_a, damp_g = self._factor_dampings(layer, fa, fg, damping)
+            pairs = ((fa, layer.block.a_dim, held.A_inv, owners[2 * k], damp_a),
+                     (fg, layer.block.g_dim, held.G_inv, owners[2 * k + 1], damp_g))
+            for factor, dim, previous, own, per_factor in pairs:
                 owned = tf.logical_and(flag, tf.equal(tf.constant(own, tf.int32), me))
                 local.append(invert_owned(factor, per_factor, dim, owned, previous))
         shared = distributed.sum_packed(local)
