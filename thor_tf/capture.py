@@ -14,7 +14,9 @@ inference, and the user's ``train_step``, custom loop or GAN runs unchanged (DES
 * backward: ``z`` passes through a ``tf.custom_gradient`` identity whose gradient function hands
   the incoming ``dL/dz`` to the record. It fires inside whatever tape computes the gradients (a
   Keras ``train_step``, the user's own, a custom loop), in the same traced function as the
-  optimizer's ``apply``; parameter gradients are unchanged.
+  optimizer's ``apply``; parameter gradients are unchanged. ``ThorModel.fit``'s own train step
+  (:meth:`CaptureStore.step`) records ``z`` as it is instead and asks its tape for ``dL/dz`` with
+  the parameter gradients: the same numbers, and the forward graph exactly the layers' own.
 
 Records are kept only while a gradient tape could record (or inside :meth:`CaptureStore.step`):
 ``predict``/``evaluate`` observe nothing and run the layer's own ``call`` alone. The store is
@@ -63,9 +65,14 @@ class Record:
         """``z`` was observed exactly once in the call."""
         return self.observed == 1 and self.z is not None
 
-    def observe(self, z):
-        """``z`` through the backward hook: the same values; its gradient is recorded."""
+    def observe(self, z, backward_hook=True):
+        """``z`` through the backward hook (the same values; its gradient is recorded), or as it
+        is (``backward_hook=False``: the caller asks its tape for ``dL/dz`` itself)."""
         record = self
+        if not backward_hook:
+            self.observed += 1
+            self.z = z
+            return z
 
         @tf.custom_gradient
         def hook(x):
@@ -100,15 +107,23 @@ class CaptureStore:
         return local.records
 
     @property
+    def in_step(self) -> bool:
+        """Inside :meth:`step` (``ThorModel.fit``'s own train step)."""
+        return getattr(self._local, "forced", False)
+
+    @property
     def observing(self) -> bool:
         """Whether a layer call now is recorded: inside :meth:`step`, or while a tape records."""
-        return getattr(self._local, "forced", False) or _keras_compat.tape_could_record()
+        return self.in_step or _keras_compat.tape_could_record()
 
     @contextlib.contextmanager
     def step(self):
         """A fresh set of records for one training step (``ThorModel``'s train step): what was
         recorded before in this thread and graph is dropped, and calls are recorded whether or not
-        a tape is watching."""
+        a tape is watching. ``z`` is recorded without the backward hook there: that step asks its
+        own tape for ``dL/dz`` with the parameter gradients, in the same backward pass, and leaves
+        the forward graph exactly as the layer builds it (nothing between ``z`` and the
+        activation for graph optimizations to trip on)."""
         self._records().clear()
         previous = getattr(self._local, "forced", False)
         self._local.forced = True
@@ -129,21 +144,13 @@ class CaptureStore:
         return record
 
     def take(self, keys):
-        """``{key: [Record]}`` for the ``keys`` that have records; they are removed from the store.
-
-        A record whose ``z`` never received a gradient (the layer's output did not reach the loss)
-        gets ``grad = 0``.
-        """
+        """``{key: [Record]}`` for the ``keys`` that have records; they are removed from the store."""
         records = self._records()
         out = {}
         for key in keys:
             taken = records.pop(key, None)
-            if not taken:
-                continue
-            for record in taken:
-                if record.grad is None and record.z is not None:
-                    record.grad = tf.zeros_like(record.z)
-            out[key] = taken
+            if taken:
+                out[key] = taken
         return out
 
     def clear(self):
@@ -177,15 +184,16 @@ def install(block, store: CaptureStore) -> None:
         if not store.observing:
             return own_call(*args, **kwargs)
         record = store.add(key, _first_input(args, kwargs))
+        hook = not store.in_step
         if observe == "output":
-            return record.observe(own_call(*args, **kwargs))
+            return record.observe(own_call(*args, **kwargs), hook)
         with lock:
             activation = layer.__dict__.get("activation")
             if activation is None:
                 return own_call(*args, **kwargs)  # nothing to observe: the record stays unusable
 
             def observed(z):
-                return activation(record.observe(z))
+                return activation(record.observe(z, hook))
 
             object.__setattr__(layer, "activation", observed)
             try:

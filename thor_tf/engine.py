@@ -264,9 +264,14 @@ class ThorEngine(Introspection):
           weight, momentum, factor, inverse, trace or counter other than ``nonfinite_steps``
           changed; the same on every replica).
         """
-        # One backward pass: the parameter gradients, and every dL/dz through the layer hooks.
-        grads = tape.gradient(loss, list(variables))
+        # One backward pass: the parameter gradients and every dL/dz (recorded without the
+        # backward hook in this step: the forward graph is the layers' own).
         records = self.take_records(variables)
+        zs = [r for b in self.blocks if b.name in records for r in records[b.name]]
+        all_grads = tape.gradient(loss, list(variables) + [r.z for r in zs])
+        grads = all_grads[:len(variables)]
+        for record, grad in zip(zs, all_grads[len(variables):]):
+            record.grad = tf.zeros_like(record.z) if grad is None else grad
 
         def sampled_fn(active):
             # The second backward, of the loss at sampled targets (cadence points only).
@@ -295,6 +300,10 @@ class ThorEngine(Introspection):
                 "only ThorModel.fit's own train step knows; with your own train_step or loop use "
                 "fisher='empirical' (the default).")
         records = self.take_records(variables)
+        for taken in records.values():
+            for record in taken:  # its output did not reach the loss: dL/dz = 0
+                if record.grad is None:
+                    record.grad = tf.zeros_like(record.z)
         first = next((records[b.name][0] for b in self.blocks if b.name in records), None)
         batch_size = tf.shape(first.inputs)[0] if first is not None else tf.constant(1)
         opt = self.optimizer

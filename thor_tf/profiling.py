@@ -63,10 +63,10 @@ def profile_step(model, x, y, repeats=5):
             with engine.store.step():
                 y_pred = model(x, training=True)
             loss = model.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
-        grads = tape.gradient(loss, list(variables))  # the layer hooks receive every dL/dz
         records = engine.store.take([b.name for b in engine.blocks])
-        z_grads = [r.grad for b in engine.blocks for r in records.get(b.name, [])]
-        return records, grads, z_grads
+        zs = [r.z for b in engine.blocks for r in records.get(b.name, [])]
+        grads = tape.gradient(loss, list(variables) + zs)  # fit's step: one backward for both
+        return records, grads[: len(variables)], grads[len(variables):]
 
     @tf.function
     def fb():
