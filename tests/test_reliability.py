@@ -220,7 +220,7 @@ def test_freeze_after_wrap_trains_the_head_exactly_then_fine_tunes(capsys):
     conv.trainable = False
     wrapped.compile(loss=LOSS)
     table = capsys.readouterr().out
-    assert "2 layers with Kronecker blocks" in table and "not trained (trainable=False): conv" in table
+    assert "2 layers with Kronecker blocks" in table and "not trained by this optimizer: conv" in table
     frozen_before = [w.copy() for w in conv.get_weights()]
 
     features = keras.Sequential(base_model.layers[:2])(x).numpy()  # conv + flatten, inference

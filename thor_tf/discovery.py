@@ -224,6 +224,7 @@ def registration_table(blocks, first_order, frozen_layers, split_dim):
     else:
         lines.append("  first order: none")
     if frozen_layers:
-        lines.append("  not trained (trainable=False): "
+        # trainable=False, or another optimizer's (a GAN's generator under the d_optimizer).
+        lines.append("  not trained by this optimizer: "
                      + ", ".join(layer.name for layer in frozen_layers))
     return "\n".join(lines)

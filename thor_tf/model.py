@@ -186,7 +186,8 @@ class ThorModel(keras.Model):
                 self.thor.reset_state()
                 self.thor.other_optimizer = f"{type(self.model).__name__}'s own optimizers"
             for outer in found:
-                self._attach(outer)
+                # Its blocks (and table) come when it is built, for the variables it applies.
+                self._attach(outer, select=False)
             return
         if optimizer is None or optimizer == "thor":
             optimizer = ThorOptimizer(learning_rate=self._learning_rate,
@@ -206,13 +207,13 @@ class ThorModel(keras.Model):
         # in a tf.function, the multi-worker recipe) cannot create variables in a replica.
         self._build_thor_state()
 
-    def _attach(self, optimizer):
+    def _attach(self, optimizer, select=True):
         """Bind the ``ThorOptimizer`` in ``optimizer`` (possibly in a ``LossScaleOptimizer``) to
-        this model's hooks."""
+        this model's hooks; ``select``: choose its blocks now, for all trainable variables."""
         thor = find_thor_optimizer(optimizer)
         if not thor.built:
             self.thor.reset_state()
-            if self.thor.select_blocks(self.trainable_variables) and self.thor.verbose:
+            if select and self.thor.select_blocks(self.trainable_variables) and self.thor.verbose:
                 print(self.thor.registration_table(thor.split_dim))
         self.thor.other_optimizer = None
         self.thor.loss_scaler = optimizer if optimizer is not thor else None
