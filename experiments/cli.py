@@ -6,14 +6,42 @@ from __future__ import annotations
 
 import argparse
 
-OPTIMIZERS = ("thor", "thor_stop", "thor_nt", "kfac", "sgd", "adam", "adamw")
+OPTIMIZERS = ("thor", "thor_stop", "thor_nt", "kfac", "sgd", "adam", "adamw", "muon")
 THOR_FAMILY = ("thor", "thor_stop", "thor_nt", "kfac")
-FIRST_ORDER = ("sgd", "adam", "adamw")
+#: The first-order baselines: learning-rate grids (--lr-grid), candidates for the default target.
+FIRST_ORDER = ("sgd", "adam", "adamw", "muon")
+#: Learning-rate grids of the first-order baselines. A script's own grid overrides these per
+#: optimizer; an optimizer its grid leaves out gets the one here (:func:`finish_args`). Muon's
+#: grid starts at Keras' default lr, 1e-3 (with ``rms_rate=0.2`` Keras' Muon is meant to take
+#: Adam's learning rate and weight decay).
 DEFAULT_LR_GRID = {"sgd": (0.01, 0.03, 0.1), "adam": (3e-4, 1e-3, 3e-3),
-                   "adamw": (3e-4, 1e-3, 3e-3)}
-QUICK_LR_GRID = {"sgd": (0.03, 0.1), "adam": (1e-3, 3e-3), "adamw": (1e-3, 3e-3)}
+                   "adamw": (3e-4, 1e-3, 3e-3), "muon": (1e-3, 3e-3, 1e-2)}
+QUICK_LR_GRID = {"sgd": (0.03, 0.1), "adam": (1e-3, 3e-3), "adamw": (1e-3, 3e-3),
+                 "muon": (1e-3, 3e-3)}
 #: AdamW's decoupled weight decay when --weight-decay is not given (Keras' default).
 ADAMW_WEIGHT_DECAY = 0.004
+#: Muon's weight decay (its Muon and its AdamW step) when --weight-decay is not given (Keras').
+MUON_WEIGHT_DECAY = 0.004
+#: Name of the output layer of every model in models.py: Muon gives it its AdamW step, as Keras'
+#: documentation of ``keras.optimizers.Muon`` recommends for the final fully connected layer.
+MUON_EXCLUDE_LAYERS = ("predictions",)
+
+
+def muon_available():
+    """Whether this Keras has ``keras.optimizers.Muon`` (Keras >= 3.10)."""
+    import keras
+
+    return hasattr(keras.optimizers, "Muon")
+
+
+def require_muon():
+    """Exit with a clear message when ``--optimizers`` names muon and this Keras has none."""
+    import keras
+
+    if not muon_available():
+        raise SystemExit(
+            f"error: --optimizers muon needs keras.optimizers.Muon (Keras >= 3.10); this is "
+            f"Keras {keras.__version__}. Upgrade Keras or leave muon out.")
 
 
 def parse_floats(text):
@@ -55,22 +83,30 @@ def parse_lr_grid(specs, base):
                 continue
             if "=" not in part:
                 raise argparse.ArgumentTypeError(
-                    f"--lr-grid takes NAME=LR[,LR...] with NAME sgd, adam or adamw, e.g. "
-                    f"'sgd=0.01,0.03;adam=1e-3'; got {part!r}")
+                    f"--lr-grid takes NAME=LR[,LR...] with NAME one of {', '.join(FIRST_ORDER)}, "
+                    f"e.g. 'sgd=0.01,0.03;adam=1e-3'; got {part!r}")
             name, values = part.split("=", 1)
             name = name.strip()
             if name not in FIRST_ORDER:
                 raise argparse.ArgumentTypeError(
-                    f"--lr-grid applies to sgd, adam and adamw (THOR variants use --thor-lr); got {name!r}")
+                    f"--lr-grid applies to {', '.join(FIRST_ORDER)} (THOR variants use "
+                    f"--thor-lr); got {name!r}")
             grid[name] = tuple(parse_floats(values))
     return grid
 
 
+def full_grid(grid, base):
+    """A script's ``grid`` completed with ``base`` for the optimizers it leaves out."""
+    return {**{k: tuple(v) for k, v in base.items()}, **{k: tuple(v) for k, v in grid.items()}}
+
+
 def grid_text(grid, quick_grid):
-    """Help text of a script's default and --quick grids."""
+    """Help text of a script's default and --quick grids (completed as :func:`finish_args`
+    completes them)."""
     def one(g):
         return " ".join(f"{k}={','.join(f'{v:g}' for v in vs)}" for k, vs in g.items())
-    return f"{one(grid)}; --quick: {one(quick_grid)}"
+    return (f"{one(full_grid(grid, DEFAULT_LR_GRID))}; "
+            f"--quick: {one(full_grid(quick_grid, QUICK_LR_GRID))}")
 
 
 def _split_dim(text):
@@ -133,20 +169,23 @@ def add_common_arguments(parser, *, out, epochs, batch_size, thor_lr, thor_dampi
                         "first-order baseline of this run)")
     g.add_argument("--target-acc", type=float, default=None,
                    help="test accuracy for time-to-target (default: the final test accuracy of "
-                        "the best first-order baseline, sgd/adam/adamw, of this run)")
+                        "the best first-order baseline, sgd/adam/adamw/muon, of this run)")
     g.add_argument("--lr-grid", action="append", default=None, metavar="NAME=LR,...",
-                   help="learning rates for sgd/adam/adamw, e.g. 'sgd=0.01,0.03,0.1;adam=3e-4,1e-3' "
+                   help="learning rates for sgd/adam/adamw/muon, e.g. "
+                        "'sgd=0.01,0.03,0.1;adam=3e-4,1e-3' "
                         f"(repeatable; default {lr_grid_text})")
     g.add_argument("--lr-schedule", choices=("constant", "poly"), default=lr_schedule,
                    help="learning-rate schedule of every optimizer: constant, or THOR's "
                         "polynomial decay lr0*(1-epoch/(1.25*epochs))^4.9687 "
                         f"(default {lr_schedule})")
     g.add_argument("--baseline-lr-schedule", choices=("constant", "poly"), default=None,
-                   help="schedule of SGD/Adam when it should differ from --lr-schedule (THOR's "
+                   help="schedule of the first-order baselines (sgd/adam/adamw/muon) when it "
+                        "should differ from --lr-schedule (THOR's "
                         "steep polynomial decay stalls first-order methods on short runs)")
     g.add_argument("--weight-decay", type=float, default=0.0,
                    help="L2 weight decay on kernels (THOR: coupled, added to the update; "
-                        "SGD: Keras weight_decay; Adam becomes AdamW). Default 0")
+                        "SGD: Keras weight_decay; Adam becomes AdamW; AdamW and Muon: their "
+                        "decoupled decay, Keras' 0.004 when not given). Default 0")
     g.add_argument("--max-train", type=int, default=max_train,
                    help="use a random training subset of this size (default: all)")
     g.add_argument("--max-test", type=int, default=max_test,
@@ -173,6 +212,10 @@ def add_common_arguments(parser, *, out, epochs, batch_size, thor_lr, thor_dampi
     t.add_argument("--trace-filter", choices=("mean", "none"), default=None,
                    help="trace-rule noise filter; none: the rule as published (default: "
                         "thor_tf's default)")
+    t.add_argument("--damping-split", choices=("sqrt", "pi"), default=None,
+                   help="how a block's damping λ/P is shared between A and G: sqrt (each "
+                        "√(λ/P), THOR) or pi (π-adjusted, Martens & Grosse 2015 §6.3) "
+                        "(default: thor_tf's default)")
     t.add_argument("--factor-examples", type=int, default=None,
                    help="factors from the first k examples of each batch (K-FAC sub-batch; "
                         "default: the whole batch)")
@@ -210,13 +253,20 @@ def finish_args(args, default_grid=None, quick_grid=None):
     """Validate and complete the shared arguments (after the script applied --quick).
 
     ``--lr-grid`` entries override the script's grid (``quick_grid`` under ``--quick``, else
-    ``default_grid``; both default to this module's grids)."""
+    ``default_grid``), which overrides this module's (``QUICK_LR_GRID``, ``DEFAULT_LR_GRID``)
+    for the optimizers it names: a script's grid need not list every baseline (before, an
+    optimizer missing from it, e.g. adamw in mnist.py, failed with a KeyError)."""
     if args.epochs < 1:
         raise SystemExit("--epochs must be >= 1")
     if args.batch_size < 1:
         raise SystemExit("--batch-size must be >= 1")
+    if "muon" in args.optimizers:
+        require_muon()
     try:
-        base = (quick_grid or QUICK_LR_GRID) if args.quick else (default_grid or DEFAULT_LR_GRID)
+        if args.quick:
+            base = full_grid(quick_grid or {}, QUICK_LR_GRID)
+        else:
+            base = full_grid(default_grid or {}, DEFAULT_LR_GRID)
         args.lr_grid = parse_lr_grid(args.lr_grid, base)
     except argparse.ArgumentTypeError as err:
         raise SystemExit(f"error: {err}")

@@ -12,6 +12,9 @@ A comparison (medians over seeds, SGD and Adam over a small learning-rate grid):
 
     python experiments/mnist.py --optimizers thor,thor_stop,kfac,sgd,adam --seeds 0,1,2 --epochs 10
 
+Muon (``keras.optimizers.Muon``, Keras >= 3.10) and AdamW are baselines too, e.g.
+``--optimizers thor,adam,muon`` (Muon's grid: 1e-3, 3e-3, 1e-2; ``--lr-grid muon=...``).
+
 Outputs in ``--out`` (default ``runs/mnist``): ``metrics.csv`` (one row per epoch x optimizer x
 seed x lr), ``summary.json`` (best configuration per optimizer, time-to-target, run metadata),
 ``accuracy_vs_epoch.png``, ``accuracy_vs_time.png``, ``loss_vs_epoch.png``, ``loss_vs_time.png``

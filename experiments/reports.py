@@ -127,7 +127,8 @@ def best_configs(results):
 
 def choose_target(results, target_acc, target_from=None):
     """``(target, source text)``: ``--target-acc``, else the final accuracy of ``--target-from``
-    (its best learning rate), else of the best first-order baseline (sgd/adam/adamw)."""
+    (its best learning rate), else of the best first-order baseline (``cli.FIRST_ORDER``:
+    sgd/adam/adamw/muon)."""
     if target_acc is not None:
         return float(target_acc), "--target-acc"
     best = best_configs(results)
@@ -136,8 +137,8 @@ def choose_target(results, target_acc, target_from=None):
                   for name, (lr, runs) in best.items() if name in baselines]
     candidates = [c for c in candidates if c[0] is not None]
     if not candidates:
-        return None, ("no first-order baseline (sgd/adam) in this run and no --target-acc, so no "
-                      "time-to-target")
+        return None, (f"no first-order baseline ({'/'.join(FIRST_ORDER)}) in this run and no "
+                      "--target-acc, so no time-to-target")
     acc, name, lr = max(candidates)
     if target_from:
         return acc, f"final test accuracy of {name} (--target-from, best lr={lr:g})"

@@ -47,7 +47,7 @@ DATASETS = ("auto", "cifar10", "fashion_mnist", "digits")
 # With the polynomial decay, the best lr0 sits higher than with a constant rate: on a 2-epoch
 # ResNet-20 run (2k Fashion-MNIST images) SGD 0.1 beat 0.3, Adam 3e-3 beat 1e-3.
 LR_GRID = {"sgd": (0.03, 0.1, 0.3), "adam": (1e-3, 3e-3, 1e-2)}
-QUICK_LR_GRID = {"sgd": (0.1,), "adam": (3e-3,)}
+QUICK_LR_GRID = {"sgd": (0.1,), "adam": (3e-3,), "adamw": (3e-3,), "muon": (3e-3,)}
 
 
 def parse_args(argv=None):

@@ -16,13 +16,20 @@ Optimizers (``--optimizers``, comma separated):
                 preset ``"thor_nt"``, frequent refreshes (``--kfac-frequency``)
 ``sgd``         ``keras.optimizers.SGD(lr, momentum=0.9)`` on the plain (unwrapped) model
 ``adam``        ``keras.optimizers.Adam(lr)`` on the plain model
+``adamw``       ``keras.optimizers.AdamW(lr, weight_decay=0.004)`` (Keras' default decay, or
+                ``--weight-decay``; not on biases and normalization scales/offsets)
+``muon``        ``keras.optimizers.Muon(lr)`` (Keras >= 3.10; the scripts exit saying so on an
+                older Keras): Newton-Schulz orthogonalized momentum on 2-D kernels (Dense), its
+                AdamW step on everything else (conv kernels are 4-D, Conv1D and attention
+                kernels 3-D, biases and norms 1-D) and on the output layer ``predictions``
+                (``exclude_layers``, as Keras' documentation advises); weight decay as AdamW's
 ==============  ===============================================================================
 
 Fairness rules: for a given seed every optimizer starts from the same initial weights
 (``keras.utils.set_random_seed(seed)`` right before the model is built) and sees the training
-examples in the same order (one NumPy permutation per epoch drawn from ``seed``). SGD and Adam get
-a small learning-rate grid (``--lr-grid``); the THOR variants get the learning rates of
-``--thor-lr`` (one value by default). Every run of the grid is kept in ``metrics.csv``; the summary
+examples in the same order (one NumPy permutation per epoch drawn from ``seed``). The first-order
+baselines (SGD, Adam, AdamW, Muon) get a small learning-rate grid (``--lr-grid``); the THOR
+variants get the learning rates of ``--thor-lr`` (one value by default). Every run of the grid is kept in ``metrics.csv``; the summary
 reports, per optimizer, the learning rate with the best median (over seeds) final test accuracy.
 
 ``metrics.csv`` columns: optimizer, lr (initial lr under a schedule), seed, epoch (from 1),
@@ -34,8 +41,8 @@ Time-to-target (:func:`time_to_target`): the first epoch whose test accuracy is 
 the cumulative *training* wall time at the end of that epoch (evaluation excluded, graph tracing
 of the first epoch included, as a user would pay it). Accuracy is only measured at epoch ends, so
 the answer is an upper bound with epoch granularity; no interpolation between epochs is done.
-The default target is the final test accuracy of the best first-order baseline (SGD or Adam) of
-the same run, so no guessed number enters the comparison; ``--target-acc`` overrides it.
+The default target is the final test accuracy of the best first-order baseline (SGD, Adam, AdamW
+or Muon) of the same run, so no guessed number enters the comparison; ``--target-acc`` overrides it.
 """
 
 
@@ -45,7 +52,8 @@ import math
 import time
 from pathlib import Path
 
-from thor_tf_experiments.cli import ADAMW_WEIGHT_DECAY, FIRST_ORDER, THOR_FAMILY
+from thor_tf_experiments.cli import (ADAMW_WEIGHT_DECAY, FIRST_ORDER, MUON_EXCLUDE_LAYERS,
+                                     MUON_WEIGHT_DECAY, THOR_FAMILY, require_muon)
 from thor_tf_experiments.reports import (PLOT_FILES, CsvLog, RunResult, plot_curves, summarize,
                                          summary_table, write_summary)
 
@@ -110,6 +118,8 @@ def make_model(optimizer, lr, build_model, args, steps_per_epoch, show_table):
             options.update(kl_clip=None if args.kl_clip == "none" else args.kl_clip)
         if args.factor_examples is not None:
             options.update(factor_examples=args.factor_examples)
+        if getattr(args, "damping_split", None) is not None:
+            options.update(damping_split=args.damping_split)
         wrapped = thor_tf.wrap(
             model, learning_rate=lr_value, momentum=0.9,
             damping=damping_schedule(args.lr_schedule, damping, args.epochs, steps_per_epoch),
@@ -121,6 +131,12 @@ def make_model(optimizer, lr, build_model, args, steps_per_epoch, show_table):
                                    weight_decay=args.weight_decay or None)
     elif optimizer == "adamw":
         opt = keras.optimizers.AdamW(lr_value, weight_decay=args.weight_decay or ADAMW_WEIGHT_DECAY)
+        opt.exclude_from_weight_decay(var_names=WEIGHT_DECAY_EXCLUDE)
+    elif optimizer == "muon":
+        require_muon()
+        decay = args.weight_decay or MUON_WEIGHT_DECAY
+        opt = keras.optimizers.Muon(lr_value, weight_decay=decay, adam_weight_decay=decay,
+                                    exclude_layers=list(MUON_EXCLUDE_LAYERS))
         opt.exclude_from_weight_decay(var_names=WEIGHT_DECAY_EXCLUDE)
     elif optimizer == "adam":
         if args.weight_decay:
@@ -246,7 +262,7 @@ def run_experiment(args, ds, build_model, model_name, title):
     steps = math.ceil(ds.x_train.shape[0] / args.batch_size)
     print(f"{title}: {len(grid)} configuration(s) x {len(args.seeds)} seed(s), {args.epochs} "
           f"epoch(s) of {steps} steps (batch {args.batch_size}), lr schedule {args.lr_schedule}"
-          f"{'' if args.baseline_lr_schedule is None else ' (sgd/adam: ' + args.baseline_lr_schedule + ')'}; "
+          f"{'' if args.baseline_lr_schedule is None else f' (first-order: {args.baseline_lr_schedule})'}; "
           f"output in {out}", flush=True)
     if any(name in THOR_FAMILY for name, _ in grid):
         from thor_tf import ThorOptimizer
@@ -256,9 +272,10 @@ def run_experiment(args, ds, build_model, model_name, title):
         trace_filter = (args.trace_filter if args.trace_filter is not None
                         else getattr(defaults, "trace_filter", "none"))
         kl_clip = args.kl_clip if args.kl_clip is not None else getattr(defaults, "kl_clip", None)
+        damping_split = getattr(args, "damping_split", None) or defaults.damping_split
         print(f"THOR: lr {','.join(f'{v:g}' for v in args.thor_lr)}, damping {args.thor_damping:g}, "
               f"frequency {args.frequency}, momentum 0.9, split_dim {split}, "
-              f"trace_filter {trace_filter}, kl_clip {kl_clip}, "
+              f"trace_filter {trace_filter}, kl_clip {kl_clip}, damping_split {damping_split}, "
               f"factor_examples {args.factor_examples or 'all'}", flush=True)
     csv_log = CsvLog(out / "metrics.csv")
     results = []

@@ -26,7 +26,7 @@ from thor_tf_experiments import cli, runner  # noqa: E402
 
 DATASETS = ("auto", "fashion_mnist", "mnist", "digits")
 LR_GRID = {"sgd": (0.03, 0.1), "adam": (1e-3, 3e-3), "adamw": (1e-3, 3e-3)}
-QUICK_LR_GRID = {"sgd": (0.1,), "adam": (3e-3,), "adamw": (3e-3,)}
+QUICK_LR_GRID = {"sgd": (0.1,), "adam": (3e-3,), "adamw": (3e-3,), "muon": (3e-3,)}
 
 
 def parse_args(argv=None):

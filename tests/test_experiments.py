@@ -66,19 +66,60 @@ def test_lr_grid_parsing():
     grid = cli.parse_lr_grid(["sgd=0.5,0.1", "adam=1e-4"], cli.DEFAULT_LR_GRID)
     assert grid == {**cli.DEFAULT_LR_GRID, "sgd": (0.5, 0.1), "adam": (1e-4,)}
     grid = cli.parse_lr_grid(["adam=1e-4;sgd=0.2;adamw=3e-3"], cli.DEFAULT_LR_GRID)
-    assert grid == {"sgd": (0.2,), "adam": (1e-4,), "adamw": (3e-3,)}
+    assert grid == {**cli.DEFAULT_LR_GRID, "sgd": (0.2,), "adam": (1e-4,), "adamw": (3e-3,)}
     assert cli.parse_lr_grid(None, cli.DEFAULT_LR_GRID) == cli.DEFAULT_LR_GRID
-    with pytest.raises(Exception, match="applies to sgd, adam and adamw"):
+    with pytest.raises(Exception, match="applies to sgd, adam, adamw, muon"):
         cli.parse_lr_grid(["thor=0.1"], cli.DEFAULT_LR_GRID)
+    assert cli.parse_lr_grid(["muon=1e-2"], cli.DEFAULT_LR_GRID)["muon"] == (1e-2,)
+
+
+def test_muon_is_a_first_order_baseline_with_keras_default_lr_in_its_grid():
+    assert "muon" in cli.OPTIMIZERS and "muon" in cli.FIRST_ORDER
+    assert cli.DEFAULT_LR_GRID["muon"] == (1e-3, 3e-3, 1e-2)
+    assert cli.parse_optimizers("thor,adam,muon") == ["thor", "adam", "muon"]
+    # A script's grid that leaves an optimizer out gets this module's (mnist.py names only sgd
+    # and adam; adamw used to fail there with a KeyError).
+    sys.path.insert(0, str(EXPERIMENTS))
+    try:
+        import mnist
+    finally:
+        sys.path.remove(str(EXPERIMENTS))
+    args = mnist.parse_args(["--optimizers", "thor,adamw,muon"])
+    assert args.lr_grid["muon"] == cli.DEFAULT_LR_GRID["muon"]
+    assert args.lr_grid["adamw"] == cli.DEFAULT_LR_GRID["adamw"]
+    assert args.lr_grid["adam"] == mnist.LR_GRID["adam"]
+    import keras
+    if hasattr(keras.optimizers, "Muon"):
+        import inspect
+        default = inspect.signature(keras.optimizers.Muon.__init__).parameters["learning_rate"]
+        assert default.default in cli.DEFAULT_LR_GRID["muon"]
+
+
+def _result(name, lr, acc):
+    return reports.RunResult(name, lr, 0, rows=[{"test_acc": acc, "cumulative_seconds": 1.0}])
+
+
+def test_default_target_is_the_best_of_all_first_order_baselines_muon_and_adamw_included():
+    results = [_result("thor", 0.02, 0.95), _result("sgd", 0.1, 0.80), _result("adam", 1e-3, 0.85),
+               _result("adamw", 1e-3, 0.86), _result("muon", 1e-3, 0.90),
+               _result("muon", 3e-3, 0.87)]
+    target, source = reports.choose_target(results, None)
+    assert target == 0.90 and "muon" in source and "lr=0.001" in source
+    target, source = reports.choose_target(results[:-2], None)
+    assert target == 0.86 and "adamw" in source
+    target, _ = reports.choose_target(results, None, target_from="adam")
+    assert target == 0.85
+    target, source = reports.choose_target(results[:1], None)
+    assert target is None and "sgd/adam/adamw/muon" in source
 
 
 # --------------------------------------------------------------------------- --quick runs
 
-def _run_quick(script, out, optimizers):
+def _run_quick(script, out, optimizers, *extra):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")  # the scripts import the installed packages
     proc = subprocess.run(
         [sys.executable, str(EXPERIMENTS / script), "--quick", "--optimizers", optimizers,
-         "--out", str(out)],
+         "--out", str(out), *extra],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
@@ -157,3 +198,90 @@ def test_transformer_quick(tmp_path):
     assert summary["model"] == "vit"
     kinds = {s["kind"] for s in summary["optimizers"]["thor"]["layer_stats"]}
     assert {"conv2d", "dense"} <= kinds
+
+
+def test_mnist_quick_with_muon(tmp_path):
+    """keras.optimizers.Muon as a baseline (Keras >= 3.10): it trains (digits, 1 epoch of 23
+    steps, lr 3e-3: well above the 10 % of chance), appears in metrics.csv and the summary, and,
+    the only first-order baseline of the run, sets the target."""
+    import keras
+
+    if not hasattr(keras.optimizers, "Muon"):
+        pytest.skip(f"keras.optimizers.Muon needs Keras >= 3.10; this is Keras {keras.__version__}")
+    out = tmp_path / "mnist_muon"
+    stdout = _run_quick("mnist.py", out, "thor,muon", "--epochs", "1", "--lr-grid", "muon=3e-3")
+    _check_outputs(out, ["thor", "muon"], epochs=1, stdout=stdout, baseline="muon")
+    summary = json.loads((out / "summary.json").read_text())
+    muon = summary["optimizers"]["muon"]
+    assert muon["lr"] == pytest.approx(3e-3)
+    assert muon["final_acc"] > 0.5, muon
+    assert muon["refreshes"] == 0
+    assert "muon" in summary["target_source"]
+    with open(out / "metrics.csv", newline="") as fh:
+        rows = [r for r in csv.DictReader(fh) if r["optimizer"] == "muon"]
+    assert len(rows) == 1 and float(rows[0]["train_loss"]) < math.log(10), rows
+    assert "[muon lr=0.003 seed=0] epoch 1/1" in stdout
+
+
+def test_muon_baseline_optimizer_settings():
+    """make_model's Muon: Keras' Muon with the output layer on its AdamW step, weight decay as
+    AdamW's (Keras' 0.004 unless --weight-decay), none on biases."""
+    import argparse
+
+    import keras
+
+    if not hasattr(keras.optimizers, "Muon"):
+        pytest.skip(f"keras.optimizers.Muon needs Keras >= 3.10; this is Keras {keras.__version__}")
+    from thor_tf_experiments import models, runner
+
+    args = argparse.Namespace(lr_schedule="constant", baseline_lr_schedule=None, epochs=1,
+                              weight_decay=0.0)
+    model = runner.make_model("muon", 1e-3, lambda: models.build("cnn", (8, 8, 1), 10), args,
+                              steps_per_epoch=1, show_table=False)
+    opt = model.optimizer
+    assert isinstance(opt, keras.optimizers.Muon)
+    assert float(opt.learning_rate) == pytest.approx(1e-3)
+    assert opt.weight_decay == pytest.approx(cli.MUON_WEIGHT_DECAY)
+    assert opt.adam_weight_decay == pytest.approx(cli.MUON_WEIGHT_DECAY)
+    adamw_step = {v.path: opt._should_use_adamw(v) for v in model.trainable_variables}
+    assert adamw_step["dense1/kernel"] is False         # 2-D hidden kernel: the Muon step
+    assert adamw_step["predictions/kernel"] is True     # output layer excluded
+    assert adamw_step["conv1/kernel"] is True           # 4-D kernel: Keras' Muon uses AdamW
+    assert not opt._use_weight_decay(model.get_layer("dense1").bias)
+    assert opt._use_weight_decay(model.get_layer("dense1").kernel)
+
+
+def test_muon_on_a_keras_without_it_says_so(monkeypatch):
+    import keras
+
+    monkeypatch.delattr(keras.optimizers, "Muon", raising=False)
+    sys.path.insert(0, str(EXPERIMENTS))
+    try:
+        import mnist
+    finally:
+        sys.path.remove(str(EXPERIMENTS))
+    with pytest.raises(SystemExit, match=r"keras.optimizers.Muon \(Keras >= 3.10\)"):
+        mnist.parse_args(["--optimizers", "thor,muon"])
+    assert mnist.parse_args(["--optimizers", "thor,adam"]).optimizers == ["thor", "adam"]
+
+
+def test_damping_split_flag_reaches_the_thor_optimizer():
+    import argparse
+
+    from thor_tf_experiments import models, runner
+
+    sys.path.insert(0, str(EXPERIMENTS))
+    try:
+        import mnist
+    finally:
+        sys.path.remove(str(EXPERIMENTS))
+    assert mnist.parse_args([]).damping_split is None
+    args = mnist.parse_args(["--damping-split", "pi"])
+    assert args.damping_split == "pi"
+    model = runner.make_model("thor", 0.02, lambda: models.build("mlp", (8, 8, 1), 10), args,
+                              steps_per_epoch=1, show_table=False)
+    assert model.optimizer.damping_split == "pi"
+    args = argparse.Namespace(**{**vars(args), "damping_split": None})
+    model = runner.make_model("thor", 0.02, lambda: models.build("mlp", (8, 8, 1), 10), args,
+                              steps_per_epoch=1, show_table=False)
+    assert model.optimizer.damping_split == "sqrt"
