@@ -85,7 +85,7 @@ def test_muon_is_a_first_order_baseline_with_keras_default_lr_in_its_grid():
     finally:
         sys.path.remove(str(EXPERIMENTS))
     args = mnist.parse_args(["--optimizers", "thor,adamw,muon"])
-    assert args.lr_grid["muon"] == cli.DEFAULT_LR_GRID["muon"]
+    assert args.lr_grid["muon"] == mnist.LR_GRID["muon"] == (3e-3,)  # the main job's best
     assert args.lr_grid["adamw"] == cli.DEFAULT_LR_GRID["adamw"]
     assert args.lr_grid["adam"] == mnist.LR_GRID["adam"]
     import keras
