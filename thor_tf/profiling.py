@@ -14,7 +14,7 @@ import time
 import tensorflow as tf
 
 from thor_tf import fisher
-from thor_tf.inverse import invert_blocks
+from thor_tf.inverse import factor_dampings, invert_blocks
 
 
 def _median_seconds(fn, repeats):
@@ -28,12 +28,12 @@ def _median_seconds(fn, repeats):
     return statistics.median(times)
 
 
-def _layer_functions(block, recs, gs, factor_a, factor_g, damping, split_dim):
+def _layer_functions(block, recs, gs, factor_a, factor_g, dampings, split_dim):
     """tf.functions (no arguments: the captured tensors are constants) for one layer's work."""
     traces = tf.function(lambda: (block.trace_a(recs), block.trace_g(gs)))
     factors = tf.function(lambda: (block.factor_a(recs, split_dim), block.factor_g(gs, split_dim)))
-    inverse = tf.function(lambda: (invert_blocks(factor_a, damping, block.a_dim),
-                                   invert_blocks(factor_g, damping, block.g_dim)))
+    inverse = tf.function(lambda: (invert_blocks(factor_a, dampings[0], block.a_dim),
+                                   invert_blocks(factor_g, dampings[1], block.g_dim)))
     return traces, factors, inverse
 
 
@@ -87,9 +87,11 @@ def profile_step(model, x, y, repeats=5):
         recs = records[block.name]
         gs = [g * scale for g in z_grads[k:k + count]]
         k += count
-        damping = tf.sqrt(optimizer.current_damping() / block.positions(recs))
         split = optimizer.split_dim
         factor_a, factor_g = block.factor_a(recs, split), block.factor_g(gs, split)
+        # Each factor's damping as the step's refresh takes it (``damping_split``).
+        damping = factor_dampings(optimizer.current_damping() / block.positions(recs), factor_a,
+                                  factor_g, block.a_dim, block.g_dim, optimizer.damping_split)
         traces, factors, inverse = _layer_functions(block, recs, gs, factor_a, factor_g, damping,
                                                     split)
         timings = {
