@@ -153,9 +153,6 @@ class CaptureStore:
                 out[key] = taken
         return out
 
-    def clear(self):
-        self._records().clear()
-
 
 def _first_input(args, kwargs):
     if args:

@@ -57,8 +57,9 @@ def first_order_reason(layer):
 
 def check_exclude(model, exclude):
     """``ValueError`` naming the ``exclude`` entries that match no layer of ``model``."""
-    names = {layer.name for layer in _keras_compat.flatten_layers(model)}
-    paths = {getattr(layer, "path", None) for layer in _keras_compat.flatten_layers(model)}
+    layers = _keras_compat.flatten_layers(model)
+    names = {layer.name for layer in layers}
+    paths = {getattr(layer, "path", None) for layer in layers}
     unknown = [e for e in exclude if e not in names and e not in paths]
     if unknown:
         raise ValueError(f"`exclude` names layers the model does not have: {unknown}; its layers "
