@@ -216,6 +216,9 @@ def add_common_arguments(parser, *, out, epochs, batch_size, thor_lr, thor_dampi
                    help="how a block's damping λ/P is shared between A and G: sqrt (each "
                         "√(λ/P), THOR) or pi (π-adjusted, Martens & Grosse 2015 §6.3) "
                         "(default: thor_tf's default)")
+    t.add_argument("--max-block-age", type=int, default=None, metavar="STEPS",
+                   help="refresh a block in use for this many steps whatever its trace says "
+                        "(default: the trace rule alone)")
     t.add_argument("--factor-examples", type=int, default=None,
                    help="factors from the first k examples of each batch (K-FAC sub-batch; "
                         "default: the whole batch)")

@@ -120,6 +120,8 @@ def make_model(optimizer, lr, build_model, args, steps_per_epoch, show_table):
             options.update(factor_examples=args.factor_examples)
         if getattr(args, "damping_split", None) is not None:
             options.update(damping_split=args.damping_split)
+        if getattr(args, "max_block_age", None) is not None:
+            options.update(max_block_age=args.max_block_age)
         wrapped = thor_tf.wrap(
             model, learning_rate=lr_value, momentum=0.9,
             damping=damping_schedule(args.lr_schedule, damping, args.epochs, steps_per_epoch),
@@ -276,7 +278,8 @@ def run_experiment(args, ds, build_model, model_name, title):
         print(f"THOR: lr {','.join(f'{v:g}' for v in args.thor_lr)}, damping {args.thor_damping:g}, "
               f"frequency {args.frequency}, momentum 0.9, split_dim {split}, "
               f"trace_filter {trace_filter}, kl_clip {kl_clip}, damping_split {damping_split}, "
-              f"factor_examples {args.factor_examples or 'all'}", flush=True)
+              f"factor_examples {args.factor_examples or 'all'}, "
+              f"max_block_age {getattr(args, 'max_block_age', None) or 'none'}", flush=True)
     csv_log = CsvLog(out / "metrics.csv")
     results = []
     shown = False

@@ -265,7 +265,7 @@ def test_muon_on_a_keras_without_it_says_so(monkeypatch):
     assert mnist.parse_args(["--optimizers", "thor,adam"]).optimizers == ["thor", "adam"]
 
 
-def test_damping_split_flag_reaches_the_thor_optimizer():
+def test_damping_split_and_max_block_age_flags_reach_the_thor_optimizer():
     import argparse
 
     from thor_tf_experiments import models, runner
@@ -285,3 +285,8 @@ def test_damping_split_flag_reaches_the_thor_optimizer():
     model = runner.make_model("thor", 0.02, lambda: models.build("mlp", (8, 8, 1), 10), args,
                               steps_per_epoch=1, show_table=False)
     assert model.optimizer.damping_split == "sqrt"
+    assert model.optimizer.max_block_age is None
+    args = mnist.parse_args(["--max-block-age", "50"])
+    model = runner.make_model("thor", 0.02, lambda: models.build("mlp", (8, 8, 1), 10), args,
+                              steps_per_epoch=1, show_table=False)
+    assert model.optimizer.max_block_age == 50

@@ -392,3 +392,56 @@ def test_adaptive_cadence_serializes_and_validates():
     legacy.pop("trace_filter")
     legacy["trace_smoothing"] = 0.9
     assert thor_tf.ThorOptimizer.from_config(legacy).trace_filter == "mean"
+
+
+def _rotations(count, dim=6, seed=3):
+    """``count`` random orthogonal ``dim × dim`` matrices (float64): ``x @ Q`` keeps every row's
+    norm, so tr A is unchanged while A = Qᵀ A₀ Q turns."""
+    rng = np.random.default_rng(seed)
+    return [np.linalg.qr(rng.normal(size=(dim, dim)))[0] for _ in range(count)]
+
+
+@pytest.mark.parametrize("trace_filter", ["mean", "none"])
+def test_trace_rule_is_blind_to_a_turning_factor_and_max_block_age_bounds_its_age(trace_filter):
+    x, y = _batch()
+    turns = _rotations(10)
+    inputs = [(x.astype(np.float64) @ q).astype("float32") for q in turns]
+    results = {}
+    for age in (None, 3):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3, use_bias=False, name="fc")])
+        wrapped = thor_tf.wrap(model, frequency=1, damping=LAMBDA, learning_rate=1e-3,
+                               trace_filter=trace_filter, max_block_age=age, verbose=False)
+        wrapped.compile(loss=_linear_loss)
+        logger = TraceRuleLogger(summary=False)
+        factors = []
+        for xs in inputs:
+            wrapped.fit(xs, y, batch_size=len(x), epochs=1, verbose=0, callbacks=[logger],
+                        shuffle=False)
+            factors.append(wrapped.thor.factors("fc")["A"].copy())
+        results[age] = ([r["decision"] for r in logger.rows], factors)
+    # Every batch has the same tr A (rotated rows) and G (the linear loss): the trace rule keeps
+    # the first block for good, ...
+    decisions, factors = results[None]
+    assert decisions == ["refresh"] + ["reuse"] * 9
+    first = inputs[0].astype(np.float64)
+    for f in factors:
+        np.testing.assert_allclose(f, first.T @ first / len(first), rtol=1e-5, atol=1e-7)
+    # ... although A itself turns: its relative change is far from the trace's (0).
+    last = inputs[-1].astype(np.float64)
+    a_first, a_last = first.T @ first / len(first), last.T @ last / len(last)
+    assert abs(np.trace(a_last) - np.trace(a_first)) / np.trace(a_first) < 1e-6
+    assert np.linalg.norm(a_last - a_first) / np.linalg.norm(a_first) > 0.3
+    # With max_block_age = 3 steps the block is refreshed at steps 0, 3, 6, 9 and each refresh
+    # installs that batch's A (float64 reference from the explicit rows).
+    decisions, factors = results[3]
+    assert decisions == ["refresh", "reuse", "reuse"] * 3 + ["refresh"]
+    for step, f in enumerate(factors):
+        rows = inputs[step - step % 3].astype(np.float64)
+        np.testing.assert_allclose(f, rows.T @ rows / len(rows), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("age", [0, -1, 2.5, True, "10"])
+def test_bad_max_block_age_raises(age):
+    with pytest.raises(ValueError, match="max_block_age"):
+        thor_tf.ThorOptimizer(max_block_age=age)

@@ -121,6 +121,7 @@ class ThorConfig:
     inverse_assignment: str = "all"
     loss_reduction: str = "auto"
     damping_split: str = "sqrt"
+    max_block_age: Optional[int] = None
 
     def __post_init__(self):
         def set_(name, value):
@@ -156,6 +157,10 @@ class ThorConfig:
         if not isinstance(self.damping_split, str) or self.damping_split not in DAMPING_SPLITS:
             raise ValueError(f"`damping_split` must be one of {list(DAMPING_SPLITS)}; "
                              f"got {self.damping_split!r}.")
+        age = self.max_block_age
+        if age is not None and (isinstance(age, bool) or not isinstance(age, numbers.Integral)
+                                or age < 1):
+            raise ValueError(f"`max_block_age` must be None or an int >= 1 (steps); got {age!r}.")
         exclude = self.weight_decay_exclude
         if exclude is not None and (isinstance(exclude, str)
                                     or not all(isinstance(p, str) for p in exclude)):
@@ -169,6 +174,7 @@ class ThorConfig:
         set_("factor_decay", float(self.factor_decay))
         set_("kl_clip", None if self.kl_clip is None else float(self.kl_clip))
         set_("factor_examples", None if k is None else int(k))
+        set_("max_block_age", None if age is None else int(age))
         set_("split_dim", resolve_split_dim(self.split_dim))
         set_("_omegas", resolve_omegas(self.preset, self.omega1, self.omega2))
         set_("_cadence", CadenceSchedule(self.frequency))

@@ -382,7 +382,7 @@ class ThorEngine(Introspection):
                 damping = opt.current_damping()
                 local = self._local_traces(layers)  # [n, 2]
                 traces, = distributed.weighted_mean([local], weight)
-                decisions = self._judge(layers, traces, damping)
+                decisions = self._judge(layers, traces, damping, step)
                 self.refresher.refresh(layers, tf.unstack(decisions.refresh, num=len(layers)), damping,
                               weight)
                 refreshed_any = self._record_decisions(layers, decisions, step)
@@ -427,13 +427,14 @@ class ThorEngine(Introspection):
         frozen = tf.gather(tf.convert_to_tensor(self.state.frozen), index) > 0
         return tf.where(frozen[:, None], tf.zeros_like(traces), traces)
 
-    def _judge(self, layers, traces, damping):
+    def _judge(self, layers, traces, damping, step):
         """The trace rule for every active layer at once, from the global batch's traces.
 
         Args:
           layers: the active layers' :class:`_CadenceLayer`.
           traces: ``[n_active, 2]`` float32, ``[tr A, tr G]`` per layer.
           damping: λ (float32 scalar).
+          step: the optimizer step (int64 scalar), for ``max_block_age``.
 
         Returns:
           :class:`_Decisions` of ``[n_active]`` vectors. Every formula is elementwise over layers
@@ -457,10 +458,14 @@ class ThorEngine(Introspection):
         g_dims = tf.constant([float(layer.block.g_dim) for layer in layers])
         batch_a, batch_g = traces[:, 0], traces[:, 1]
         omega1, omega2 = self.config.omegas
+        aged = None
+        if self.config.max_block_age is not None:
+            age = step - tf.cast(rows(s.last_refresh), tf.int64)
+            aged = tf.logical_and(has_used, age >= self.config.max_block_age)
         if self.config.trace_filter == "mean":
             delta, refresh, freeze, new_calm, new_filter = scheduler.filter_step(
                 old_filter, batch_a * batch_g, block_damping * a_dims * g_dims, has_used, omega1,
-                omega2, calm, scheduler.FREEZE_AFTER)
+                omega2, calm, scheduler.FREEZE_AFTER, aged)
         else:
             new_filter = old_filter
             beta = self.config.factor_decay
@@ -471,7 +476,7 @@ class ThorEngine(Introspection):
             new = scheduler.trace_product(trace_a, trace_g, block_damping, a_dims, g_dims)
             used = scheduler.trace_product(used_a, used_g, block_damping, a_dims, g_dims)
             delta = scheduler.relative_trace_change(new, used, has_used)
-            refresh, freeze, new_calm = scheduler.decide(delta, omega1, omega2, calm, 1)
+            refresh, freeze, new_calm = scheduler.decide(delta, omega1, omega2, calm, 1, aged)
         finite = tf.logical_and(tf.math.is_finite(batch_a * batch_g),
                                 tf.reduce_all(tf.math.is_finite(traces), axis=1))
         live = tf.logical_and(tf.logical_not(frozen), finite)

@@ -75,6 +75,11 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         loss in ``ThorModel.fit`` and assumes ``"mean"`` (``compute_loss``, ``reduce_mean``,
         ``tf.nn.compute_average_loss``) when the user's own ``train_step`` or loop applies the
         gradients; ``"mean"`` or ``"sum"`` say it.
+      max_block_age: None (default: the trace rule alone decides) or a number of steps: a block in
+        use for that many steps or more is refreshed at the next cadence point whatever its trace
+        says. The trace sees only the sum of a factor's eigenvalues; behind a LayerNorm ``tr A`` is
+        nearly fixed while A's shape moves (Transformers, see docs/trace_rule.md), and this bounds
+        how stale such a block gets. A frozen block stays frozen.
     """
 
     def __init__(
@@ -98,6 +103,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         inverse_assignment="all",
         loss_reduction="auto",
         damping_split="sqrt",
+        max_block_age=None,
         name="thor",
         **kwargs,
     ):
@@ -108,7 +114,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
             split_dim=split_dim, fisher=fisher, factor_decay=factor_decay,
             trace_filter=trace_filter, kl_clip=kl_clip, factor_examples=factor_examples,
             inverse_assignment=inverse_assignment, loss_reduction=loss_reduction,
-            damping_split=damping_split))
+            damping_split=damping_split, max_block_age=max_block_age))
         super().__init__(learning_rate=learning_rate, name=name, **keras_kwargs)
         #: The validated options, shared with the engine (:class:`thor_tf.config.ThorConfig`).
         self.config = config
@@ -122,6 +128,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
     momentum = property(lambda self: self.config.momentum)
     damping = property(lambda self: self.config.damping)
     damping_split = property(lambda self: self.config.damping_split)
+    max_block_age = property(lambda self: self.config.max_block_age)
     thor_weight_decay = property(lambda self: self.config.weight_decay)
     weight_decay_exclude = property(
         lambda self: list(self.config.weight_decay_exclude) if self.config.weight_decay_exclude else None)

@@ -36,7 +36,9 @@ sides use the current damping, so a damping schedule alone does not trigger refr
 * ``Δ < ω2``: freeze the block for the rest of training (no factor work any more).
 
 A layer that has never been refreshed always refreshes (Δ is +inf). ω1 = 0 (THOR_NT) refreshes at
-every cadence point.
+every cadence point. With ``max_block_age`` = N (steps), a block in use for N steps or more is
+refreshed at the next cadence point whatever Δ says (the trace is blind to a change of a factor's
+shape at a fixed trace: behind a LayerNorm, ``tr A`` hardly moves while A does).
 
 Trace filter (option ``trace_filter``)
 --------------------------------------
@@ -115,10 +117,11 @@ def relative_trace_change(new_product, used_product, has_used):
     return tf.where(has_used, delta, tf.constant(float("inf"), delta.dtype))
 
 
-def decide(delta, omega1, omega2, calm=None, freeze_after=1):
+def decide(delta, omega1, omega2, calm=None, freeze_after=1, force=None):
     """``(refresh, freeze)`` booleans of THOR's rule; ``reuse`` is neither.
 
-    refresh: Δ > ω1. freeze: Δ < ω2 (never for a layer without a block in use: Δ = inf) at
+    refresh: Δ > ω1, or ``force`` (bool tensor: the block in use is too old, ``max_block_age``;
+    a forced refresh is neither quiet nor counted toward freezing). freeze: Δ < ω2 (never for a layer without a block in use: Δ = inf) at
     ``freeze_after`` consecutive evaluated cadence points; ``calm`` (int tensor) counts the previous
     consecutive points with Δ < ω2. ω1 = 0 (THOR_NT) refreshes at every cadence point, even when Δ
     is exactly 0. With ``calm`` given, returns ``(refresh, freeze, new_calm)``.
@@ -129,6 +132,9 @@ def decide(delta, omega1, omega2, calm=None, freeze_after=1):
     else:
         refresh = delta > omega1
         quiet = tf.logical_and(tf.logical_not(refresh), delta < omega2)
+    if force is not None:
+        refresh = tf.logical_or(refresh, force)
+        quiet = tf.logical_and(quiet, tf.logical_not(force))
     if calm is None:
         return refresh, quiet
     new_calm = tf.where(quiet, calm + 1, tf.zeros_like(calm))
@@ -202,11 +208,14 @@ def filter_noise(state, obs):
 
 
 def filter_step(state, obs, damping_term, has_used, omega1, omega2, calm,
-                freeze_after=FREEZE_AFTER):
-    """One cadence point of the filtered rule: ``(delta, refresh, freeze, new_calm, new_state)``."""
+                freeze_after=FREEZE_AFTER, force=None):
+    """One cadence point of the filtered rule: ``(delta, refresh, freeze, new_calm, new_state)``.
+
+    ``force``: refresh regardless of Δ (see :func:`decide`); the reference restarts as at any
+    refresh."""
     state = filter_observe(state, obs)
     delta = filter_delta(state, damping_term, has_used)
-    refresh, freeze, new_calm = decide(delta, omega1, omega2, calm, freeze_after)
+    refresh, freeze, new_calm = decide(delta, omega1, omega2, calm, freeze_after, force)
     state = filter_refresh(state, refresh)
     state = filter_noise(state, obs)
     return delta, refresh, freeze, new_calm, state
