@@ -695,9 +695,14 @@ class BlockDiagonal:
         pad = self.padding
         if pad:
             x = tf.pad(x, [[0, 0], [0, pad]])
-        xr = tf.reshape(x, [-1, self._nb, self._d])
-        y = tf.einsum("mbi,bij->mbj", xr, self._blocks)
-        y = tf.reshape(y, [-1, self._nb * self._d])
+        if self._nb == 1:
+            # One block: a plain matmul (the einsum's batch axis of size 1 costs ~25 % more on
+            # CPU for a [3137·128]·[128·128] product, the CNN's dense1 G side).
+            y = tf.linalg.matmul(x, self._blocks[0])
+        else:
+            xr = tf.reshape(x, [-1, self._nb, self._d])
+            y = tf.einsum("mbi,bij->mbj", xr, self._blocks)
+            y = tf.reshape(y, [-1, self._nb * self._d])
         if pad:
             y = y[:, : self._dim]
         return y
