@@ -116,6 +116,18 @@ def _split_dim(text):
         return str(text)  # a calibration JSON path; thor_tf validates it
 
 
+def _max_block_age(text):
+    if str(text).lower() == "none":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1 (steps) or 'none'; got {text!r}")
+    return value
+
+
 def _kl_clip(text):
     if str(text).lower() in ("none", "off", "0"):
         return "none"
@@ -216,9 +228,9 @@ def add_common_arguments(parser, *, out, epochs, batch_size, thor_lr, thor_dampi
                    help="how a block's damping λ/P is shared between A and G: sqrt (each "
                         "√(λ/P), THOR) or pi (π-adjusted, Martens & Grosse 2015 §6.3) "
                         "(default: thor_tf's default)")
-    t.add_argument("--max-block-age", type=int, default=None, metavar="STEPS",
-                   help="refresh a block in use for this many steps whatever its trace says "
-                        "(default: the trace rule alone)")
+    t.add_argument("--max-block-age", type=_max_block_age, default=None, metavar="STEPS",
+                   help="refresh a block in use for this many steps whatever its trace says; "
+                        "'none': the trace rule alone (the default except in transformer.py)")
     t.add_argument("--factor-examples", type=int, default=None,
                    help="factors from the first k examples of each batch (K-FAC sub-batch; "
                         "default: the whole batch)")

@@ -190,12 +190,14 @@ def test_resnet_quick(tmp_path):
 
 
 def test_transformer_quick(tmp_path):
-    """The ViT script: every layer type with a block is registered, AdamW is the target."""
+    """The ViT script: every layer type with a block is registered, AdamW (the only baseline of
+    the run) is the target, THOR's blocks are at most 50 steps old by default."""
     out = tmp_path / "transformer"
     stdout = _run_quick("transformer.py", out, "thor,adamw")
     _check_outputs(out, ["thor", "adamw"], epochs=2, stdout=stdout, baseline="adamw")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["model"] == "vit"
+    assert summary["args"]["max_block_age"] == 50
     kinds = {s["kind"] for s in summary["optimizers"]["thor"]["layer_stats"]}
     assert {"conv2d", "dense"} <= kinds
 
@@ -290,3 +292,6 @@ def test_damping_split_and_max_block_age_flags_reach_the_thor_optimizer():
     model = runner.make_model("thor", 0.02, lambda: models.build("mlp", (8, 8, 1), 10), args,
                               steps_per_epoch=1, show_table=False)
     assert model.optimizer.max_block_age == 50
+    assert mnist.parse_args(["--max-block-age", "none"]).max_block_age is None
+    with pytest.raises(SystemExit):
+        mnist.parse_args(["--max-block-age", "0"])

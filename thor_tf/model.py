@@ -486,7 +486,9 @@ def wrap(model, **options):
         or calibration JSON path), ``fisher`` (``"empirical"`` or ``"sampled"``),
         ``factor_decay``, ``kl_clip`` (κ or None), ``factor_examples`` (None or k),
         ``trace_filter`` (``"mean"`` or ``"none"``), ``inverse_assignment`` (``"all"`` or
-        ``"balanced"``); Keras optimizer arguments such as
+        ``"balanced"``), ``loss_reduction`` (``"auto"``, ``"mean"``, ``"sum"``),
+        ``damping_split`` (``"sqrt"`` or ``"pi"``), ``max_block_age`` (None or steps); Keras
+        optimizer arguments such as
         ``loss_scale_factor``; plus ``exclude`` (layer names kept first order) and ``verbose``
         (print the registration table, default True).
 
