@@ -445,3 +445,10 @@ def test_trace_rule_is_blind_to_a_turning_factor_and_max_block_age_bounds_its_ag
 def test_bad_max_block_age_raises(age):
     with pytest.raises(ValueError, match="max_block_age"):
         thor_tf.ThorOptimizer(max_block_age=age)
+
+
+def test_max_block_age_round_trips_through_the_optimizer_config():
+    config = thor_tf.ThorOptimizer(max_block_age=50).get_config()
+    assert config["max_block_age"] == 50
+    assert thor_tf.ThorOptimizer.from_config(config).max_block_age == 50
+    assert thor_tf.ThorOptimizer().max_block_age is None
