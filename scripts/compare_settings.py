@@ -88,6 +88,29 @@ def summarize(seeds, target):
     }
 
 
+def paired(seeds, baseline_rows):
+    """Per seed: the best baseline *of that seed* (highest final accuracy), the epoch and seconds
+    at which it first reached its own final accuracy, and the setting's epoch and seconds to the
+    same accuracy with their ratios (None where the setting never reaches it)."""
+    out = {}
+    for seed, rows in sorted(seeds.items()):
+        candidates = {o: s[seed] for o, (_, s) in baseline_rows.items() if seed in s}
+        if not candidates:
+            continue
+        best = max(candidates, key=lambda o: candidates[o][-1]["acc"])
+        base = candidates[best]
+        target = base[-1]["acc"]
+        own = next(r for r in base if r["acc"] >= target)
+        hit = next((r for r in rows if r["acc"] >= target), None)
+        out[seed] = {"baseline": best, "target": target, "baseline_epochs": own["epoch"],
+                     "baseline_seconds": own["seconds"],
+                     "epochs": None if hit is None else hit["epoch"],
+                     "seconds": None if hit is None else hit["seconds"],
+                     "epochs_ratio": None if hit is None else hit["epoch"] / own["epoch"],
+                     "seconds_ratio": None if hit is None else hit["seconds"] / own["seconds"]}
+    return out
+
+
 def parse_model(spec):
     parts = spec.split("|")
     name, settings, baselines = parts[0], [], []
@@ -124,9 +147,14 @@ def compare(name, settings, baselines):
         lr, seeds = best_config(runs, optimizer)
         if seeds is None:
             raise SystemExit(f"error: no {optimizer} rows in {directory}/metrics.csv")
-        rows[label] = {"optimizer": optimizer, "lr": lr, "dir": directory, **summarize(seeds, target)}
+        rows[label] = {"optimizer": optimizer, "lr": lr, "dir": directory, "_seeds": seeds,
+                       **summarize(seeds, target)}
     for optimizer, (lr, seeds) in baseline_rows.items():
         rows[optimizer] = {"optimizer": optimizer, "lr": lr, "dir": "baseline", **summarize(seeds, target)}
+    for label, directory, optimizer in settings:
+        rows[label]["paired"] = paired(rows[label]["_seeds"], baseline_rows)
+    for row in rows.values():
+        row.pop("_seeds", None)
     best_seconds = rows[best]["seconds_to_target_median"]
     best_epochs = rows[best]["epochs_to_target_median"]
     for row in rows.values():
@@ -155,6 +183,17 @@ def markdown(result):
             f"({row['epochs_to_target_median'] if row['epochs_to_target_median'] is not None else '–'}) | "
             f"{'–' if seconds is None else f'{seconds:.1f}'} | {'–' if ratio is None else f'{ratio:.2f}×'} | "
             f"{' / '.join(str(r) for r in row['refreshes']) if row['optimizer'] not in FIRST_ORDER else '–'} |")
+    for label, row in result["settings"].items():
+        pairs = row.get("paired")
+        if not pairs:
+            continue
+
+        def fmt(key):
+            return " / ".join("never" if p[key] is None else f"{p[key]:.2f}" for p in pairs.values())
+
+        targets = " / ".join(f"{p['baseline']} {100 * p['target']:.2f} %" for p in pairs.values())
+        lines.append(f"\n{label}, seed by seed against that seed's best baseline ({targets}): "
+                     f"epochs × {fmt('epochs_ratio')}, wall time × {fmt('seconds_ratio')}")
     return "\n".join(lines)
 
 

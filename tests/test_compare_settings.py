@@ -69,6 +69,14 @@ def test_target_is_the_best_baselines_median_final_and_settings_are_judged_again
     adam = result["settings"]["adam"]
     assert [None if r is None else r["epochs"] for r in adam["to_target"].values()] == [None, 3, 3]
     assert a["seconds_vs_best_baseline"] == pytest.approx(1.0)
+    # Seed by seed against that seed's best baseline: seed 0 SGD (0.81 > Adam's 0.80, first
+    # reached at epoch 3), seeds 1 and 2 Adam (0.84, 0.82 at epoch 3).
+    pairs = a["paired"]
+    assert [p["baseline"] for p in pairs.values()] == ["sgd", "adam", "adam"]
+    assert [p["epochs"] for p in pairs.values()] == [2, 3, 3]
+    assert pairs[0]["epochs_ratio"] == pytest.approx(2 / 3)
+    assert pairs[0]["seconds_ratio"] == pytest.approx(20 / 30)
+    assert pairs[1]["epochs_ratio"] == pytest.approx(1.0)
     b = result["settings"]["b"]
     assert b["epochs_to_target_median"] is None and b["seconds_vs_best_baseline"] is None
     assert "| a | 85.00 ± 1.00 % (85.00 / 84.00 / 86.00)" in cs.markdown(result)
