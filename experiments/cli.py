@@ -117,8 +117,9 @@ def _split_dim(text):
 
 
 def _max_block_age(text):
+    """An int >= 1, or the string "none" (the trace rule alone); not given: the library's default."""
     if str(text).lower() == "none":
-        return None
+        return "none"
     try:
         value = int(text)
     except ValueError:
@@ -230,7 +231,7 @@ def add_common_arguments(parser, *, out, epochs, batch_size, thor_lr, thor_dampi
                         "(default: thor_tf's default)")
     t.add_argument("--max-block-age", type=_max_block_age, default=None, metavar="STEPS",
                    help="refresh a block in use for this many steps whatever its trace says; "
-                        "'none': the trace rule alone (the default except in transformer.py)")
+                        "'none': the trace rule alone (default: thor_tf's, 50)")
     t.add_argument("--factor-examples", type=int, default=None,
                    help="factors from the first k examples of each batch (K-FAC sub-batch; "
                         "default: the whole batch)")

@@ -120,8 +120,9 @@ def make_model(optimizer, lr, build_model, args, steps_per_epoch, show_table):
             options.update(factor_examples=args.factor_examples)
         if getattr(args, "damping_split", None) is not None:
             options.update(damping_split=args.damping_split)
-        if getattr(args, "max_block_age", None) is not None:
-            options.update(max_block_age=args.max_block_age)
+        age = getattr(args, "max_block_age", None)
+        if age is not None:  # "none": the trace rule alone; not given: thor_tf's default
+            options.update(max_block_age=None if age == "none" else age)
         wrapped = thor_tf.wrap(
             model, learning_rate=lr_value, momentum=0.9,
             damping=damping_schedule(args.lr_schedule, damping, args.epochs, steps_per_epoch),
@@ -279,7 +280,8 @@ def run_experiment(args, ds, build_model, model_name, title):
               f"frequency {args.frequency}, momentum 0.9, split_dim {split}, "
               f"trace_filter {trace_filter}, kl_clip {kl_clip}, damping_split {damping_split}, "
               f"factor_examples {args.factor_examples or 'all'}, "
-              f"max_block_age {getattr(args, 'max_block_age', None) or 'none'}", flush=True)
+              f"max_block_age {getattr(args, 'max_block_age', None) or defaults.max_block_age}",
+              flush=True)
     csv_log = CsvLog(out / "metrics.csv")
     results = []
     shown = False

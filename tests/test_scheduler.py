@@ -451,4 +451,5 @@ def test_max_block_age_round_trips_through_the_optimizer_config():
     config = thor_tf.ThorOptimizer(max_block_age=50).get_config()
     assert config["max_block_age"] == 50
     assert thor_tf.ThorOptimizer.from_config(config).max_block_age == 50
-    assert thor_tf.ThorOptimizer().max_block_age is None
+    assert thor_tf.ThorOptimizer().max_block_age == 50
+    assert thor_tf.ThorOptimizer(max_block_age=None).max_block_age is None

@@ -34,6 +34,9 @@ DEFAULT_FREQUENCY = 10
 DEFAULT_TRACE_FILTER = "mean"
 #: K-FAC's trust region on the preconditioned step (kfac-pytorch's default); see README.
 DEFAULT_KL_CLIP = 0.001
+#: Steps after which a block is refreshed whatever the trace rule says (issue 18's 3-seed
+#: benchmark on the CNN, ResNet-20 and ViT, docs/results.md); None: the rule alone.
+DEFAULT_MAX_BLOCK_AGE = 50
 #: Keras optimizer arguments ThorOptimizer refuses (they would act before preconditioning).
 REFUSED_KERAS_ARGUMENTS = ("clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps")
 
@@ -121,7 +124,7 @@ class ThorConfig:
     inverse_assignment: str = "all"
     loss_reduction: str = "auto"
     damping_split: str = "sqrt"
-    max_block_age: Optional[int] = None
+    max_block_age: Optional[int] = DEFAULT_MAX_BLOCK_AGE
 
     def __post_init__(self):
         def set_(name, value):
