@@ -47,7 +47,7 @@ MODELS = {
     "resnet20": ((32, 32, 1), 10, 128),
     "resnet50": ((32, 32, 3), 10, 32),
 }
-OPTIMIZERS = ("sgd", "adam", "thor")
+OPTIMIZERS = ("sgd", "adam", "muon", "thor")  # muon: when this Keras has it (>= 3.10)
 
 
 def build(model_name):
@@ -79,6 +79,11 @@ def _compiled(model_name, optimizer, seed=0, **thor_options):
         return model
     if optimizer == "adam":
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
+        return model
+    if optimizer == "muon":
+        # As the experiments run it: the output layer on Muon's AdamW step.
+        model.compile(optimizer=keras.optimizers.Muon(3e-3, exclude_layers=["predictions"]),
+                      loss=loss)
         return model
     wrapped = thor_tf.wrap(model, learning_rate=0.01, verbose=False, **thor_options)
     wrapped.compile(loss=loss)
@@ -219,7 +224,7 @@ def ratios(results):
         if thor is None:
             continue
         row = {}
-        for base in ("sgd", "adam"):
+        for base in ("sgd", "adam", "muon"):
             if base not in by_opt:
                 continue
             ref = by_opt[base]
@@ -329,7 +334,8 @@ def plot(table, path):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="cnn,resnet20,resnet50")
-    p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    p.add_argument("--optimizers", default=",".join(
+        o for o in OPTIMIZERS if o != "muon" or hasattr(__import__("keras").optimizers, "Muon")))
     p.add_argument("--steps", type=int, default=12, help="timed steps per measure (median)")
     p.add_argument("--amortize-steps", type=int, default=60,
                    help="steps of the amortized THOR measure (mean)")

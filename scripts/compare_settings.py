@@ -209,6 +209,7 @@ def plot(results, path):
             sds = [100 * p["sd"] for p in row["acc_per_epoch"]]
             epochs = list(range(1, len(means) + 1))
             ax.errorbar(epochs, means, yerr=sds, marker="o", capsize=3, label=label)
+            ax.set_xticks(epochs)
         ax.axhline(100 * result["target"], color="gray", ls="--", lw=1, label="target")
         ax.set_title(result["model"])
         ax.set_xlabel("epoch")

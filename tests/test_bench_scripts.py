@@ -1,0 +1,62 @@
+"""Formulas of the measurement scripts: factor drift (trace vs shape) and the preconditioning
+FLOP count, against hand computations."""
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_factor_drift_separates_scale_from_shape():
+    fd = _load("factor_drift")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(50, 4))
+    a0 = x.T @ x / 50
+    # A pure rescaling moves the trace, not the shape.
+    trace, shape = fd.drift(3.0 * a0, a0)
+    assert trace == pytest.approx(2.0) and shape == pytest.approx(0.0, abs=1e-12)
+    # A rotation keeps the trace and moves the shape: ‖QᵀA₀Q/t − A₀/t‖ / ‖A₀/t‖.
+    q = np.linalg.qr(rng.normal(size=(4, 4)))[0]
+    turned = q.T @ a0 @ q
+    trace, shape = fd.drift(turned, a0)
+    expected = np.linalg.norm(turned - a0) / np.linalg.norm(a0)
+    assert trace == pytest.approx(0.0, abs=1e-12) and shape == pytest.approx(expected)
+    # A diagonal factor stored as a vector (Embedding's A): normalized by its sum.
+    trace, shape = fd.drift(np.array([1.0, 3.0]), np.array([1.0, 1.0]))
+    assert trace == pytest.approx(1.0)
+    assert shape == pytest.approx(np.linalg.norm([0.25 - 0.5, 0.75 - 0.5]) / np.linalg.norm([0.5, 0.5]))
+
+
+def test_precondition_flop_count_is_the_two_block_matmuls():
+    import tensorflow as tf
+
+    bp = _load("bench_precondition")
+
+    class Layer:
+        def __init__(self, nb_a, d_a, nb_g, d_g):
+            self.A_inv = tf.zeros([nb_a, d_a, d_a])
+            self.G_inv = tf.zeros([nb_g, d_g, d_g])
+
+    class State:
+        layers = [Layer(25, 128, 1, 128), Layer(1, 10, 1, 32)]
+
+    class Engine:
+        blocks = [object(), object()]
+        state = State()
+
+    core, flops, operands = bp.core_products(Engine())
+    # dense1-like: A side 25·128²·128 MACs, G side 25·128·128² MACs; conv1-like: 10²·32 + 10·32².
+    expected = 2 * (25 * 128 * 128 * 128 + 25 * 128 * 128 * 128) + 2 * (10 * 10 * 32 + 10 * 32 * 32)
+    assert flops == expected
+    out = core()
+    assert [tuple(o.shape) for o in out] == [(3200, 1, 128), (10, 1, 32)]
