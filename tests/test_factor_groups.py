@@ -82,7 +82,7 @@ def test_group_computes_only_refreshing_members(flags):
         block = eng.blocks[i]
         record = capture.Record(tf.constant(x), None)
         grad = tf.constant(rng.normal(size=(4, 6, 5, 3)).astype("float32"))
-        members.append(engine._CadenceLayer(i, block, [record], [grad], tf.constant(30.0)))
+        members.append(engine._CadenceLayer(i, block, [record], [grad], tf.constant(30.0), None))
         split = eng.config.split_dim
         expected.append((block.factor_a([record], split).numpy(),
                           block.factor_g([grad], split).numpy()))

@@ -36,9 +36,10 @@ def test_preconditioned_gradients_equal_the_explicit_kronecker_product(kappa):
     inverses = {name: (tf.constant(a[None], tf.float32), tf.constant(g[None], tf.float32))
                 for name, (a, g) in dense_inverses.items()}
     lr = 0.3
+    rows_per_term = {name: blocks[k].positions(records[name]) for k, name in enumerate("ab")}
     out, nu = precondition.precondition_gradients(
-        blocks, records, inverses, [tf.constant(g) for g in grads], variables, kl_clip=kappa,
-        learning_rate=lr)
+        blocks, rows_per_term, inverses, [tf.constant(g) for g in grads], variables,
+        kl_clip=kappa, learning_rate=lr)
 
     # Reference: vec (row-major) of each block's [a_dim, g_dim] matrix, explicit kron, 1/P.
     matrices = {"a": np.concatenate([grads[0], grads[1][None]], 0).astype(np.float64),
@@ -67,8 +68,8 @@ def test_variables_without_a_block_or_gradient_pass_through():
     variables = model.trainable_variables
     grads = [None, None, tf.ones(variables[2].shape)]
     inverses = {"b": (tf.eye(4)[None], tf.eye(3)[None])}
-    records = {"b": [Record(tf.zeros([2, 4]), tf.zeros([2, 3]))]}
-    out, nu = precondition.precondition_gradients(blocks[1:], records, inverses, grads, variables)
+    out, nu = precondition.precondition_gradients(blocks[1:], {"b": tf.constant(1.0)}, inverses,
+                                                  grads, variables)
     assert out[0] is None and out[1] is None and nu is None
     np.testing.assert_allclose(out[2], np.ones((4, 3)))
     same, nu = precondition.precondition_gradients(blocks[:1], {}, {}, [None] * 3, variables)

@@ -72,7 +72,9 @@ def weighted_mean(tensors, weight):
       tensors: float32 tensors (any shapes).
       weight: this replica's weight (its local batch size): factors and traces are means over
         rows, so weighting by the rows makes the result the global batch's mean even when the
-        replicas' batches differ in size (the last batch of an epoch).
+        replicas' batches differ in size (the last batch of an epoch). A list gives each tensor
+        its own weight (a scalar, or a tensor broadcastable to it): the valid rows of each layer
+        under a masked loss.
 
     Returns:
       The reduced tensors, shaped as given (the inputs themselves on one replica).
@@ -80,11 +82,18 @@ def weighted_mean(tensors, weight):
     context = replica_context()
     if context is None or not tensors:
         return list(tensors)
-    weight = tf.cast(weight, tf.float32)
-    packed = pack([t * weight for t in tensors] + [tf.reshape(weight, [1])])
+    if not isinstance(weight, (list, tuple)):
+        weight = tf.cast(weight, tf.float32)
+        packed = pack([t * weight for t in tensors] + [tf.reshape(weight, [1])])
+        total = context.all_reduce(tf.distribute.ReduceOp.SUM, packed)
+        *values, weights = unpack(total, [t.shape for t in tensors] + [tf.TensorShape([1])])
+        return [v / weights[0] for v in values]
+    weights = [tf.cast(w, tf.float32) for w in weight]
+    packed = pack([t * w for t, w in zip(tensors, weights)] + weights)
     total = context.all_reduce(tf.distribute.ReduceOp.SUM, packed)
-    *values, weights = unpack(total, [t.shape for t in tensors] + [tf.TensorShape([1])])
-    return [v / weights[0] for v in values]
+    reduced = unpack(total, [t.shape for t in tensors] + [w.shape for w in weights])
+    n = len(tensors)
+    return [v / tf.maximum(w, 1e-30) for v, w in zip(reduced[:n], reduced[n:])]
 
 
 def sum_packed(tensors):

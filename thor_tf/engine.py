@@ -35,7 +35,8 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from thor_tf import _keras_compat, capture, discovery, distributed, fisher, precondition, scheduler
+from thor_tf import (_keras_compat, capture, discovery, distributed, fisher, loss_terms,
+                     precondition, scheduler)
 from thor_tf.introspection import Introspection
 from thor_tf.refresh import Refresher
 from thor_tf.state import DecisionLog, ThorState
@@ -61,8 +62,9 @@ class _CadenceLayer(NamedTuple):
     index: int  # position in the engine's blocks (and state vectors)
     block: object  # the KroneckerBlock
     records: list  # [capture.Record] (first ``factor_examples`` examples when set)
-    grads: list  # per-example dℓ/dz tensors aligned with ``records``
-    positions: tf.Tensor  # P, rows per example (float32 scalar)
+    grads: list  # per-term dℓ/dz tensors aligned with ``records``
+    rows_per_term: tf.Tensor  # c = R/D: rows per data point of the loss (KFC's P; float32 scalar)
+    masks: object  # None, or per record None / [R_call] 0/1 row weights (valid terms)
 
 
 class _Decisions(NamedTuple):
@@ -92,6 +94,7 @@ class ThorEngine(Introspection):
                 "variables before thor_tf.wrap().")
         self.model = model
         self.store = capture.CaptureStore()
+        loss_terms.install_observer()  # the terms of every Keras loss reduced under a tape
         self.optimizer = None
         self.config = None  # the optimizer's ThorConfig, from build_state on
         self.loss = None
@@ -235,17 +238,25 @@ class ThorEngine(Introspection):
                     stacklevel=4)
         return records
 
-    def loss_reduction(self, user_code):
-        """``"mean"`` or ``"sum"``: ``loss_reduction`` when set, else the compiled loss's in
-        ``ThorModel.fit`` (``user_code`` False) and "mean" in the user's own code."""
+    def loss_terms(self, observed, batch_size, user_code):
+        """The step's :class:`~thor_tf.loss_terms.LossTerms` (what one data point of the loss is).
+
+        ``loss_reduction`` "mean" or "sum" says it (one term per example); "auto" (default) takes
+        the terms of the Keras loss this step reduced (``observed``: ``fit``'s compiled loss, a
+        ``compute_loss`` or a ``keras.losses.Loss`` the user's code called), else the compiled
+        loss's reduction over examples in ``fit`` and a mean over examples in the user's code.
+        """
         option = self.config.loss_reduction if self.config is not None else "auto"
         if option != "auto":
-            return option
+            return loss_terms.per_example(option, batch_size)
+        if observed is not None:
+            return observed
         if user_code or self.loss is None:
-            return "mean"
-        return fisher.loss_reduction(self.loss)
+            return loss_terms.per_example("mean", batch_size)
+        return loss_terms.per_example(fisher.loss_reduction(self.loss), batch_size)
 
-    def train_update(self, tape, loss, variables, batch_size, loss_scale=None, sampled_loss=None):
+    def train_update(self, tape, loss, variables, batch_size, loss_scale=None, sampled_loss=None,
+                     terms=None):
         """Gradients, curvature update and THOR update for one batch (``ThorModel.fit``'s step).
 
         Args:
@@ -258,6 +269,8 @@ class ThorEngine(Introspection):
             and ``dL/dz`` are divided by it first, so that nothing downstream (preconditioning,
             KL clip, G) depends on the loss scale.
           sampled_loss: for ``fisher='sampled'``, the summed loss at sampled targets.
+          terms: the loss's :class:`~thor_tf.loss_terms.LossTerms` as observed when it was
+            reduced (None: from ``loss_reduction`` and the compiled loss).
 
         Returns:
           ``ok``: boolean scalar tensor, False when the loss or a gradient was non-finite (then no
@@ -281,16 +294,18 @@ class ThorEngine(Introspection):
                     for z, g in zip(zs, gs)]
 
         return self._step(grads, variables, records, batch_size, grad_scale=loss_scale,
-                          z_scale=loss_scale, loss=loss, user_code=False,
-                          sampled_fn=sampled_fn if sampled_loss is not None else None)
+                          z_scale=loss_scale, loss=loss,
+                          sampled_fn=sampled_fn if sampled_loss is not None else None,
+                          terms=self.loss_terms(terms, batch_size, user_code=False))
 
     def apply_gradients(self, grads, variables):
         """THOR's step for gradients the user's own code computed (``optimizer.apply`` from a
         custom ``train_step``, a custom loop or a GAN): curvature from the layer hooks' records of
         this step, preconditioning, the update. Returns ``ok`` (see :meth:`train_update`).
 
-        Assumes the loss reduces as ``loss_reduction`` says ("mean" by default) over the batch
-        the first hooked layer saw. Gradients are unscaled as Keras' ``apply`` would (by
+        The loss's terms are those of the Keras loss the user's code reduced in this step
+        (:mod:`thor_tf.loss_terms`), else as ``loss_reduction`` says ("mean" over the examples of
+        the batch the first hooked layer saw, by default). Gradients are unscaled as Keras' ``apply`` would (by
         ``loss_scale_factor``; a ``LossScaleOptimizer`` around THOR unscales them itself), the
         hooks' ``dL/dz`` by the same factor or the ``LossScaleOptimizer``'s dynamic scale.
         """
@@ -313,22 +328,37 @@ class ThorEngine(Introspection):
             grad_scale = z_scale = tf.constant(float(opt.loss_scale_factor), tf.float32)
         else:
             grad_scale = z_scale = None
+        terms = self.loss_terms(loss_terms.take(), batch_size, user_code=True)
         return self._step(list(grads), variables, records, batch_size, grad_scale=grad_scale,
-                          z_scale=z_scale, loss=None, sampled_fn=None, user_code=True)
+                          z_scale=z_scale, loss=None, sampled_fn=None, terms=terms)
 
     def _step(self, grads, variables, records, batch_size, grad_scale, z_scale, loss, sampled_fn,
-              user_code):
-        """Stages 1-4 (module docstring) from the gradients and the hooks' records."""
+              terms):
+        """Stages 1-4 (module docstring) from the gradients and the hooks' records; ``terms``:
+        the loss's :class:`~thor_tf.loss_terms.LossTerms`."""
         opt = self.optimizer
         active = [b for b in self.blocks if records.get(b.name)]
         grads = [_unscale(g, grad_scale) for g in grads]
         z_grads = [r.grad for b in active for r in records[b.name]]
+        masks = {b.name: _row_masks(b, records[b.name], terms) for b in active}
 
         # Stage 1: the global batch's gradient (one all-reduce under a strategy; the loss rides
-        # along so that a non-finite loss on any replica is seen by all). Everything after this
-        # is identical on every replica.
+        # along so that a non-finite loss on any replica is seen by all, and under a mask so do
+        # the counts of valid rows and terms). Everything after this is identical on every replica.
         loss_value = tf.constant(0.0) if loss is None else tf.reshape(tf.cast(loss, tf.float32), [])
-        *grads, loss_sum = distributed.sum_gradients(grads + [loss_value])
+        masked = [b for b in active if masks[b.name] is not None]
+        counts = ([terms.count] + [_valid_rows(b, records[b.name], masks[b.name]) for b in masked]
+                  if masked else [])
+        n = len(grads)
+        reduced = distributed.sum_gradients(grads + [loss_value] + counts)
+        grads, loss_sum, counts = reduced[:n], reduced[n], reduced[n + 1:]
+        rows_per_term = {}
+        for b in active:
+            if masks[b.name] is None:
+                # R/D = (B·P)/(B·τ): KFC's P for a loss with one term per example.
+                rows_per_term[b.name] = b.positions(records[b.name]) / terms.per_example
+        for b, rows in zip(masked, counts[1:]):
+            rows_per_term[b.name] = rows / tf.maximum(counts[0], 1.0)
         # Finite parameter gradients imply finite dL/dz (every dz enters a bias or kernel
         # gradient, and NaN·0 is NaN), so the large z-gradients need no check of their own.
         checks = [tf.math.is_finite(loss_sum)]
@@ -345,7 +375,7 @@ class ThorEngine(Introspection):
 
         def output_grads():
             # Built inside the cadence branch: no per-step work on the (large) z-gradients.
-            scale = fisher.example_scale(self.loss_reduction(user_code), batch_size, z_scale)
+            scale = fisher.term_scale(terms.scale, z_scale)
             return split_by_block([tf.cast(g, tf.float32) * scale for g in z_grads])
 
         def sampled_output_grads():
@@ -354,18 +384,21 @@ class ThorEngine(Introspection):
         # Stage 2: curvature at a due cadence point. Stage 3: precondition. Stage 4: update.
         self.curvature_step(active, records, ok,
                             sampled_output_grads if sampled_fn is not None else output_grads,
-                            batch_size)
-        pre = self.precondition(active, records, grads, variables, ok)
+                            batch_size, rows_per_term, masks)
+        pre = self.precondition(active, rows_per_term, grads, variables, ok)
         state = self.state
         state.nonfinite_steps.assign_add(tf.cast(tf.logical_not(ok), tf.int64))
         opt.apply_masked(pre, variables, ok)
         return ok
 
-    def curvature_step(self, active, records, ok, output_grads_fn, batch_size):
+    def curvature_step(self, active, records, ok, output_grads_fn, batch_size, rows_per_term,
+                       masks):
         """At a due cadence point, apply the trace rule per layer and refresh where it says so.
 
-        ``output_grads_fn()`` returns ``{block name: [per-example dℓ/dz, ...]}`` (empirical or
-        sampled) of this replica's batch; it is called only inside the cadence branch. The stages
+        ``output_grads_fn()`` returns ``{block name: [per-term dℓ/dz, ...]}`` (empirical or
+        sampled) of this replica's batch; it is called only inside the cadence branch.
+        ``rows_per_term``: ``{block name: R/D}``; ``masks``: ``{block name: row masks or None}``
+        (:mod:`thor_tf.loss_terms`). The stages
         (each identical on every replica; collectives only under a strategy, see
         :mod:`thor_tf.distributed`): traces of the live layers → combined over replicas →
         decisions → factors of the refreshing layers → combined → inverses → recorded.
@@ -376,12 +409,14 @@ class ThorEngine(Introspection):
         due = tf.logical_and(ok, step >= s.next_cadence)
 
         def cadence():
-            layers, weight = self._cadence_inputs(active, records, output_grads_fn(), batch_size)
+            layers, weight = self._cadence_inputs(active, records, output_grads_fn(), batch_size,
+                                                  rows_per_term, masks)
             refreshed_any = tf.constant(False)
             if layers:
                 damping = opt.current_damping()
                 local = self._local_traces(layers)  # [n, 2]
-                traces, = distributed.weighted_mean([local], weight)
+                traces, = distributed.weighted_mean(
+                    [local], [tf.stack(weight)[:, None]] if isinstance(weight, list) else weight)
                 decisions = self._judge(layers, traces, damping, step)
                 self.refresher.refresh(layers, tf.unstack(decisions.refresh, num=len(layers)), damping,
                               weight)
@@ -397,10 +432,11 @@ class ThorEngine(Introspection):
 
         distributed.run_if(due, cadence)
 
-    def _cadence_inputs(self, active, records, output_grads, batch_size):
-        """``([_CadenceLayer per active block], examples)`` with ``factor_examples`` applied;
-        ``examples`` (float32 scalar) is the number of examples behind the statistics, this
-        replica's weight when they are combined over replicas."""
+    def _cadence_inputs(self, active, records, output_grads, batch_size, rows_per_term, masks):
+        """``([_CadenceLayer per active block], weight)`` with ``factor_examples`` applied;
+        ``weight`` is this replica's weight when the statistics are combined over replicas: the
+        number of examples behind them (float32 scalar), or under a masked loss a list with each
+        layer's valid rows (per layer: its traces' and then its factors')."""
         k = self.config.factor_examples
         examples = tf.cast(batch_size, tf.float32)
         if k is not None:
@@ -409,20 +445,27 @@ class ThorEngine(Introspection):
             examples = tf.minimum(examples, float(k))
         layers = []
         for b in active:
-            recs, gs = records[b.name], output_grads[b.name]
+            recs, gs, layer_masks = records[b.name], output_grads[b.name], masks[b.name]
             if k is not None:
+                if layer_masks is not None:
+                    layer_masks = [None if m is None else m[:k * _rows_per_example(b, r)]
+                                   for m, r in zip(layer_masks, recs)]
                 recs = [capture.Record(r.inputs[:k], r.z[:k]) for r in recs]
                 gs = [g[:k] for g in gs]
-            positions = b.positions(records[b.name])
-            layers.append(_CadenceLayer(self._block_index[b.name], b, recs, gs, positions))
+            layers.append(_CadenceLayer(self._block_index[b.name], b, recs, gs,
+                                        rows_per_term[b.name], layer_masks))
+        if any(layer.masks is not None for layer in layers):
+            rows = [examples if layer.masks is None else _valid_rows(layer.block, layer.records,
+                                                                    layer.masks)
+                    for layer in layers]
+            return layers, rows
         return layers, examples
 
     def _local_traces(self, layers):
         """``[n, 2]``: ``[tr A, tr G]`` of this replica's batch per layer (zeros for a frozen
         layer). Computed for every layer without a branch: a trace is a sum of squares, cheaper
         at run time than a ``tf.cond`` per layer is to trace and optimize."""
-        traces = tf.stack([tf.stack([layer.block.trace_a(layer.records),
-                                     layer.block.trace_g(layer.grads)]) for layer in layers])
+        traces = tf.stack([tf.stack(_traces(layer)) for layer in layers])
         index = [layer.index for layer in layers]
         frozen = tf.gather(tf.convert_to_tensor(self.state.frozen), index) > 0
         return tf.where(frozen[:, None], tf.zeros_like(traces), traces)
@@ -453,7 +496,8 @@ class ThorEngine(Introspection):
         used_a, used_g = rows(s.trace_a), rows(s.trace_g)
         calm = rows(s.calm)
         old_filter = scheduler.FilterState(*[rows(v) for v in s.filter])
-        block_damping = damping / tf.stack([layer.positions for layer in layers])  # λ_b = λ/P
+        # λ_b = λ/c with c = R/D rows per data point (KFC's λ/P for one term per example).
+        block_damping = damping / tf.stack([layer.rows_per_term for layer in layers])
         a_dims = tf.constant([float(layer.block.a_dim) for layer in layers])
         g_dims = tf.constant([float(layer.block.g_dim) for layer in layers])
         batch_a, batch_g = traces[:, 0], traces[:, 1]
@@ -537,9 +581,10 @@ class ThorEngine(Introspection):
                                 s.reuses)
         return tf.reduce_any(decisions.refresh)
 
-    def precondition(self, active, records, grads, variables, ok=True):
-        """Preconditioned gradients of the blocks' variables (see :mod:`thor_tf.precondition`);
-        the KL-clip scale ν of a finite step is kept in ``counters()["kl_scale"]``."""
+    def precondition(self, active, rows_per_term, grads, variables, ok=True):
+        """Preconditioned gradients of the blocks' variables (see :mod:`thor_tf.precondition`;
+        ``rows_per_term``: ``{block name: c}``, the step's ``1/c`` scale); the KL-clip scale ν of
+        a finite step is kept in ``counters()["kl_scale"]``."""
         s = self.state
         inverses = {}
         for b in active:
@@ -547,8 +592,36 @@ class ThorEngine(Introspection):
             inverses[b.name] = (layer.A_inv, layer.G_inv)
         opt = self.optimizer
         out, nu = precondition.precondition_gradients(
-            active, records, inverses, grads, variables, kl_clip=self.config.kl_clip,
+            active, rows_per_term, inverses, grads, variables, kl_clip=self.config.kl_clip,
             learning_rate=opt.learning_rate)
         if nu is not None:
             s.kl_scale.assign(tf.where(ok, nu, s.kl_scale))
         return out
+
+
+def _rows_per_example(block, record):
+    """Static rows per example of one call (``z``'s size past the batch over ``g_dim``)."""
+    return record.z.shape[1:].num_elements() // block.g_dim
+
+
+def _row_masks(block, records, terms):
+    """Per record of ``block`` its row mask (:func:`thor_tf.loss_terms.row_mask`), or None when
+    no record has one (every row counts: the unmasked code path)."""
+    masks = [loss_terms.row_mask(terms, r.z, block.g_dim) for r in records]
+    return None if all(m is None for m in masks) else masks
+
+
+def _valid_rows(block, records, masks):
+    """float32 number of valid rows of ``block``'s calls: Σ mask, or all rows of a call without
+    one."""
+    return tf.add_n([tf.reduce_sum(m) if m is not None
+                     else tf.cast(tf.size(r.z), tf.float32) / float(block.g_dim)
+                     for m, r in zip(masks, records)])
+
+
+def _traces(layer):
+    """``(tr A, tr G)`` of one cadence layer (over its valid rows under a masked loss)."""
+    if layer.masks is None:
+        return layer.block.trace_a(layer.records), layer.block.trace_g(layer.grads)
+    return (layer.block.trace_a(layer.records, masks=layer.masks),
+            layer.block.trace_g(layer.grads, masks=layer.masks))

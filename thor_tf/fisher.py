@@ -2,9 +2,10 @@
 
 * ``empirical`` (THOR's choice): ``g`` comes from the training loss with the data's labels, taken
   from the same backward pass as the parameter gradients. Keras reduces the loss (by default the
-  mean over the batch) and divides it by the number of replicas, and a loss-scaling optimizer
-  multiplies it; :func:`example_scale` undoes all three so that ``G`` is the mean of per-example
-  outer products. With sample weights, ``g_n`` carries its weight ``w_n``.
+  mean over its terms: the examples of a classifier, the B·T tokens of a language model, see
+  :mod:`thor_tf.loss_terms`) and divides it by the number of replicas, and a loss-scaling
+  optimizer multiplies it; :func:`term_scale` undoes all three so that ``G`` is the mean of
+  per-term outer products. With sample weights, ``g`` carries its term's weight ``w``.
 * ``sampled`` (K-FAC's true Fisher): targets are drawn from the model's own predictive
   distribution (categorical for softmax cross-entropy; Gaussian for mean squared error) and
   ``g = dℓ(y_sampled)/dz`` from a second backward pass, taken only at cadence points.
@@ -64,6 +65,22 @@ def loss_reduction(loss):
     return "sum" if reduction == "sum" else "mean"
 
 
+def term_scale(divisor, loss_scale=None):
+    """Factor turning ``dL/dz`` of the reduced, replica-divided, scaled loss into the gradient of
+    the (weighted) sum of the replica's loss terms: ``divisor · R / loss_scale``.
+
+    Args:
+      divisor: what the loss divided the weighted sum of its terms by (float32 scalar tensor:
+        :attr:`thor_tf.loss_terms.LossTerms.scale`).
+      loss_scale: what the loss was multiplied by before differentiation, or None.
+    """
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    scale = tf.cast(divisor, tf.float32) * float(replicas)
+    if loss_scale is not None:
+        scale = scale / tf.cast(loss_scale, tf.float32)
+    return scale
+
+
 def example_scale(reduction, batch_size, loss_scale=None):
     """Factor turning ``dL/dz`` of the reduced, replica-divided, scaled loss into ``dℓ_n/dz``.
 
@@ -83,11 +100,13 @@ def example_scale(reduction, batch_size, loss_scale=None):
     return scale
 
 
-def sampled_loss(spec: LossSpec, y_pred, seed=None):
-    """Sum over the batch of the per-example loss at targets sampled from the model.
+def sampled_loss(spec: LossSpec, y_pred, seed=None, mask=None):
+    """Sum over the batch of the per-term loss at targets sampled from the model.
 
-    Its gradient with respect to each pre-activation ``z`` is ``dℓ_n(y_sampled)/dz`` directly (no
-    reduction to undo). Targets are constants (stop_gradient).
+    Its gradient with respect to each pre-activation ``z`` is ``dℓ(y_sampled)/dz`` of the summed
+    terms directly (no reduction to undo). Targets are constants (stop_gradient). ``mask``: the
+    valid terms (bool, the per-term losses' shape, e.g. ``[B, T]``): masked terms (padding) are
+    left out.
     """
     y_pred = tf.cast(y_pred, tf.float32)
     if spec.kind in ("sparse", "dense"):
@@ -95,9 +114,11 @@ def sampled_loss(spec: LossSpec, y_pred, seed=None):
         flat = tf.reshape(logits, [-1, tf.shape(logits)[-1]])
         labels = tf.random.categorical(tf.stop_gradient(flat), 1, dtype=tf.int64)[:, 0]
         labels = tf.reshape(labels, tf.shape(logits)[:-1])
-        per_example = keras.losses.sparse_categorical_crossentropy(
+        per_term = keras.losses.sparse_categorical_crossentropy(
             labels, y_pred, from_logits=spec.from_logits)
-        return tf.reduce_sum(per_example)
+        if mask is not None and mask.shape.rank == per_term.shape.rank:
+            per_term = per_term * tf.cast(mask, per_term.dtype)
+        return tf.reduce_sum(per_term)
     # Mean squared error over K outputs is the negative log-likelihood (up to a constant) of a
     # Gaussian with variance K/2, so that is the distribution the targets are drawn from.
     k = tf.cast(tf.shape(y_pred)[-1], tf.float32)

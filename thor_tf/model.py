@@ -24,7 +24,7 @@ import warnings
 
 import keras
 import tensorflow as tf
-from thor_tf import _keras_compat, fisher
+from thor_tf import _keras_compat, fisher, loss_terms
 from thor_tf.engine import ThorEngine
 from thor_tf.config import is_schedule, split_options
 from thor_tf.optimizer import ThorOptimizer
@@ -332,12 +332,18 @@ class ThorModel(keras.Model):
         with tf.GradientTape(persistent=sampled) as tape:
             with self.thor.store.step():
                 y_pred = self(x, training=True)
+            loss_terms.clear()
             loss = _keras_compat.compute_loss(self, x, y, y_pred, sample_weight)
-            sampled_loss = fisher.sampled_loss(self._loss_spec, y_pred) if sampled else None
+            # What one data point of the loss is (per-token terms of an LM, masks), as Keras
+            # reduced it just now.
+            terms = loss_terms.take()
+            sampled_loss = fisher.sampled_loss(
+                self._loss_spec, y_pred, mask=None if terms is None else terms.mask
+            ) if sampled else None
             scaled_loss = self.optimizer.scale_loss(loss)
         loss_scale = _loss_scale(self.optimizer, thor)
         ok = self.thor.train_update(tape, scaled_loss, self.trainable_variables, batch_size,
-                                    loss_scale=loss_scale, sampled_loss=sampled_loss)
+                                    loss_scale=loss_scale, sampled_loss=sampled_loss, terms=terms)
         _restore_unless(ok, forward_state, saved_state)
         if loss_scaler is not None:
             _update_dynamic_loss_scale(loss_scaler, thor, ok)

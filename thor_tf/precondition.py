@@ -4,9 +4,11 @@ For a block with gradient matrix ``M`` (``[a_dim, g_dim]``, see :mod:`thor_tf.bl
 split inverses ``A_inv`` ``[nb_a, d_a, d_a]`` and ``G_inv`` ``[nb_g, d_g, d_g]`` of its damped
 factors, the preconditioned gradient is
 
-    Δ = (1/P) · A_inv · M · G_inv
+    Δ = (1/c) · A_inv · M · G_inv
 
-(``P`` the block's positions per example). The whole model's preconditioner is the block-diagonal
+(``c = R/D`` the block's rows per data point of the loss: ``P`` positions per example for a loss
+with one term per example, 1 for a per-token loss on a Transformer's ``[B, T]`` rows; see
+:mod:`thor_tf.loss_terms`). The whole model's preconditioner is the block-diagonal
 mat (:mod:`thor_tf.algebra`, seed 000's vec/mat algebra) of the blocks' Kronecker operators,
 applied to the vec of all gradient matrices with ``mat_vec_prod``: no Kronecker product is formed
 and no off-diagonal block is stored.
@@ -25,13 +27,14 @@ import tensorflow as tf
 from thor_tf import algebra
 
 
-def precondition_gradients(blocks, records, inverses, grads, variables, kl_clip=None,
+def precondition_gradients(blocks, rows_per_term, inverses, grads, variables, kl_clip=None,
                            learning_rate=None):
     """Replace each block's kernel/bias gradients by its (KL-clipped) preconditioned gradient.
 
     Args:
       blocks: the blocks active in this step (a record exists for each).
-      records: ``{block name: [Record, ...]}`` of this step (for ``P``).
+      rows_per_term: ``{block name: c}`` (float32 scalars): the block's rows per data point of
+        the loss (``P`` for one term per example; :mod:`thor_tf.loss_terms`).
       inverses: ``{block name: (A_inv, G_inv)}`` split inverses (tensors or variables).
       grads: gradients aligned with ``variables`` (None where a variable has none).
       variables: the trainable variables.
@@ -56,7 +59,7 @@ def precondition_gradients(blocks, records, inverses, grads, variables, kl_clip=
         operators.append(algebra.KroneckerOperator(
             algebra.BlockDiagonal(tf.convert_to_tensor(a_inv), b.a_dim),
             algebra.BlockDiagonal(tf.convert_to_tensor(g_inv), b.g_dim),
-            scale=1.0 / b.positions(records[b.name])))
+            scale=1.0 / rows_per_term[b.name]))
     preconditioner = algebra.block_diagonal_mat(operators)
     updates = algebra.mat_vec_prod(preconditioner, matrices, mode="right")
     nu = None

@@ -13,7 +13,7 @@ import time
 
 import tensorflow as tf
 
-from thor_tf import fisher
+from thor_tf import fisher, loss_terms
 from thor_tf.inverse import factor_dampings, invert_blocks
 
 
@@ -74,11 +74,13 @@ def profile_step(model, x, y, repeats=5):
         return [g for g in grads + z_grads if g is not None]
 
     result = {"forward_backward": _median_seconds(fb, repeats), "layers": {}}
-    scale = fisher.example_scale(engine.loss_reduction(user_code=False), tf.shape(x)[0],
-                                  optimizer.loss_scale_factor)
-
     # Per-layer work timed on one concrete batch of captured tensors (no forward pass inside).
+    loss_terms.clear()
     records, grads, z_grads = forward_backward()
+    terms = engine.loss_terms(loss_terms.take(), tf.shape(x)[0], user_code=False)
+    scale = fisher.term_scale(terms.scale, optimizer.loss_scale_factor)
+    rows_per_term = {b.name: b.positions(records[b.name]) / terms.per_example
+                     for b in engine.blocks if records.get(b.name)}
     refresh_total, k = 0.0, 0
     for block in engine.blocks:
         count = len(records.get(block.name, []))
@@ -90,7 +92,7 @@ def profile_step(model, x, y, repeats=5):
         split = optimizer.split_dim
         factor_a, factor_g = block.factor_a(recs, split), block.factor_g(gs, split)
         # Each factor's damping as the step's refresh takes it (``damping_split``).
-        damping = factor_dampings(optimizer.current_damping() / block.positions(recs), factor_a,
+        damping = factor_dampings(optimizer.current_damping() / rows_per_term[block.name], factor_a,
                                   factor_g, block.a_dim, block.g_dim, optimizer.damping_split)
         traces, factors, inverse = _layer_functions(block, recs, gs, factor_a, factor_g, damping,
                                                     split)
@@ -105,6 +107,6 @@ def profile_step(model, x, y, repeats=5):
 
     active = [b for b in engine.blocks if records.get(b.name)]
     precondition = tf.function(lambda: [
-        g for g in engine.precondition(active, records, grads, variables) if g is not None])
+        g for g in engine.precondition(active, rows_per_term, grads, variables) if g is not None])
     result["precondition"] = _median_seconds(precondition, repeats)
     return result

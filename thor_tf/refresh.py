@@ -55,7 +55,9 @@ class Refresher:
 
         def exchange():
             local = self._local_factors_where(layers, refresh)
-            combined = distributed.weighted_mean([f for pair in local for f in pair], weight)
+            # Per layer its valid rows under a masked loss (A's and G's), else the examples.
+            weights = [w for w in weight for _ in range(2)] if isinstance(weight, list) else weight
+            combined = distributed.weighted_mean([f for pair in local for f in pair], weights)
             factors = self._refreshed_factors(
                 layers, refresh, [(combined[2 * k], combined[2 * k + 1]) for k in range(len(layers))])
             if self.config.inverse_assignment == "balanced":
@@ -108,7 +110,8 @@ class Refresher:
         groups = {}
         for k, layer in enumerate(layers):
             signature, key = layer.block.factor_signature(), ("alone", k)
-            if signature is not None and len(layer.records) == 1 and len(layer.grads) == 1:
+            if (signature is not None and layer.masks is None and len(layer.records) == 1
+                    and len(layer.grads) == 1):
                 x, g = layer.records[0].inputs, layer.grads[0]
                 shapes = (x.shape[1:], g.shape[1:])
                 if all(sh.is_fully_defined() for sh in shapes):
@@ -147,6 +150,9 @@ class Refresher:
     def _local_factors(self, layer):
         """This replica's diagonal factor blocks ``(A [nb, d, d], G [nb, d, d])``."""
         split = self.config.split_dim
+        if layer.masks is not None:  # a masked loss: the valid rows only
+            return (layer.block.factor_a(layer.records, split, masks=layer.masks),
+                    layer.block.factor_g(layer.grads, split, masks=layer.masks))
         return (layer.block.factor_a(layer.records, split),
                 layer.block.factor_g(layer.grads, split))
 
@@ -212,7 +218,7 @@ class Refresher:
         """``(d_A, d_G)`` of one layer: its block damping ``λ/P`` split between the factors as
         ``damping_split`` says (:func:`thor_tf.inverse.factor_dampings`; ``"pi"`` reads π from
         the factors being inverted)."""
-        return factor_dampings(damping / layer.positions, factor_a, factor_g, layer.block.a_dim,
+        return factor_dampings(damping / layer.rows_per_term, factor_a, factor_g, layer.block.a_dim,
                                layer.block.g_dim, self.config.damping_split)
 
     def _install(self, layers, refresh, factors, inverses):

@@ -29,19 +29,25 @@ import tensorflow as tf
 from thor_tf.algebra import split_layout
 
 
-def block_gram(rows, split_dim=None):
+def block_gram(rows, split_dim=None, row_weights=None):
     """Diagonal blocks of ``rowsᵀ rows / R`` without forming the full ``[n, n]`` product.
 
     Args:
       rows: ``[R, n]`` float32.
       split_dim: block size ``d`` (None or >= n: one exact ``[1, n, n]`` block).
+      row_weights: None, or ``[R]`` float32 0/1 weights: then ``Σ_valid rowᵀrow / Σ w`` (masked
+        rows, e.g. padding tokens, count for nothing).
 
     Returns:
       ``[nb, d, d]`` with ``nb = ceil(n / d)``; the padding of the last block (columns past ``n``)
       is zero. Cost ``R·nb·d²`` multiply-adds instead of ``R·n²``.
     """
     n = int(rows.shape[-1])
-    count = tf.cast(tf.shape(rows)[0], rows.dtype)
+    if row_weights is not None:
+        rows = rows * row_weights[:, None]
+        count = tf.maximum(tf.reduce_sum(row_weights), 1.0)
+    else:
+        count = tf.cast(tf.shape(rows)[0], rows.dtype)
     if split_dim is None or split_dim >= n:
         return (tf.matmul(rows, rows, transpose_a=True) / count)[None]
     nb, _ = split_layout(n, split_dim)
@@ -77,6 +83,13 @@ def positions_per_example(records, g_dim: int):
         return tf.constant(per_example / g_dim, tf.float32)
     rows = tf.add_n([tf.cast(tf.size(r.z), tf.float32) for r in records]) / float(g_dim)
     return rows / tf.cast(tf.shape(records[0].z)[0], tf.float32)
+
+
+def joined_row_weights(masks, per_call_rows):
+    """``[Σ R_call]`` float32 row weights of several calls: each call's mask (``[R_call]``), or
+    ones for a call without one (its rows all count)."""
+    return tf.concat([tf.ones([tf.shape(rows)[0]], tf.float32) if mask is None else mask
+                      for mask, rows in zip(masks, per_call_rows)], axis=0)
 
 
 class KroneckerBlock:
@@ -198,31 +211,48 @@ class KroneckerBlock:
         """
         return positions_per_example(records, self.g_dim)
 
-    def factor_a(self, records, split_dim=None):
+    def factor_a(self, records, split_dim=None, masks=None):
         """Diagonal blocks of ``A = mean_rows ā āᵀ``: ``[nb, d, d]`` float32 (see :func:`block_gram`).
 
         Only the blocks that the split inverse uses are computed: with ``split_dim < a_dim`` this
         costs ``nb·d²`` instead of ``a_dim²`` per row. ``split_dim=None`` gives the full factor as
-        one block.
+        one block. ``masks``: None, or per record None / ``[R_call]`` 0/1 row weights (the mean is
+        over the valid rows only: :func:`thor_tf.loss_terms.row_mask`).
         """
-        rows = tf.concat([self.input_rows(r.inputs) for r in records], axis=0)
+        per_call = [self.input_rows(r.inputs) for r in records]
+        rows = tf.concat(per_call, axis=0)
         if self.bias is not None:
             rows = tf.concat([rows, tf.ones_like(rows[:, :1])], axis=1)
-        return block_gram(rows, None if split_dim is None else self.split_sizes(split_dim)[0])
+        return block_gram(rows, None if split_dim is None else self.split_sizes(split_dim)[0],
+                          joined_row_weights(masks, per_call) if masks is not None else None)
 
-    def factor_g(self, output_grads, split_dim=None):
-        """Diagonal blocks of ``G = mean_rows g gᵀ`` (``output_grads`` already per-example)."""
-        rows = tf.concat([self.output_rows(g) for g in output_grads], axis=0)
-        return block_gram(rows, None if split_dim is None else self.split_sizes(split_dim)[1])
+    def factor_g(self, output_grads, split_dim=None, masks=None):
+        """Diagonal blocks of ``G = mean_rows g gᵀ`` (``output_grads`` already per-term)."""
+        per_call = [self.output_rows(g) for g in output_grads]
+        rows = tf.concat(per_call, axis=0)
+        return block_gram(rows, None if split_dim is None else self.split_sizes(split_dim)[1],
+                          joined_row_weights(masks, per_call) if masks is not None else None)
 
-    def trace_a(self, records):
-        """``tr(A)`` = mean squared norm of the homogeneous input rows, without forming A."""
+    def trace_a(self, records, masks=None):
+        """``tr(A)`` = mean squared norm of the homogeneous input rows, without forming A (over
+        the valid rows when ``masks`` is given: see :meth:`factor_a`)."""
+        if masks is not None:
+            per_call = [self.input_rows(r.inputs) for r in records]
+            weights = joined_row_weights(masks, per_call)
+            norms = tf.reduce_sum(tf.square(tf.concat(per_call, axis=0)), axis=-1)
+            trace = tf.reduce_sum(norms * weights) / tf.maximum(tf.reduce_sum(weights), 1.0)
+            return trace + (1.0 if self.bias is not None else 0.0)
         sums, counts = zip(*[self.input_sq_norm_sum(r.inputs) for r in records])
         trace = tf.add_n(list(sums)) / tf.add_n(list(counts))
         return trace + (1.0 if self.bias is not None else 0.0)
 
-    def trace_g(self, output_grads):
-        """``tr(G)`` = mean squared norm of the output-gradient rows."""
+    def trace_g(self, output_grads, masks=None):
+        """``tr(G)`` = mean squared norm of the output-gradient rows (valid rows with ``masks``)."""
+        if masks is not None:
+            per_call = [self.output_rows(g) for g in output_grads]
+            weights = joined_row_weights(masks, per_call)
+            norms = tf.reduce_sum(tf.square(tf.concat(per_call, axis=0)), axis=-1)
+            return tf.reduce_sum(norms * weights) / tf.maximum(tf.reduce_sum(weights), 1.0)
         total = tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in output_grads])
         return total / tf.add_n([row_count(g) for g in output_grads])
 

@@ -65,11 +65,13 @@ class Conv2DBlock(KroneckerBlock):
                 tuple(self.rates), self.padding, getattr(self, "left_pad", 0),
                 self.a_factor_method)
 
-    def factor_a(self, records, split_dim=None):
+    def factor_a(self, records, split_dim=None, masks=None):
         """Diagonal blocks of A, ``[nb, d, d]`` float32, exactly as the base class computes them
-        from im2col rows; by default without forming those rows (see :attr:`a_factor_method`)."""
-        if self.a_factor_method == "im2col":
-            return super().factor_a(records, split_dim)
+        from im2col rows; by default without forming those rows (see :attr:`a_factor_method`).
+        With row ``masks`` (a per-position loss whose terms align with the output positions) from
+        the im2col rows."""
+        if self.a_factor_method == "im2col" or masks is not None:
+            return super().factor_a(records, split_dim, masks)
         if self.a_factor_method != "shifted":
             raise ValueError(f"a_factor_method must be one of {A_FACTOR_METHODS}; "
                              f"got {self.a_factor_method!r}.")

@@ -171,7 +171,9 @@ class EinsumDenseBlock(KroneckerBlock):
         g = tf.transpose(tf.cast(g, tf.float32), self._output_perm)
         return tf.reshape(g, [-1, self.g_dim])
 
-    def trace_g(self, output_grads):
+    def trace_g(self, output_grads, masks=None):
+        if masks is not None:
+            return super().trace_g(output_grads, masks)
         total = tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in output_grads])
         count = tf.add_n([tf.cast(tf.size(g) // self.g_dim, tf.float32) for g in output_grads])
         return total / count

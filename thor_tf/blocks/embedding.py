@@ -24,7 +24,7 @@ from __future__ import annotations
 import tensorflow as tf
 from keras import ops
 
-from thor_tf.blocks.base import KroneckerBlock
+from thor_tf.blocks.base import KroneckerBlock, joined_row_weights
 
 
 class EmbeddingBlock(KroneckerBlock):
@@ -68,13 +68,24 @@ class EmbeddingBlock(KroneckerBlock):
         count = tf.cast(tf.size(inputs), tf.float32)
         return count, count
 
-    def token_frequencies(self, records):
-        """``f``: ``[V]`` float32, the fraction of the N·T tokens of ``records`` equal to each v."""
-        tokens = tf.concat([self._tokens(r.inputs) for r in records], axis=0)
-        counts = tf.math.unsorted_segment_sum(
-            tf.ones_like(tokens, tf.float32), tokens, self.vocabulary)
-        return counts / tf.cast(tf.size(tokens), tf.float32)
+    def token_frequencies(self, records, masks=None):
+        """``f``: ``[V]`` float32, the fraction of the N·T tokens of ``records`` equal to each v
+        (of the valid tokens with row ``masks``: padding counts for nothing)."""
+        per_call = [self._tokens(r.inputs) for r in records]
+        tokens = tf.concat(per_call, axis=0)
+        if masks is None:
+            weights = tf.ones_like(tokens, tf.float32)
+            total = tf.cast(tf.size(tokens), tf.float32)
+        else:
+            weights = joined_row_weights(masks, [t[:, None] for t in per_call])
+            total = tf.maximum(tf.reduce_sum(weights), 1.0)
+        counts = tf.math.unsorted_segment_sum(weights, tokens, self.vocabulary)
+        return counts / total
 
-    def factor_a(self, records, split_dim=None):
+    def factor_a(self, records, split_dim=None, masks=None):
         """``[V, 1, 1]``: A's diagonal, whatever ``split_dim`` (A is diagonal by structure)."""
-        return tf.reshape(self.token_frequencies(records), [self.vocabulary, 1, 1])
+        return tf.reshape(self.token_frequencies(records, masks), [self.vocabulary, 1, 1])
+
+    def trace_a(self, records, masks=None):
+        """``tr A`` = 1: every row is one-hot (masked or not)."""
+        return tf.constant(1.0)
