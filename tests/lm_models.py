@@ -11,13 +11,19 @@ import keras
 import numpy as np
 
 
-def tiny_lm(vocab=11, length=6, width=8, heads=2, seed=0, dtype="float32"):
+def tiny_lm(vocab=11, length=6, width=8, heads=2, seed=0, dtype="float32", tied=False):
+    """``tied``: the token embedding is a ``keras.layers.ReversibleEmbedding`` whose ``reverse``
+    call is the output projection (``logits = h @ Eᵀ``), as GPT-2's."""
     keras.utils.set_random_seed(seed)
-    tok = keras.layers.Embedding(vocab, width, name="tok", dtype=dtype)
+    if tied:
+        tok = keras.layers.ReversibleEmbedding(vocab, width, name="tok", dtype=dtype)
+    else:
+        tok = keras.layers.Embedding(vocab, width, name="tok", dtype=dtype)
     att = keras.layers.MultiHeadAttention(heads, width // heads, name="att", dtype=dtype)
     fc = keras.layers.Dense(16, activation="gelu", name="fc", dtype=dtype)
     proj = keras.layers.Dense(width, name="proj", dtype=dtype)
-    head = keras.layers.Dense(vocab, name="head", dtype=dtype)
+    head = (lambda h: tok(h, reverse=True)) if tied else keras.layers.Dense(
+        vocab, name="head", dtype=dtype)
 
     def trunk(e):
         x = e + att(e, e, use_causal_mask=True)

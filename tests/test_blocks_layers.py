@@ -148,6 +148,16 @@ def _case_embedding(rng):
         matrix=lambda l: _weights(l)[0])
 
 
+def _case_reversible_embedding(rng):
+    """The lookup use alone (the tied head: tests/test_tied_embedding.py)."""
+    case = _case_embedding(rng)
+    n, t = case["x"].shape
+    layer = keras.layers.ReversibleEmbedding(9, 4, name="blk")
+    case["model"] = keras.Sequential([keras.Input((t,), dtype="int32"), layer,
+                                      keras.layers.Flatten()])
+    return case
+
+
 CASES = {
     keras.layers.Dense: _case_dense,
     keras.layers.Conv2D: _case_conv2d,
@@ -155,6 +165,8 @@ CASES = {
     keras.layers.EinsumDense: _einsum_case,
     keras.layers.Embedding: _case_embedding,
 }
+if hasattr(keras.layers, "ReversibleEmbedding"):
+    CASES[keras.layers.ReversibleEmbedding] = _case_reversible_embedding
 
 
 def _check_case(case, lam=0.1, split_dim=64, eager=False):

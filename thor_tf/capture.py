@@ -168,18 +168,26 @@ def install(block, store: CaptureStore) -> None:
     The wrapper runs the layer's own ``call`` with the same arguments. While the store observes,
     it records the input and observes ``z`` where ``block.observe`` says; ``activation`` is
     swapped only for the duration of the call, under a per-layer lock (replica threads of a
-    strategy may call the same layer at once).
+    strategy may call the same layer at once). ``block`` may be a list of blocks on one layer (a
+    tied embedding's lookup and head): each call is recorded for the first block that
+    :meth:`~thor_tf.blocks.KroneckerBlock.accepts_call` it (the first block if none does).
     """
-    layer = block.layer
-    key = block.name
+    blocks = list(block) if isinstance(block, (list, tuple)) else [block]
+    layer = blocks[0].layer
     own_call = layer.call  # bound: the class's call, or an instance attribute the user set
     previous = layer.__dict__.get("call")
     lock = threading.RLock()
-    observe = block.observe_point()
+
+    def route(args, kwargs):
+        if len(blocks) == 1:
+            return blocks[0]
+        return next((b for b in blocks if b.accepts_call(args, kwargs)), blocks[0])
 
     def call(*args, **kwargs):
         if not store.observing:
             return own_call(*args, **kwargs)
+        chosen = route(args, kwargs)
+        key, observe = chosen.name, chosen.observe_point()
         record = store.add(key, _first_input(args, kwargs))
         hook = not store.in_step
         if observe == "output":

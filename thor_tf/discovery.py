@@ -141,6 +141,9 @@ def find_candidates(model, exclude=()):
                 reason = probe_reason(block)
         if reason is None:
             candidates.append(block)
+            # A tied embedding's output projection: a second block on the same variable.
+            candidates.extend(c for c in block.companion_blocks()
+                              if type(c).unsupported_reason(layer) is None)
         else:
             structural.append((layer, reason))
     weight_index = {id(v): i for i, v in enumerate(model.weights)}

@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from thor_tf import (_keras_compat, capture, discovery, distributed, fisher, loss_terms,
                      precondition, scheduler)
+from thor_tf.blocks import TiedLookupBlock
 from thor_tf.introspection import Introspection
 from thor_tf.refresh import Refresher
 from thor_tf.state import DecisionLog, ThorState
@@ -139,8 +140,11 @@ class ThorEngine(Introspection):
                 "thor_tf: no Kronecker block for " + ", ".join(unsupported)
                 + "; these layers get the first-order (momentum SGD) update.",
                 stacklevel=3)
+        by_layer = {}
         for block in self.candidates:
-            capture.install(block, self.store)
+            by_layer.setdefault(id(block.layer), []).append(block)
+        for blocks in by_layer.values():
+            capture.install(blocks, self.store)
 
     def select_blocks(self, trainable_variables):
         """Choose the blocks for the variables an optimizer trains: the candidates whose kernel is
@@ -349,9 +353,22 @@ class ThorEngine(Introspection):
         masked = [b for b in active if masks[b.name] is not None]
         counts = ([terms.count] + [_valid_rows(b, records[b.name], masks[b.name]) for b in masked]
                   if masked else [])
-        n = len(grads)
-        reduced = distributed.sum_gradients(grads + [loss_value] + counts)
-        grads, loss_sum, counts = reduced[:n], reduced[n], reduced[n + 1:]
+        # A tied embedding used both ways: its gradient split by use (the lookup's part summed
+        # from the hooks' dL/dz, the head's the rest; reversible_embedding.py).
+        tied = _tied_pairs(active)
+        lookup_grads = [lookup.lookup_gradient(
+            records[lookup.name], [_unscale(r.grad, z_scale) for r in records[lookup.name]])
+            for lookup, _ in tied]
+        n, m = len(grads), len(counts)
+        reduced = distributed.sum_gradients(grads + [loss_value] + counts + lookup_grads)
+        grads, loss_sum = reduced[:n], reduced[n]
+        counts, lookup_grads = reduced[n + 1:n + 1 + m], reduced[n + 1 + m:]
+        use_grads = {}
+        index = {id(v): k for k, v in enumerate(variables)}
+        for (lookup, head), lookup_grad in zip(tied, lookup_grads):
+            whole = tf.convert_to_tensor(grads[index[id(lookup.kernel)]])
+            use_grads[lookup.name] = lookup_grad
+            use_grads[head.name] = tf.cast(whole, tf.float32) - lookup_grad
         rows_per_term = {}
         for b in active:
             if masks[b.name] is None:
@@ -385,7 +402,7 @@ class ThorEngine(Introspection):
         self.curvature_step(active, records, ok,
                             sampled_output_grads if sampled_fn is not None else output_grads,
                             batch_size, rows_per_term, masks)
-        pre = self.precondition(active, rows_per_term, grads, variables, ok)
+        pre = self.precondition(active, rows_per_term, grads, variables, ok, use_grads)
         state = self.state
         state.nonfinite_steps.assign_add(tf.cast(tf.logical_not(ok), tf.int64))
         opt.apply_masked(pre, variables, ok)
@@ -581,7 +598,7 @@ class ThorEngine(Introspection):
                                 s.reuses)
         return tf.reduce_any(decisions.refresh)
 
-    def precondition(self, active, rows_per_term, grads, variables, ok=True):
+    def precondition(self, active, rows_per_term, grads, variables, ok=True, use_grads=None):
         """Preconditioned gradients of the blocks' variables (see :mod:`thor_tf.precondition`;
         ``rows_per_term``: ``{block name: c}``, the step's ``1/c`` scale); the KL-clip scale ν of
         a finite step is kept in ``counters()["kl_scale"]``."""
@@ -593,7 +610,7 @@ class ThorEngine(Introspection):
         opt = self.optimizer
         out, nu = precondition.precondition_gradients(
             active, rows_per_term, inverses, grads, variables, kl_clip=self.config.kl_clip,
-            learning_rate=opt.learning_rate)
+            learning_rate=opt.learning_rate, use_grads=use_grads)
         if nu is not None:
             s.kl_scale.assign(tf.where(ok, nu, s.kl_scale))
         return out
@@ -625,3 +642,14 @@ def _traces(layer):
         return layer.block.trace_a(layer.records), layer.block.trace_g(layer.grads)
     return (layer.block.trace_a(layer.records, masks=layer.masks),
             layer.block.trace_g(layer.grads, masks=layer.masks))
+
+
+def _tied_pairs(active):
+    """``[(TiedLookupBlock, TiedHeadBlock)]`` of the layers used both ways in this step."""
+    pairs = []
+    for block in active:
+        if isinstance(block, TiedLookupBlock):
+            head = block.tied_head(active)
+            if head is not None:
+                pairs.append((block, head))
+    return pairs

@@ -28,7 +28,7 @@ from thor_tf import algebra
 
 
 def precondition_gradients(blocks, rows_per_term, inverses, grads, variables, kl_clip=None,
-                           learning_rate=None):
+                           learning_rate=None, use_grads=None):
     """Replace each block's kernel/bias gradients by its (KL-clipped) preconditioned gradient.
 
     Args:
@@ -40,6 +40,8 @@ def precondition_gradients(blocks, rows_per_term, inverses, grads, variables, kl
       variables: the trainable variables.
       kl_clip: κ, or None for no clip.
       learning_rate: the step's learning rate (for the clip).
+      use_grads: ``{block name: gradient}`` for blocks that take a part of their variable's
+        gradient (a tied embedding's two uses); their updates are summed into the variable's.
 
     Returns:
       ``(grads, ν)``: the new gradient list (variables without a block keep theirs) and the clip
@@ -54,7 +56,8 @@ def precondition_gradients(blocks, rows_per_term, inverses, grads, variables, kl
         bias_grad = grads[index[id(b.bias)]] if b.bias is not None else None
         if b.bias is not None and bias_grad is None:
             bias_grad = tf.zeros_like(b.bias)
-        matrices.append(b.to_matrix(grads[index[id(b.kernel)]], bias_grad))
+        kernel_grad = (use_grads or {}).get(b.name, grads[index[id(b.kernel)]])
+        matrices.append(b.to_matrix(kernel_grad, bias_grad))
         a_inv, g_inv = inverses[b.name]
         operators.append(algebra.KroneckerOperator(
             algebra.BlockDiagonal(tf.convert_to_tensor(a_inv), b.a_dim),
@@ -66,11 +69,13 @@ def precondition_gradients(blocks, rows_per_term, inverses, grads, variables, kl
     if kl_clip is not None:
         nu = kl_scale(updates, matrices, kl_clip, learning_rate)
         updates = [nu * u for u in updates]
-    out = list(grads)
+    out, written = list(grads), set()
     for b, update in zip(usable, updates):
         kernel_update, bias_update = b.from_matrix(update)
         k = index[id(b.kernel)]
-        out[k] = tf.cast(kernel_update, grads[k].dtype)
+        kernel_update = tf.cast(kernel_update, grads[k].dtype)
+        out[k] = out[k] + kernel_update if k in written else kernel_update  # tied: summed
+        written.add(k)
         if b.bias is not None:
             out[index[id(b.bias)]] = bias_update
     return out, nu

@@ -23,6 +23,7 @@ from thor_tf.blocks.conv2d import Conv2DBlock
 from thor_tf.blocks.dense import DenseBlock
 from thor_tf.blocks.einsum_dense import EinsumDenseBlock
 from thor_tf.blocks.embedding import EmbeddingBlock
+from thor_tf.blocks.reversible_embedding import TiedHeadBlock, TiedLookupBlock
 
 _REGISTRY: dict = {}
 
@@ -70,7 +71,9 @@ register_block(keras.layers.Conv2D, Conv2DBlock)
 register_block(keras.layers.Conv1D, Conv1DBlock)
 register_block(keras.layers.EinsumDense, EinsumDenseBlock)
 register_block(keras.layers.Embedding, EmbeddingBlock)
+if hasattr(keras.layers, "ReversibleEmbedding"):  # Keras >= 3.11 (KerasHub's subclasses it)
+    register_block(keras.layers.ReversibleEmbedding, TiedLookupBlock)
 
 __all__ = ["KroneckerBlock", "DenseBlock", "Conv2DBlock", "Conv1DBlock", "EinsumDenseBlock",
-           "EmbeddingBlock", "block_gram", "register_block",
+           "EmbeddingBlock", "TiedLookupBlock", "TiedHeadBlock", "block_gram", "register_block",
            "registered_blocks", "block_class_for", "registered_layer_class"]

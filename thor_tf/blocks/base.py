@@ -153,6 +153,16 @@ class KroneckerBlock:
             return self.observe
         return "activation" if callable(getattr(self.layer, "activation", None)) else "output"
 
+    def accepts_call(self, args, kwargs):
+        """Whether a call of the layer with these arguments is this block's (default: every
+        call). A layer with two blocks (a tied embedding's lookup and its ``reverse=True``
+        output projection) routes each call to the block that accepts it."""
+        return True
+
+    def companion_blocks(self):
+        """Further blocks on the same layer (default none): a tied embedding's head."""
+        return []
+
     def matches(self, record):
         """Whether one observed call has the block's structure (static shapes only): ``z`` ends
         in ``g_dim`` features. A call that does not (e.g. a tied embedding used as the output

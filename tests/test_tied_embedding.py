@@ -1,0 +1,109 @@
+"""Tied embeddings (issue 23): a ``keras.layers.ReversibleEmbedding`` used as the lookup and as the
+output projection gets two blocks on its one matrix (thor_tf/blocks/reversible_embedding.py).
+
+References without thor_tf, in float64: the head use's rows ``h`` and ``g_H = w·(softmax −
+onehot)`` (NumPy), the lookup use's ``g_L = dΣwℓ/de`` (autodiff through a float64 copy), each use's
+factors as explicit sums over the valid rows, and the step ``F_L⁻¹∇_lookup + (F_H⁻¹∇_headᵀ)ᵀ``
+with ``∇_lookup = Σ onehot(x) g_Lᵀ / s`` and ``∇_head = Σ g_H hᵀ / s``. With one use removed the
+step equals the plain Embedding's (or a bias-free Dense head's) on the same weights.
+"""
+
+import os
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import thor_tf
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lm_models import padding_weights, tiny_lm, token_data  # noqa: E402
+from test_lm_fisher import DAMPING, LOSS, OPTIONS, _kfac_step, _softmax  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not hasattr(keras.layers, "ReversibleEmbedding"),
+                                reason="keras.layers.ReversibleEmbedding needs Keras >= 3.11")
+
+
+def _tied_reference(model, parts, x, y, w):
+    B, T = x.shape
+    valid = (w != 0).reshape(-1)
+    s = B * T
+    E = model.get_layer("tok").embeddings.numpy().astype(np.float64)
+    h = parts["head_input"](x).numpy().astype(np.float64).reshape(B * T, -1)
+    g_head = w.reshape(-1, 1) * (_softmax(h @ E.T) - np.eye(E.shape[0])[y.reshape(-1)])
+    A_h, G_h, step_h = _kfac_step(h, g_head, valid, h.T @ g_head / s, DAMPING)
+
+    model64, parts64 = tiny_lm(dtype="float64", tied=True)
+    for v64, v in zip(model64.weights, model.weights):
+        v64.assign(v.numpy().astype(np.float64))
+    e = tf.constant(E[x])
+    with tf.GradientTape() as tape:
+        tape.watch(e)
+        total = tf.reduce_sum(tf.constant(w, tf.float64) * keras.losses.sparse_categorical_crossentropy(
+            y, parts64["after_embedding"](e), from_logits=True))
+    g_lookup = tape.gradient(total, e).numpy().reshape(B * T, -1)
+    onehot = np.eye(E.shape[0])[x.reshape(-1)]
+    A_l, G_l, step_l = _kfac_step(onehot, g_lookup, valid, onehot.T @ g_lookup / s, DAMPING)
+    return {"E": E - step_l - step_h.T, "A_tok": A_l, "G_tok": G_l, "A_tok/reverse": A_h,
+            "G_tok/reverse": G_h}
+
+
+def test_each_use_has_its_exact_factors_and_the_step_sums_their_natural_gradients():
+    x, y = token_data(n=8)
+    w = padding_weights(n=8)
+    model, parts = tiny_lm(tied=True)
+    expected = _tied_reference(model, parts, x, y, w)
+    wrapped = thor_tf.wrap(model, **OPTIONS)
+    assert [b.kind for b in wrapped.thor.blocks if b.layer.name == "tok"] == ["embedding",
+                                                                              "tied head"]
+    wrapped.compile(loss=LOSS)
+    wrapped.fit(x, y, sample_weight=w, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    for name in ("tok", "tok/reverse"):
+        factors = wrapped.thor.factors(name)
+        A = factors["A"] if factors["A"].ndim == 2 else np.diag(factors["A"].reshape(-1))
+        np.testing.assert_allclose(A, expected[f"A_{name}"], rtol=1e-5, atol=1e-6, err_msg=name)
+        G = expected[f"G_{name}"]
+        np.testing.assert_allclose(factors["G"], G, rtol=1e-4, atol=1e-5 * np.abs(G).max(),
+                                   err_msg=name)
+    got = model.get_layer("tok").embeddings.numpy()
+    np.testing.assert_allclose(got, expected["E"], rtol=1e-4,
+                               atol=1e-4 * np.abs(expected["E"]).max())
+    stats = {s["name"]: s for s in wrapped.thor.layer_stats()}
+    assert stats["tok"]["refreshes"] == 1 and stats["tok/reverse"]["refreshes"] == 1
+
+
+def _two_models(kind):
+    """(reversible-embedding model, plain model) with equal weights where one use is absent."""
+    vocab, length, width = 11, 6, 8
+    tokens = keras.Input((length,), dtype="int32")
+    keras.utils.set_random_seed(0)
+    rev = keras.layers.ReversibleEmbedding(vocab, width, name="rev")
+    if kind == "lookup only":
+        rev_model = keras.Model(tokens, keras.layers.Dense(vocab, name="head")(rev(tokens)))
+        plain_emb = keras.layers.Embedding(vocab, width, name="rev")
+        plain = keras.Model(tokens, keras.layers.Dense(vocab, name="head")(plain_emb(tokens)))
+    else:
+        inp = keras.layers.Embedding(vocab, width, name="inp")
+        rev.build((None, length))
+        rev_model = keras.Model(tokens, rev(inp(tokens), reverse=True))
+        inp2 = keras.layers.Embedding(vocab, width, name="inp")
+        plain = keras.Model(tokens, keras.layers.Dense(vocab, use_bias=False, name="rev")(
+            inp2(tokens)))
+    for a, b in zip(plain.weights, rev_model.weights):
+        a.assign(b.numpy().T if a.shape != b.shape else b.numpy())
+    return rev_model, plain
+
+
+@pytest.mark.parametrize("kind", ["lookup only", "head only"])
+def test_with_one_use_removed_the_step_is_that_uses_block(kind):
+    x, y = token_data(n=8)
+    rev_model, plain = _two_models(kind)
+    for model in (rev_model, plain):
+        wrapped = thor_tf.wrap(model, **OPTIONS)
+        wrapped.compile(loss=LOSS)
+        wrapped.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(plain.weights, rev_model.weights):
+        b = b.numpy().T if a.shape != b.shape else b.numpy()
+        np.testing.assert_allclose(a.numpy(), b, rtol=1e-5, atol=1e-6, err_msg=a.name)

@@ -1,0 +1,136 @@
+"""Tied embeddings: one matrix ``E [V, D]`` used as the token lookup and as the output projection.
+
+``keras.layers.ReversibleEmbedding`` (KerasHub's GPT-2, Gemma, Llama; Keras ≥ 3.11) looks tokens up
+with ``call(x)`` and, with ``tie_weights=True``, computes logits with ``call(h, reverse=True)`` as
+``h @ Eᵀ``. The gradient of ``E`` is the sum of the two uses':
+
+    ∇E = ∇_lookup + ∇_head,   ∇_lookup = Σ_rows onehot(x) g_Lᵀ  [V, D],   ∇_head = Σ_rows g_H hᵀ  [V, D]
+
+and its Fisher block is a sum of two Kronecker products (DESIGN §8): the lookup's
+``diag(f) ⊗ G_L`` (as :class:`~thor_tf.blocks.EmbeddingBlock`) and the head's ``G_H ⊗ A_H`` with
+``A_H = E[h hᵀ]`` over D and ``G_H`` over V (a Dense head of kernel ``Eᵀ``, transposed).
+
+The approximation (``thor_tf`` 's choice): each use keeps its own exact Kronecker block — two
+blocks on the one variable, :class:`TiedLookupBlock` (``"<name>"``) and :class:`TiedHeadBlock`
+(``"<name>/reverse"``), each with its own factors, split inverses and trace-rule decisions — and
+the step is the sum of the per-use natural gradients of the gradient split by use,
+
+    ΔE = F_L⁻¹ ∇_lookup + F_H⁻¹ ∇_head,
+
+with ``∇_lookup`` summed from the hooks' records (a scatter of the lookup's ``dL/dz`` rows by
+token: O(B·T·D)) and ``∇_head = ∇E − ∇_lookup``. This is the natural gradient of the *untied*
+parameterization ``(E_L, E_H)`` pulled back through the tie (``E_L = E_H = E``): exact where the two
+uses' curvatures do not overlap, up to 2× the tied natural gradient ``(F_L + F_H)⁻¹ ∇E`` in
+directions both see (the KL clip bounds the step's size). It is not the naive single Kronecker
+product of summed factors (the "tied" registration kfac-pytorch tried, gpauloski/kfac-pytorch#25,
+after Zhang et al. 2019 App. A.1, whose cross terms ``diag(f) ⊗ A_H`` and ``G_H ⊗ G_L`` the two uses
+never produce). The exact inverse of the damped two-term sum (simultaneous diagonalization of the
+V- and D-side factor pairs, block by block) is left for later. With one use absent from a step the
+step is exactly that use's block (:class:`EmbeddingBlock`, or a bias-free Dense head on ``Eᵀ``).
+
+Cost at GPT-2's V = 50,257, D = 768, split 128: the lookup's A is V floats (1×1 blocks); the
+head's G is 393 blocks of 128² (25.8 MB float32, as much again for its inverse) — never V×V; its A
+is D×D. Per step the extra work is the lookup-gradient scatter (B·T·D adds) and one more [V, D]
+block product.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from keras import ops
+
+from thor_tf.blocks.base import KroneckerBlock
+from thor_tf.blocks.embedding import EmbeddingBlock
+
+
+def _is_reverse(args, kwargs):
+    """Whether a ``ReversibleEmbedding`` call is the output projection (``reverse=True``)."""
+    if "reverse" in kwargs:
+        return bool(kwargs["reverse"])
+    return len(args) > 1 and bool(args[1])
+
+
+class TiedLookupBlock(EmbeddingBlock):
+    """The lookup use of a ``ReversibleEmbedding`` (an :class:`EmbeddingBlock`); it brings its
+    tied head (:class:`TiedHeadBlock`) along as a companion when the weights are tied."""
+
+    kind = "embedding"
+
+    def accepts_call(self, args, kwargs):
+        return not _is_reverse(args, kwargs)
+
+    def companion_blocks(self):
+        layer = self.layer
+        if not getattr(layer, "tie_weights", False):
+            return []
+        return [TiedHeadBlock(f"{self.name}/reverse", layer, lookup=self)]
+
+    def tied_head(self, blocks):
+        """The :class:`TiedHeadBlock` of the same layer among ``blocks``, or None."""
+        return next((b for b in blocks if isinstance(b, TiedHeadBlock) and b.layer is self.layer),
+                    None)
+
+    def lookup_gradient(self, records, z_grads):
+        """``∇_lookup = Σ_rows onehot(x) dL/dzᵀ`` ``[V, D]`` float32 of this replica's calls
+        (``z_grads``: ``dL/dz`` of each record, unscaled)."""
+        tokens = tf.concat([self._tokens(r.inputs) for r in records], axis=0)
+        rows = tf.concat([tf.reshape(tf.cast(g, tf.float32), [-1, self.g_dim]) for g in z_grads],
+                         axis=0)
+        return tf.math.unsorted_segment_sum(rows, tokens, self.vocabulary)
+
+
+class TiedHeadBlock(KroneckerBlock):
+    """The output-projection use of a tied ``ReversibleEmbedding``: ``z = h @ Eᵀ``.
+
+    A Dense head without bias whose kernel is ``Eᵀ`` ``[D, V]``: ``a = h`` (``a_dim = D``),
+    ``g = dℓ/dz`` over the V logits (``g_dim = V``, split like any Dense output). Its gradient
+    matrix is ``∇_headᵀ`` (:meth:`to_matrix` transposes the ``[V, D]`` gradient of ``E``).
+    """
+
+    kind = "tied head"
+    kernel_attribute = "embeddings"
+    observe = "output"
+
+    def __init__(self, name, layer, lookup=None):
+        super().__init__(name, layer)
+        vocabulary, width = (int(s) for s in self.kernel.shape)
+        self.bias = None
+        self.kernel_shape = (vocabulary, width)
+        self.in_dim = self.a_dim = width
+        self.g_dim = vocabulary
+        self.lookup = lookup
+
+    @classmethod
+    def unsupported_reason(cls, layer):
+        reason = super().unsupported_reason(layer)
+        if reason is None and getattr(layer, "logit_soft_cap", None) is not None:
+            return "soft-capped logits (z is not the call's output)"
+        if reason is None and getattr(layer, "reverse_dtype", None) is not None:
+            return "reverse_dtype set"
+        return reason
+
+    def accepts_call(self, args, kwargs):
+        return _is_reverse(args, kwargs)
+
+    def pre_activation(self, inputs):
+        return ops.matmul(inputs, ops.transpose(self.layer.embeddings))
+
+    def matches(self, record):
+        rank_in, rank_z = record.inputs.shape.rank, record.z.shape.rank
+        shaped = rank_in is None or rank_z is None or rank_z == rank_in
+        return shaped and super().matches(record)
+
+    def to_matrix(self, kernel_value, bias_value=None):
+        if isinstance(kernel_value, tf.IndexedSlices):
+            kernel_value = tf.convert_to_tensor(kernel_value)
+        return tf.transpose(tf.cast(kernel_value, tf.float32))
+
+    def from_matrix(self, matrix):
+        return tf.transpose(matrix), None
+
+    def input_rows(self, inputs):
+        return tf.reshape(tf.cast(inputs, tf.float32), [-1, self.in_dim])
+
+    def input_sq_norm_sum(self, inputs):
+        x = tf.cast(inputs, tf.float32)
+        return tf.reduce_sum(tf.square(x)), tf.cast(tf.size(x) // self.in_dim, tf.float32)
