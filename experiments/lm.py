@@ -240,15 +240,16 @@ def thor_options(args, lr):
     return options
 
 
-def make_model(optimizer, lr, args, vocab_size, show_table=False):
-    """Build the model (the caller has seeded) and compile it for ``optimizer``."""
+def make_model(optimizer, lr, args, vocab_size, show_table=False, **thor_extra):
+    """Build the model (the caller has seeded) and compile it for ``optimizer``; ``thor_extra``:
+    more ``thor_tf.wrap`` options (the benchmark's ``preset="thor_nt"``)."""
     import keras
     import thor_tf
 
     model = build_gpt(vocab_size, **model_kwargs(args))
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     if optimizer == "thor":
-        wrapped = thor_tf.wrap(model, verbose=show_table, **thor_options(args, lr))
+        wrapped = thor_tf.wrap(model, verbose=show_table, **{**thor_options(args, lr), **thor_extra})
         wrapped.compile(loss=loss)
         return wrapped
     schedule = warmup_cosine(lr, args.steps, args.warmup)
@@ -278,6 +279,8 @@ def thor_settings(model):
     lr = opt._learning_rate
     if hasattr(lr, "get_config"):
         lr = {"class": type(lr).__name__, **lr.get_config()}
+    else:  # a constant: Keras keeps it in a variable
+        lr = round(float(lr.numpy()), 7)
     settings["learning_rate"] = lr
     damping = settings.get("damping")
     if hasattr(damping, "get_config"):
@@ -437,6 +440,10 @@ def summarize(runs, args, corpus_info, target_loss=None):
                       "final_val_loss_per_seed": [r.final_loss for r in sorted(cruns, key=lambda r: r.seed)]}
                      for (cname, clr), cruns in sorted(by_config(runs).items()) if cname == name],
         }
+        rates = sorted(g["lr"] for g in entry["grid"])
+        if len(rates) > 1 and lr in (rates[0], rates[-1]):
+            entry["note"] = (f"the best rate {lr:g} is the {'smallest' if lr == rates[0] else 'largest'}"
+                             f" of the grid: extend it (--lr-grid / --thor-lr)")
         if group[0].settings is not None:
             entry["settings"] = group[0].settings
         optimizers[name] = entry
@@ -512,6 +519,8 @@ def markdown(summary):
             mark = " (best)" if g["lr"] == e["lr"] else ""
             lines.append(f"| {name} | {g['lr']:g}{mark} | "
                          f"{_fmt(g['final_val_loss'], '.4f', 'nan')} ({per}) |")
+    lines += [f"\nNote: {name}: {e['note']}." for name, e in summary["optimizers"].items()
+              if e.get("note")]
     return "\n".join(lines)
 
 

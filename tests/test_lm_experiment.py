@@ -155,6 +155,9 @@ def test_summary_best_rate_target_and_ratios_on_hand_written_runs():
     assert summary["thor_vs"]["adamw"]["steady_step_time"] == pytest.approx(2.0)
     table = lm.markdown(summary)
     assert "| thor | 0.05 |" in table and "0.001 (best)" in table
+    # AdamW's best rate is the smallest of its grid: the summary says to extend the grid.
+    assert "smallest of the grid" in adamw["note"] and "note" not in muon
+    assert "Note: adamw: the best rate 0.001 is the smallest" in table
     json.dumps(summary, allow_nan=False)
 
 
@@ -190,6 +193,21 @@ def test_same_initial_weights_and_batches_for_every_optimizer():
     np.testing.assert_array_equal(y0[:, :-1], x0[:, 1:])  # targets: the next characters
     xv, _ = lm.val_windows(ids[:100], 8, block=16)
     assert xv.shape == (8, 16) and xv[0, 0] == 0 and xv[-1, -1] == ids[83 + 15]
+
+
+def test_thor_flags_reach_thor_tf():
+    lm = _lm()
+    args = _args(lm, "--fisher", "sampled", "--thor-lr", "0.02", "--thor-damping", "0.1",
+                 "--kl-clip", "none", "--frequency", "5", "--thor-schedule", "constant")
+    model = lm.make_model("thor", args.thor_lr[0], args, vocab_size=11)
+    settings = lm.thor_settings(model)
+    assert settings["fisher"] == "sampled" and settings["damping"] == 0.1
+    assert settings["kl_clip"] is None and settings["frequency"] == 5
+    assert settings["learning_rate"] == pytest.approx(0.02)
+    defaults = lm.thor_defaults()
+    settings = lm.thor_settings(lm.make_model("thor", 0.05, _args(lm), vocab_size=11))
+    for key in ("fisher", "damping", "kl_clip", "frequency", "max_block_age"):
+        assert settings[key] == defaults[key], key
 
 
 def test_tied_embeddings_use_the_token_matrix_as_the_head():
