@@ -16,14 +16,15 @@ the same sequence of Shakespeare batches (``--random-data``: random tokens, no c
 Each variant is built once and warmed up (``--warmup-steps``: tracing and the first refreshes),
 then timed in ``--repeats`` rounds of ``--steps`` steps, the variants in turn within each round
 (a slow spell of a shared machine hits all alike); per round the median step (THOR: of its plain
-and of its cadence steps), then the median over rounds. The amortized THOR step at its frequency
+and of its cadence steps), then the median over rounds; ``paired``: the ratios THOR/baseline
+round by round, then their median (steadier when the machine's speed drifts). The amortized THOR step at its frequency
 f is ``plain + (cadence − plain)/f`` (:func:`amortized`), also with the refresh-all step as the
 cadence step (an upper bound); ``mean_ms`` is the measured mean over every timed step.
 
 Writes ``--out`` (JSON, default docs/bench_lm_step.json) with the ratios THOR/AdamW and THOR/Muon.
 
-    python scripts/bench_lm_step.py                          # baby GPT, ~4 min on 2 cores
-    python scripts/bench_lm_step.py --repeats 2 --steps 20   # a quick look
+    python scripts/bench_lm_step.py                          # baby GPT, ~3 min on 2 cores
+    python scripts/bench_lm_step.py --repeats 3              # a quick look
 """
 
 from __future__ import annotations
@@ -73,12 +74,21 @@ def summarize(rounds, frequency):
             continue
         ref = out[base]["median_ms"]
         thor = out["thor"]
-        ratios[f"thor_vs_{base}"] = {
-            key: (None if thor.get(key) is None else thor[key] / ref)
-            for key in ("plain_ms", "cadence_ms", "amortized_ms", "refresh_all_amortized_ms",
-                        "mean_ms")}
+        row = {key: (None if thor.get(key) is None else thor[key] / ref)
+               for key in ("plain_ms", "cadence_ms", "amortized_ms", "refresh_all_amortized_ms",
+                           "mean_ms")}
         if "thor_refresh_all" in out:
-            ratios[f"thor_vs_{base}"]["refresh_all_ms"] = out["thor_refresh_all"]["median_ms"] / ref
+            row["refresh_all_ms"] = out["thor_refresh_all"]["median_ms"] / ref
+        # Round by round (the variants of a round ran within seconds of each other), then the
+        # median: steadier than the ratio of medians when the machine's speed drifts.
+        pairs = [("plain_ms", "thor", "plain_ms", "median_ms"), ("mean_ms", "thor", "mean_ms", "mean_ms"),
+                 ("refresh_all_ms", "thor_refresh_all", "median_ms", "median_ms")]
+        row["paired"] = {}
+        for name, variant, key, ref_key in pairs:
+            values = [a[key] / b[ref_key] for a, b in zip(rounds.get(variant, []), rounds[base])
+                      if a.get(key) is not None]
+            row["paired"][name] = statistics.median(values) if values else None
+        ratios[f"thor_vs_{base}"] = row
     return out, ratios
 
 
@@ -106,8 +116,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--repeats", type=int, default=5, help="timed rounds (default 5)")
-    p.add_argument("--steps", type=int, default=40, help="timed steps per round (default 40)")
+    p.add_argument("--repeats", type=int, default=10, help="timed rounds (default 10)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per round (default 20)")
     p.add_argument("--warmup-steps", type=int, default=20,
                    help="untimed steps after the first (traced) one (default 20)")
     p.add_argument("--variants", default=",".join(VARIANTS),
@@ -185,7 +195,9 @@ def main(argv=None):
                                             for k, v in row.items() if v is not None))
     for name, row in ratios.items():
         print(f"{name}: " + ", ".join(f"{k.replace('_ms', '')} {v:.2f}x" for k, v in row.items()
-                                      if v is not None))
+                                      if isinstance(v, float))
+              + "; round by round: " + ", ".join(f"{k.replace('_ms', '')} {v:.2f}x"
+                                                 for k, v in row["paired"].items() if v is not None))
     result = {
         "summary": summary, "ratios": ratios, "rounds": rounds,
         "first_step_s": first_step,

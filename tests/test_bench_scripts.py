@@ -85,6 +85,9 @@ def test_bench_lm_step_amortized_step_and_ratios():
     assert ratios["thor_vs_adamw"]["amortized_ms"] == pytest.approx(130.0 / 55.0)
     assert ratios["thor_vs_muon"]["plain_ms"] == pytest.approx(100.0 / 80.0)
     assert ratios["thor_vs_muon"]["refresh_all_ms"] == pytest.approx(5.0)
+    # Round by round: THOR plain 100/50, 110/60, 90/55 -> median 1.833...
+    assert ratios["thor_vs_adamw"]["paired"]["plain_ms"] == pytest.approx(110.0 / 60.0)
+    assert ratios["thor_vs_adamw"]["paired"]["refresh_all_ms"] == pytest.approx(400.0 / 55.0)
     # An adaptive cadence has no fixed f: no amortized formula, the measured mean stays.
     summary, _ = bench.summarize(rounds, frequency="adaptive")
     assert summary["thor"]["amortized_ms"] is None and summary["thor"]["mean_ms"] == 120.0
