@@ -5,7 +5,9 @@ library itself (``thor_tf``) does not depend on it. Its extra requirements (scik
 embedded digits, matplotlib for plots) come with ``pip install -e ".[experiments]"``.
 
 * :mod:`.datasets` - MNIST-family and CIFAR-10 loaders with offline paths;
+* :mod:`.text` - the character corpus of ``lm.py`` (Shakespeare, fetched once; or any text);
 * :mod:`.models` - the model zoo (MLP, CNN, CIFAR ResNets, ResNet-50);
 * :mod:`.cli`, :mod:`.runner`, :mod:`.reports` - command line, training runs, summary/plots;
-* ``mnist.py``, ``resnet.py``: the comparison scripts (``python experiments/mnist.py``).
+* ``mnist.py``, ``resnet.py``, ``transformer.py``, ``lm.py``: the comparison scripts
+  (``python experiments/mnist.py``).
 """

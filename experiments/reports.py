@@ -50,17 +50,19 @@ class RunResult:
 
 
 class CsvLog:
-    """``metrics.csv``: header once, one flushed row per epoch (a killed run keeps its rows)."""
+    """``metrics.csv``: header once, one flushed row per epoch (a killed run keeps its rows);
+    ``fields``: the columns (default :data:`CSV_FIELDS`; a missing value, None, is written empty)."""
 
-    def __init__(self, path):
+    def __init__(self, path, fields=CSV_FIELDS):
         self.path = Path(path)
+        self.fields = tuple(fields)
         self._fh = open(self.path, "w", newline="")
-        self._writer = csv.DictWriter(self._fh, fieldnames=CSV_FIELDS)
+        self._writer = csv.DictWriter(self._fh, fieldnames=self.fields)
         self._writer.writeheader()
         self._fh.flush()
 
     def write(self, row):
-        self._writer.writerow({k: row[k] for k in CSV_FIELDS})
+        self._writer.writerow({k: row[k] for k in self.fields})
         self._fh.flush()
 
     def close(self):

