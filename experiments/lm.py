@@ -220,6 +220,19 @@ def warmup_cosine(lr, steps, warmup):
         warmup_steps=warmup)
 
 
+def _thor_option(text):
+    """``NAME=VALUE`` -> ``(name, value)`` (VALUE a Python literal, or a bare string)."""
+    import ast
+
+    name, sep, value = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        return name, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return name, value
+
+
 def thor_options(args, lr):
     """The options ``thor_tf.wrap`` gets (everything else: thor_tf's defaults)."""
     from thor_tf_experiments import runner
@@ -237,6 +250,7 @@ def thor_options(args, lr):
         options["frequency"] = args.frequency
     if args.max_block_age is not None:
         options["max_block_age"] = None if args.max_block_age == "none" else args.max_block_age
+    options.update(dict(args.thor_option or []))
     return options
 
 
@@ -643,6 +657,12 @@ def parse_args(argv=None):
     t.add_argument("--fisher", choices=("empirical", "sampled"), default=defaults["fisher"],
                    help=f"empirical (THOR) or sampled (K-FAC's true Fisher) (default "
                         f"{defaults['fisher']})")
+    t.add_argument("--thor-option", type=_thor_option, action="append", metavar="NAME=VALUE",
+                   help="any other thor_tf.wrap option (a Python literal), e.g. "
+                        "damping_split='pi'; repeatable")
+    parser.add_argument("--combine", nargs="+", metavar="DIR",
+                        help="no training: combine the metrics.csv of earlier --out directories "
+                             "(one measurement split over processes) into --out")
     args = parser.parse_args(argv)
     if args.quick:
         parser.set_defaults(layers=2, heads=2, width=32, block=32, batch=8, steps=60,
@@ -677,8 +697,68 @@ def run_grid(args):
     return grid
 
 
+def load_runs(directories):
+    """Runs read back from earlier outputs (``DIR/metrics.csv``; THOR's settings from
+    ``DIR/summary.json``): one measurement split over several processes, combined."""
+    import csv
+
+    runs = {}
+    for directory in directories:
+        directory = Path(directory)
+        settings = {}
+        summary_path = directory / "summary.json"
+        if summary_path.exists():
+            for name, entry in json.loads(summary_path.read_text()).get("optimizers", {}).items():
+                if entry.get("settings"):
+                    settings[(name, float(entry["lr"]))] = entry["settings"]
+        with open(directory / "metrics.csv", newline="") as handle:
+            for row in csv.DictReader(handle):
+                parsed = {}
+                for key, value in row.items():
+                    if key == "optimizer":
+                        parsed[key] = value
+                    elif value in ("", "None"):
+                        parsed[key] = None
+                    elif key in ("seed", "step", "refreshes"):
+                        parsed[key] = int(float(value))
+                    else:
+                        parsed[key] = float(value)
+                key = (parsed["optimizer"], parsed["lr"], parsed["seed"])
+                if key not in runs:
+                    runs[key] = Run(*key, settings=settings.get(key[:2]))
+                runs[key].rows.append(parsed)
+    return list(runs.values())
+
+
+def combine(args):
+    """``--combine``: the summary, plot and table of runs measured by several processes."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = load_runs(args.combine)
+    with open(out / "metrics.csv", "w", newline="") as handle:
+        import csv
+
+        writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for run in runs:
+            writer.writerows(run.rows)
+    first = json.loads((Path(args.combine[0]) / "summary.json").read_text())
+    summary = summarize(runs, args, first.get("corpus", {}), args.target_loss)
+    summary["combined_from"] = [str(d) for d in args.combine]
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    title = (f"char GPT ({args.layers}x{args.width}, {args.heads} heads, block {args.block}, "
+             f"batch {args.batch}{', tied' if args.tie_embeddings else ''})")
+    plot(runs, summary, out / "val_loss.png", title)
+    table = markdown(summary)
+    (out / "results.md").write_text(f"# {title}\n\n{table}\n")
+    print(table)
+    return summary
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.combine:
+        return combine(args)
     try:
         corpus = text.load_text(args.text, cache_dir=args.cache_dir,
                                 download=not args.no_download)
