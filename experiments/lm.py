@@ -493,14 +493,15 @@ def markdown(summary):
              "| optimizer | lr | final val loss, median (per seed) | steps to target, per seed "
              "(median) | seconds to target (median) | s/step (steady) | train s | ν at the end |",
              "|---|---|---|---|---|---|---|---|"]
+    never = "never" if target is not None else "–"
     for name, e in summary["optimizers"].items():
         seeds = e["per_seed"]
         finals = " / ".join(_fmt(s["final_val_loss"], ".4f", "nan") for s in seeds)
-        steps = " / ".join(_fmt(s["steps_to_target"], "d") for s in seeds)
+        steps = " / ".join(_fmt(s["steps_to_target"], "d", never) for s in seeds)
         nu = " / ".join(_fmt(s["final_kl_scale"], ".3g", "–") for s in seeds)
         lines.append(f"| {name} | {e['lr']:g} | {_fmt(e['final_val_loss'], '.4f', 'nan')} "
-                     f"({finals}) | {steps} ({_fmt(e['steps_to_target'], 'g')}) | "
-                     f"{_fmt(e['seconds_to_target'], '.1f')} | "
+                     f"({finals}) | {steps} ({_fmt(e['steps_to_target'], 'g', never)}) | "
+                     f"{_fmt(e['seconds_to_target'], '.1f', never)} | "
                      f"{_fmt(e['steady_step_seconds'], '.4f', '–')} | "
                      f"{_fmt(e['total_seconds'], '.1f', '–')} | {nu} |")
     if summary["thor_vs"]:
