@@ -54,10 +54,11 @@ to the target (the first evaluation at or below it) and the ratios THOR/baseline
 (val loss against steps and seconds, median over seeds, each optimizer at its best rate) and
 ``results.md`` (the tables, also printed).
 
-Tied embeddings (``--tie-embeddings``): the token embedding is a :class:`ReversibleEmbedding`, a
-``keras.layers.Embedding`` subclass that also computes the output logits ``h @ Eᵀ`` when called
-with ``reverse=True`` (the API of KerasHub's ``ReversibleEmbedding``, without KerasHub), so one
-matrix ``E [V, D]`` is the lookup and the head, as in GPT-2 and nanoGPT.
+Tied embeddings (``--tie-embeddings``): the token embedding is Keras' own
+``keras.layers.ReversibleEmbedding`` (Keras >= 3.11; KerasHub's GPT-2/Gemma/Llama use it), called
+with ``reverse=True`` for the logits ``h @ Eᵀ``, so one matrix ``E [V, D]`` is the lookup and the
+head, as in GPT-2 and nanoGPT (no KerasHub needed); thor_tf gives each use its own block. On an
+older Keras, a minimal ``Embedding`` subclass with the same call stands in (:func:`reversible_embedding`).
 """
 
 from __future__ import annotations
@@ -99,15 +100,17 @@ CSV_FIELDS = ("optimizer", "lr", "seed", "step", "val_loss", "train_loss", "seco
 # --------------------------------------------------------------------------------------------
 
 @functools.cache
-def _layers():
+def reversible_embedding():
+    """The class of the tied token embedding: ``keras.layers.ReversibleEmbedding`` (Keras >= 3.11,
+    the layer thor_tf gives a lookup and a head block on one matrix), else a minimal stand-in
+    with its API on older Keras: an ``Embedding`` whose ``call(h, reverse=True)`` is ``h @ Eᵀ``."""
     import keras
+
+    if hasattr(keras.layers, "ReversibleEmbedding"):
+        return keras.layers.ReversibleEmbedding
 
     @keras.saving.register_keras_serializable(package="thor_tf_experiments")
     class ReversibleEmbedding(keras.layers.Embedding):
-        """``Embedding(V, D)`` whose ``call(h, reverse=True)`` is the tied output head: the logits
-        ``h @ Eᵀ`` ``[..., V]`` of vectors ``h [..., D]`` with the same matrix ``E`` (KerasHub's
-        ``ReversibleEmbedding(tie_weights=True)`` API). ``reverse=False`` is the lookup."""
-
         def call(self, inputs, reverse=False):
             if not reverse:
                 return super().call(inputs)
@@ -135,7 +138,8 @@ def build_gpt(vocab_size, block=64, layers=4, heads=4, width=128, tie_embeddings
         raise ValueError(f"--width ({width}) must be a multiple of --heads ({heads})")
     init = keras.initializers.RandomNormal(stddev=0.02)
     tokens = keras.Input((block,), dtype="int32", name="tokens")
-    embedding = _layers()(vocab_size, width, embeddings_initializer=init, name="token_embedding")
+    embedding = reversible_embedding()(vocab_size, width, embeddings_initializer=init,
+                                       name="token_embedding")
     x = embedding(tokens)
     x = PositionEmbedding(block, width, name="positions")(x)
     for i in range(layers):
@@ -507,14 +511,15 @@ def markdown(summary):
              "| optimizer | lr | final val loss, median (per seed) | steps to target, per seed "
              "(median) | seconds to target (median) | s/step (steady) | train s | ν at the end |",
              "|---|---|---|---|---|---|---|---|"]
+    never = "never" if target is not None else "–"
     for name, e in summary["optimizers"].items():
         seeds = e["per_seed"]
         finals = " / ".join(_fmt(s["final_val_loss"], ".4f", "nan") for s in seeds)
-        steps = " / ".join(_fmt(s["steps_to_target"], "d") for s in seeds)
+        steps = " / ".join(_fmt(s["steps_to_target"], "d", never) for s in seeds)
         nu = " / ".join(_fmt(s["final_kl_scale"], ".3g", "–") for s in seeds)
         lines.append(f"| {name} | {e['lr']:g} | {_fmt(e['final_val_loss'], '.4f', 'nan')} "
-                     f"({finals}) | {steps} ({_fmt(e['steps_to_target'], 'g')}) | "
-                     f"{_fmt(e['seconds_to_target'], '.1f')} | "
+                     f"({finals}) | {steps} ({_fmt(e['steps_to_target'], 'g', never)}) | "
+                     f"{_fmt(e['seconds_to_target'], '.1f', never)} | "
                      f"{_fmt(e['steady_step_seconds'], '.4f', '–')} | "
                      f"{_fmt(e['total_seconds'], '.1f', '–')} | {nu} |")
     if summary["thor_vs"]:

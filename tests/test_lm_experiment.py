@@ -223,6 +223,11 @@ def test_tied_embeddings_use_the_token_matrix_as_the_head():
     hidden = keras.Model(model.input, model.get_layer("final_ln").output)(tokens)
     expected = np.asarray(hidden) @ embedding.embeddings.numpy().T
     np.testing.assert_allclose(np.asarray(model(tokens)), expected, rtol=1e-5, atol=1e-6)
+    if hasattr(keras.layers, "ReversibleEmbedding"):  # Keras >= 3.11: thor_tf's tied blocks
+        assert isinstance(embedding, keras.layers.ReversibleEmbedding)
+        thor = lm.make_model("thor", 0.05, _args(lm, "--tie-embeddings"), vocab_size=13)
+        names = [b.name for b in thor.thor.blocks]
+        assert "token_embedding" in names and "token_embedding/reverse" in names
 
 
 def test_quick_run_on_a_text_file_trains_and_writes_its_outputs(tmp_path, capsys):
