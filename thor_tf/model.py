@@ -571,4 +571,12 @@ def wrap(model, **options):
         raise ValueError(f"`exclude` must be a list of layer names; got {exclude!r}.")
     wrapped = ThorModel(model, thor_options=options, exclude=exclude, verbose=verbose,
                         name=f"thor_{model.name}")
+    if (getattr(model, "preprocessor", None) is not None
+            and callable(getattr(model, "preprocess_samples", None))):
+        # KerasHub tasks preprocess in their own fit/evaluate/predict (keras_hub's
+        # PipelineModel), which Keras' own, the wrapped model's, do not do.
+        warnings.warn(
+            f"thor_tf: {type(model).__name__} has a preprocessor, which runs in its own "
+            f"fit/evaluate/predict only: give the wrapped model preprocessed data, e.g. "
+            f"dataset.map(task.preprocessor) (README 'KerasHub').", stacklevel=2)
     return wrapped
