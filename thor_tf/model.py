@@ -204,6 +204,8 @@ class ThorModel(keras.Model):
                 return
             # Its compile only filled in Keras' arguments: train on them with fit's own step.
             self._delegated = frozenset()
+            if "auto_scale_loss" in kwargs:  # not in Keras' record of the call
+                chosen["auto_scale_loss"] = kwargs["auto_scale_loss"]
             optimizer, loss, kwargs = chosen.pop("optimizer"), chosen.pop("loss", None), chosen
         if optimizer is None or optimizer == "thor":
             optimizer = self._new_thor_optimizer()
