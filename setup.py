@@ -36,6 +36,11 @@ setup(
         # scikit-learn: load_digits, the embedded offline dataset of the experiments and tests
         "experiments": ["scikit-learn", "matplotlib"],
         "tensorboard": ["tensorboard"],  # TraceRuleLogger(log_dir=...)
+        # KerasHub tasks (tests/test_keras_hub.py). keras-hub needs tensorflow-text, which
+        # requires the full `tensorflow` by name: with `tensorflow` (or [gpu]) this extra installs
+        # cleanly; over tensorflow-cpu pip would add `tensorflow` on top of it, so use .ci/hub
+        # (keras-hub and tensorflow-text without that dependency; what CI runs).
+        "hub": ["keras-hub>=0.32"],
         "test": ["pytest", "pytest-xdist", "scikit-learn", "matplotlib", "tensorboard"],
     },
 )

@@ -7,12 +7,13 @@ observe and never replace), trains with THOR when compiled without an optimizer 
 
 Two ways a step runs:
 
-* the user's model does not override ``train_step``, ``compile`` or ``compute_loss``: ThorModel's
-  own train step keeps what ``fit`` does (``compute_loss`` with sample weights, loss tracking,
-  loss scaling, metrics) and replaces only the gradient/update part with THOR's (one forward pass
-  the hooks observe, one backward pass for the parameter gradients and every ``dL/dz``, the
-  curvature work as tensor decisions, the update), and undoes a non-finite batch everywhere
-  (moving statistics, metrics). It is traced once for the whole run.
+* the user's model does not override ``train_step``, ``compile`` or ``compute_loss``, or its
+  ``compile`` only fills in Keras' arguments (KerasHub tasks): ThorModel's own train step keeps
+  what ``fit`` does (``compute_loss`` with sample weights, loss tracking, loss scaling, metrics;
+  the model's own ``compile`` chose the loss and metrics) and replaces only the gradient/update
+  part with THOR's (one forward pass the hooks observe, one backward pass for the parameter
+  gradients and every ``dL/dz``, the curvature work as tensor decisions, the update), and undoes
+  a non-finite batch everywhere (moving statistics, metrics). It is traced once for the whole run.
 * it does: the user's own ``train_step`` / ``compile`` runs unchanged (ThorModel compiles the
   user's model too), and a ``ThorOptimizer`` it applies gradients with takes THOR's step from
   what the hooks observed (:meth:`thor_tf.engine.ThorEngine.apply_gradients`).
@@ -20,6 +21,7 @@ Two ways a step runs:
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import keras
@@ -164,34 +166,49 @@ class ThorModel(keras.Model):
 
         Blocks are chosen here for the layers that are trainable now: freeze or unfreeze layers,
         then compile again (as Keras requires); the registration table is printed again when the
-        set of blocks changes. A model with a ``compile`` of its own (a GAN's ``d_optimizer``,
-        ``g_optimizer``, ``loss_fn``) is compiled with exactly the arguments given, and a
-        ``ThorOptimizer`` among them trains with the hooks of this model; a model with its own
-        ``train_step`` is compiled too, with the same optimizer, so its code finds what it uses.
+        set of blocks changes.
+
+        A model with a ``compile`` of its own is compiled through it. If that ``compile`` has an
+        ``optimizer`` argument (KerasHub tasks, whose ``optimizer="auto"`` means Adam), None and
+        ``"thor"`` become a ``ThorOptimizer`` built from ``wrap``'s options and the model's own
+        defaults (loss, metrics, a CausalLM's sampler) still apply; when, besides, the model has
+        no ``train_step``, ``test_step`` or ``compute_loss`` of its own, its ``compile`` only chose
+        Keras' arguments, and this model is compiled with the arguments it chose and trains with
+        ``fit``'s own THOR step. Any other optimizer trains first order. A ``compile`` without an
+        ``optimizer`` argument (a GAN's ``d_optimizer``, ``g_optimizer``, ``loss_fn``) is given
+        exactly the arguments passed, and a ``ThorOptimizer`` among them trains with the hooks of
+        this model. A model with its own ``train_step`` is compiled too, with the same optimizer,
+        so its code finds what it uses.
         """
+        self._delegated = frozenset(_overridden_training_methods(self.model))
         if "compile" in self._delegated:
+            takes_optimizer = _compile_takes_optimizer(self.model)
+            if optimizer == "thor" and not takes_optimizer:
+                raise ValueError(
+                    f"{type(self.model).__name__}.compile() has no `optimizer` argument, so "
+                    f"optimizer=\"thor\" has nowhere to go: pass thor_tf.ThorOptimizer() as the "
+                    f"optimizer argument it has (e.g. a GAN's d_optimizer=...).")
+            if takes_optimizer and (optimizer is None or optimizer == "thor"):
+                optimizer = self._new_thor_optimizer()
             if optimizer is not None:
                 kwargs["optimizer"] = optimizer
             if loss is not None:
                 kwargs["loss"] = loss
+            before = getattr(self.model, "_compile_config", None)
             self.model.compile(**kwargs)
-            found = [o for o in _optimizers_in(kwargs, self.model) if find_thor_optimizer(o)]
-            if len({id(find_thor_optimizer(o)) for o in found}) > 1:
-                raise ValueError(
-                    "one ThorOptimizer per wrapped model: for THOR on two sub-models (a GAN's "
-                    "generator and discriminator) wrap each sub-model with thor_tf.wrap and pass "
-                    "each its own optimizer (README 'Your own training code').")
-            super().compile(optimizer=getattr(self.model, "optimizer", None))
-            if not found:
-                self.thor.reset_state()
-                self.thor.other_optimizer = f"{type(self.model).__name__}'s own optimizers"
-            for outer in found:
-                # Its blocks (and table) come when it is built, for the variables it applies.
-                self._attach(outer, select=False)
-            return
+            chosen = None
+            if takes_optimizer and self._delegated == {"compile"}:
+                chosen = _chosen_compile_arguments(self.model, before)
+            if chosen is None:
+                self._compile_delegated(kwargs)
+                return
+            # Its compile only filled in Keras' arguments: train on them with fit's own step.
+            self._delegated = frozenset()
+            if "auto_scale_loss" in kwargs:  # not in Keras' record of the call
+                chosen["auto_scale_loss"] = kwargs["auto_scale_loss"]
+            optimizer, loss, kwargs = chosen.pop("optimizer"), chosen.pop("loss", None), chosen
         if optimizer is None or optimizer == "thor":
-            optimizer = ThorOptimizer(learning_rate=self._learning_rate,
-                                      **self._thor_config.options(), **self._keras_options)
+            optimizer = self._new_thor_optimizer()
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
         if self._delegated:
             self.model.compile(optimizer=self.optimizer, loss=loss, **kwargs)
@@ -206,6 +223,28 @@ class ThorModel(keras.Model):
         # The state exists from here on: a custom loop (``strategy.run(model.train_step, ...)``
         # in a tf.function, the multi-worker recipe) cannot create variables in a replica.
         self._build_thor_state()
+
+    def _new_thor_optimizer(self):
+        """A ``ThorOptimizer`` with the options given to ``wrap``."""
+        return ThorOptimizer(learning_rate=self._learning_rate, **self._thor_config.options(),
+                             **self._keras_options)
+
+    def _compile_delegated(self, kwargs):
+        """After the model's own ``compile`` ran with ``kwargs``: this model trains with the
+        model's own step, and a ``ThorOptimizer`` among its optimizers with this model's hooks."""
+        found = [o for o in _optimizers_in(kwargs, self.model) if find_thor_optimizer(o)]
+        if len({id(find_thor_optimizer(o)) for o in found}) > 1:
+            raise ValueError(
+                "one ThorOptimizer per wrapped model: for THOR on two sub-models (a GAN's "
+                "generator and discriminator) wrap each sub-model with thor_tf.wrap and pass "
+                "each its own optimizer (README 'Your own training code').")
+        super().compile(optimizer=getattr(self.model, "optimizer", None))
+        if not found:
+            self.thor.reset_state()
+            self.thor.other_optimizer = f"{type(self.model).__name__}'s own optimizers"
+        for outer in found:
+            # Its blocks (and table) come when it is built, for the variables it applies.
+            self._attach(outer, select=False)
 
     def _attach(self, optimizer, select=True):
         """Bind the ``ThorOptimizer`` in ``optimizer`` (possibly in a ``LossScaleOptimizer``) to
@@ -470,6 +509,32 @@ def _overridden_training_methods(model):
             if getattr(type(model), name) is not getattr(keras.Model, name)}
 
 
+def _compile_takes_optimizer(model):
+    """Whether ``model``'s own ``compile`` has an ``optimizer`` parameter (KerasHub tasks do; a
+    GAN's ``compile(d_optimizer, g_optimizer, loss_fn)`` does not)."""
+    try:
+        parameters = inspect.signature(type(model).compile).parameters
+    except (TypeError, ValueError):
+        return False
+    return "optimizer" in parameters
+
+
+def _chosen_compile_arguments(model, before):
+    """The arguments ``model``'s own ``compile`` (just run) gave Keras' ``compile``, its defaults
+    filled in (KerasHub: ``loss="auto"`` -> a ``SparseCategoricalCrossentropy``), with the
+    optimizer it resolved; None if it did not call Keras' ``compile`` (``before``: the record of
+    the previous call). Read from the record Keras keeps for ``get_compile_config``."""
+    record = getattr(model, "_compile_config", None)
+    optimizer = getattr(model, "optimizer", None)
+    if record is None or record is before or not isinstance(optimizer, keras.optimizers.Optimizer):
+        return None
+    arguments = dict(getattr(record, "config", None) or {})
+    if "loss" not in arguments:
+        return None
+    arguments["optimizer"] = optimizer
+    return arguments
+
+
 def _optimizers_in(kwargs, model):
     """Optimizers given to a user's ``compile`` (arguments, or attributes it set on ``model``)."""
     found = [v for v in kwargs.values() if isinstance(v, keras.optimizers.Optimizer)]
@@ -514,4 +579,12 @@ def wrap(model, **options):
         raise ValueError(f"`exclude` must be a list of layer names; got {exclude!r}.")
     wrapped = ThorModel(model, thor_options=options, exclude=exclude, verbose=verbose,
                         name=f"thor_{model.name}")
+    if (getattr(model, "preprocessor", None) is not None
+            and callable(getattr(model, "preprocess_samples", None))):
+        # KerasHub tasks preprocess in their own fit/evaluate/predict (keras_hub's
+        # PipelineModel), which Keras' own, the wrapped model's, do not do.
+        warnings.warn(
+            f"thor_tf: {type(model).__name__} has a preprocessor, which runs in its own "
+            f"fit/evaluate/predict only: give the wrapped model preprocessed data, e.g. "
+            f"dataset.map(task.preprocessor) (README 'KerasHub').", stacklevel=2)
     return wrapped

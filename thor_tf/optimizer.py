@@ -281,3 +281,24 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         if isinstance(config.get("frequency"), list):
             config["frequency"] = [tuple(p) for p in config["frequency"]]
         return super().from_config(config, custom_objects=custom_objects)
+
+
+#: Why ``optimizer="thor"`` fails on a model that ``thor_tf.wrap`` did not return.
+UNWRAPPED_THOR_MESSAGE = (
+    'optimizer="thor" needs the model wrapped first: THOR takes each layer\'s inputs and output '
+    "gradients from the hooks thor_tf.wrap installs. Call model = thor_tf.wrap(model), then "
+    'model.compile(...) (THOR is its default optimizer; "thor" works there too).')
+
+
+class _ThorByName:
+    """What Keras finds for the string ``"thor"`` (``keras.optimizers.get`` looks string
+    identifiers up among Keras' own optimizers, then in the custom objects registered globally):
+    an error naming ``thor_tf.wrap``, raised when a model that was not wrapped is compiled with
+    ``optimizer="thor"``. ``ThorModel.compile`` replaces ``"thor"`` before Keras sees it."""
+
+    @classmethod
+    def from_config(cls, config):
+        raise ValueError(UNWRAPPED_THOR_MESSAGE)
+
+
+keras.saving.get_custom_objects()["thor"] = _ThorByName
