@@ -3,8 +3,8 @@ configs (random weights, ``preprocessor=None``; presets download weights and are
 
 Skipped without keras-hub (``bash .ci/hub`` installs it over tensorflow-cpu) or on Keras < 3.15
 (KerasHub 0.32's floor; ``.ci/floor`` runs Keras 3.8). Findings behind these tests:
-docs/keras_hub_notes.md. The tests marked xfail need the tied ReversibleEmbedding block (GPT-2's
-token embedding is both the lookup and the output head): switch them on when it lands.
+docs/keras_hub_notes.md. GPT-2's token embedding is both the lookup and the output head: it has
+a lookup and a tied head block (thor_tf/blocks/reversible_embedding.py).
 """
 
 import os
@@ -24,7 +24,6 @@ import thor_tf  # noqa: E402
 V, T = 100, 16  # vocabulary, sequence length
 CONFIG = dict(vocabulary_size=V, num_layers=2, num_heads=2, hidden_dim=32, intermediate_dim=64,
               max_sequence_length=T)
-TIED = pytest.mark.xfail(reason="needs the tied ReversibleEmbedding block", strict=False)
 BLOCK_TYPES = (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Embedding)
 
 
@@ -214,7 +213,6 @@ def test_bert_classifier_trains_with_thor_and_round_trips(tmp_path):
 
 
 # -- the registration (GPT-2: needs the tied block) --------------------------------------------
-@TIED
 def test_no_dense_einsum_or_embedding_stays_first_order_in_gpt2(trained_lm):
     wrapped = trained_lm["wrapped"]
     assert not [layer.path for layer, _ in wrapped.thor.first_order if isinstance(layer, BLOCK_TYPES)]
@@ -222,7 +220,6 @@ def test_no_dense_einsum_or_embedding_stays_first_order_in_gpt2(trained_lm):
     assert all(r >= 1 for r in _refreshes(wrapped).values())
 
 
-@TIED
 def test_token_embedding_has_a_tied_block(trained_lm):
     """GPT-2's token embedding is the lookup and the output head (``reverse=True``): today its
     block sees two calls per step, the second not an embedding lookup, and every step falls back
@@ -232,7 +229,6 @@ def test_token_embedding_has_a_tied_block(trained_lm):
     assert _refreshes(trained_lm["wrapped"])["token_embedding"] >= 1
 
 
-@TIED
 def test_each_block_refreshes_at_least_twice_in_100_steps():
     task = _gpt2()
     wrapped = thor_tf.wrap(task, verbose=False)  # default cadence (10) and max_block_age (50)
@@ -266,30 +262,26 @@ def _lm_with_preprocessor():
     return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=preprocessor)
 
 
-def test_task_with_preprocessor_trains_on_preprocessed_data():
+def test_the_tasks_preprocessor_runs_in_the_wrapped_fit_evaluate_and_predict():
+    """Raw strings in, as the task's own fit takes them: the wrapped model maps them through the
+    task's preprocessor (batch 4: 16 texts -> 4 steps -> 4 cadence points at frequency 1), and
+    evaluate / predict equal what the task computes on the same preprocessed batch."""
     import tensorflow as tf
 
     task = _lm_with_preprocessor()
-    with pytest.warns(UserWarning, match="preprocessor"):
-        wrapped = thor_tf.wrap(task, frequency=2, verbose=False)
+    wrapped = thor_tf.wrap(task, frequency=1, verbose=False)
     wrapped.compile()
-    dataset = tf.data.Dataset.from_tensor_slices(TEXTS).batch(4).map(task.preprocessor)
-    history = wrapped.fit(dataset, epochs=1, verbose=0).history
+    history = wrapped.fit(TEXTS, batch_size=4, epochs=1, verbose=0).history
     assert np.isfinite(history["loss"]).all()
-    assert wrapped.thor.counters()["cadence_points"] == 2
+    assert wrapped.thor.counters()["cadence_points"] == 4
     assert sum(_refreshes(wrapped).values()) > 0
-
-
-@pytest.mark.xfail(reason="ThorModel.fit is Keras' own: KerasHub preprocesses in the task's "
-                          "fit/evaluate/predict (PipelineModel), which wrap does not carry over",
-                   raises=ValueError, strict=True)
-def test_wrapped_fit_runs_the_task_preprocessor():
-    task = _lm_with_preprocessor()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        wrapped = thor_tf.wrap(task, verbose=False)
-    wrapped.compile()
-    wrapped.fit(TEXTS, batch_size=4, epochs=1, verbose=0)
+    x, y, w = keras.utils.unpack_x_y_sample_weight(task.preprocessor(tf.constant(TEXTS[:4])))
+    logits = task(x)
+    np.testing.assert_allclose(wrapped.predict(TEXTS[:4], batch_size=4, verbose=0), logits,
+                               rtol=1e-5, atol=1e-6)
+    expected = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, logits, w)
+    loss = wrapped.evaluate(TEXTS[:4], batch_size=4, verbose=0, return_dict=True)["loss"]
+    assert loss == pytest.approx(float(expected), rel=1e-5)
 
 
 # -- (f) the README's KerasHub recipes, run as written --------------------------------------------

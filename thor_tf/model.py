@@ -289,11 +289,64 @@ class ThorModel(keras.Model):
         with strategy.scope():
             _keras_compat.symbolic_build(self, data_batch)
 
-    def fit(self, *args, callbacks=None, **kwargs):
+    def fit(self, x=None, y=None, batch_size=None, *args, callbacks=None, sample_weight=None,
+            validation_data=None, **kwargs):
         self._build_thor_state()
+        if self._preprocessing_task() is not None:
+            # A KerasHub task preprocesses in its own fit: so does the wrapped one.
+            if kwargs.get("validation_split"):
+                raise ValueError("`validation_split` with a task's preprocessor: pass "
+                                 "`validation_data` (raw, as for the training data).")
+            x, y, sample_weight = self._preprocessed(x, y, sample_weight, batch_size), None, None
+            batch_size = None
+            if validation_data is not None:
+                validation_data = self._preprocessed(
+                    *_unpack_validation(validation_data), batch_size=kwargs.get(
+                        "validation_batch_size"))
         # First, so that the logs it corrects are what the user's callbacks see.
         callbacks = [_EpochTracker(self.thor)] + list(callbacks or [])
-        return super().fit(*args, callbacks=callbacks, **kwargs)
+        return super().fit(x, y, batch_size, *args, callbacks=callbacks,
+                           sample_weight=sample_weight, validation_data=validation_data, **kwargs)
+
+    def evaluate(self, x=None, y=None, batch_size=None, *args, sample_weight=None, **kwargs):
+        if self._preprocessing_task() is not None:
+            x, y, sample_weight = self._preprocessed(x, y, sample_weight, batch_size), None, None
+            batch_size = None
+        return super().evaluate(x, y, batch_size, *args, sample_weight=sample_weight, **kwargs)
+
+    def predict(self, x, batch_size=None, *args, **kwargs):
+        task = self._preprocessing_task()
+        if task is not None:
+            x, batch_size = self._preprocessed(x, None, None, batch_size, inputs_only=True), None
+        return super().predict(x, batch_size, *args, **kwargs)
+
+    def _preprocessing_task(self):
+        """The wrapped model when it is a KerasHub task with a preprocessor (keras_hub's
+        ``PipelineModel`` preprocesses in its fit/evaluate/predict), else None."""
+        model = self.model
+        if (getattr(model, "preprocessor", None) is not None
+                and callable(getattr(model, "preprocess_samples", None))):
+            return model
+        return None
+
+    def _preprocessed(self, x, y, sample_weight, batch_size, inputs_only=False):
+        """Raw data as the task's own fit feeds it: batched (``batch_size``, 32 by default) and
+        mapped through ``task.preprocess_samples`` (the preprocessor), as a ``tf.data`` pipeline;
+        a ``tf.data.Dataset`` is mapped as it is. ``inputs_only``: predict's (x only)."""
+        task = self._preprocessing_task()
+        if isinstance(x, tf.data.Dataset):
+            data = x
+        else:
+            data = tf.data.Dataset.from_tensor_slices(
+                keras.utils.pack_x_y_sample_weight(x, y, sample_weight)).batch(batch_size or 32)
+        if inputs_only:
+            def preprocess(*sample):
+                out = task.preprocess_samples(*sample)
+                return keras.utils.unpack_x_y_sample_weight(out)[0] if isinstance(out, tuple) else out
+        else:
+            preprocess = task.preprocess_samples
+        return data.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE).prefetch(
+            tf.data.AUTOTUNE)
 
     def _forward_state_variables(self):
         """Non-trainable variables the forward pass may change (moving statistics, RNG states).
@@ -440,6 +493,13 @@ def _loss_scale(optimizer, thor):
     return None
 
 
+def _unpack_validation(validation_data):
+    """``(x, y, sample_weight)`` of fit's ``validation_data`` (a dataset: ``(ds, None, None)``)."""
+    if isinstance(validation_data, tf.data.Dataset):
+        return validation_data, None, None
+    return keras.utils.unpack_x_y_sample_weight(tuple(validation_data))
+
+
 def _restore_unless(ok, variables, saved):
     """Put ``saved`` values back into ``variables`` where the step was skipped (``ok`` False)."""
     if not variables:
@@ -579,12 +639,4 @@ def wrap(model, **options):
         raise ValueError(f"`exclude` must be a list of layer names; got {exclude!r}.")
     wrapped = ThorModel(model, thor_options=options, exclude=exclude, verbose=verbose,
                         name=f"thor_{model.name}")
-    if (getattr(model, "preprocessor", None) is not None
-            and callable(getattr(model, "preprocess_samples", None))):
-        # KerasHub tasks preprocess in their own fit/evaluate/predict (keras_hub's
-        # PipelineModel), which Keras' own, the wrapped model's, do not do.
-        warnings.warn(
-            f"thor_tf: {type(model).__name__} has a preprocessor, which runs in its own "
-            f"fit/evaluate/predict only: give the wrapped model preprocessed data, e.g. "
-            f"dataset.map(task.preprocessor) (README 'KerasHub').", stacklevel=2)
     return wrapped

@@ -60,8 +60,15 @@ class TiedLookupBlock(EmbeddingBlock):
         return not _is_reverse(args, kwargs)
 
     def companion_blocks(self):
+        """The tied head, unless the weights are untied or the model's graph (Functional) never
+        calls the layer with ``reverse=True`` (BERT's token embedding: a lookup only)."""
         layer = self.layer
         if not getattr(layer, "tie_weights", False):
+            return []
+        nodes = getattr(layer, "_inbound_nodes", None) or []
+        calls = [getattr(node, "arguments", None) for node in nodes]
+        if calls and all(c is not None for c in calls) and not any(
+                _is_reverse(c.args, c.kwargs) for c in calls):
             return []
         return [TiedHeadBlock(f"{self.name}/reverse", layer, lookup=self)]
 
