@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 import thor_tf
+from reference import homogeneous, mean_outer, softmax
 
 
 def _data(n=64, shape=(8, 8, 1), classes=4, seed=0):
@@ -99,11 +100,42 @@ def test_subclasses_compute_exactly_what_they_computed_and_get_blocks_only_where
     wrapped.fit(x, y, batch_size=16, epochs=1, verbose=0)
     stats = {s["name"]: s for s in wrapped.thor.layer_stats()}
     assert stats["scaled"]["refreshes"] > 0
-    # ScaledDense's G is built from dL/dz of its own z (the ×3 is downstream of z): check it
-    # against float64 first principles on the last refresh's batch.
-    # (tests/test_capture.py checks dL/dz itself; here the factor A of the scaled layer)
+    # ScaledDense's block is built from its own z = a·W + b, before the subclass's ×3 (and its
+    # G from dℓ/dz of that z), through fit's step and through the hooks of a user's loop: A and G
+    # against float64 first principles (a deterministic model: NoisyDense's draws are unknown).
+    for path in ("fit", "loop"):
+        _check_scaled_dense_factors(path)
+
+
+def _check_scaled_dense_factors(path):
+    x, y = _data(32, shape=(5,))
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(6, activation="tanh", name="h"),
+                              ScaledDense(4, activation="tanh", name="scaled"),
+                              keras.layers.Dense(4, activation="softmax", name="out")])
+    layers = [(l.kernel.numpy(), l.bias.numpy()) for l in model.layers]
+    wrapped = thor_tf.wrap(model, verbose=False)
+    assert [b.name for b in wrapped.thor.blocks] == ["h", "scaled", "out"]
+    if path == "fit":
+        wrapped.compile(loss="sparse_categorical_crossentropy")
+        wrapped.train_on_batch(x, y)  # step 0: every block refreshes from this batch
+    else:
+        wrapped.compile()
+        with tf.GradientTape() as tape:
+            loss = keras.losses.SparseCategoricalCrossentropy()(y, wrapped(x, training=True))
+        grads = tape.gradient(loss, wrapped.trainable_variables)
+        wrapped.optimizer.apply(grads, wrapped.trainable_variables)
+    # Float64 forward and per-example backward: z of `scaled` is a·W + b, its output 3·tanh(z).
+    (w0, b0), (w1, b1), (w2, b2) = (tuple(np.float64(t) for t in p) for p in layers)
+    h = np.tanh(x @ w0 + b0)
+    z = h @ w1 + b1
+    p = softmax(3.0 * np.tanh(z) @ w2 + b2)
+    g = ((p - np.eye(4)[y]) @ w2.T) * 3.0 * (1.0 - np.tanh(z) ** 2)  # dℓ_n/dz
     factors = wrapped.thor.factors("scaled")
-    assert factors["A"].shape == (9, 9) and np.all(np.isfinite(factors["G"]))
+    np.testing.assert_allclose(factors["A"], mean_outer(homogeneous(h, True)), rtol=1e-5,
+                               atol=1e-6, err_msg=path)
+    np.testing.assert_allclose(factors["G"], mean_outer(g), rtol=1e-4,
+                               atol=1e-5 * np.abs(mean_outer(g)).max(), err_msg=path)
 
 
 def test_tied_embedding_head_keeps_its_shape_and_trains_with_the_lookup_first_order():
