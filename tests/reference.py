@@ -187,3 +187,44 @@ def dense_kfac_steps(inputs, gs, damping, split_dim=None):
 def kl_clip_scale(pairs, kappa, lr):
     """K-FAC's ``ν = min(1, sqrt(κ / (lr²·Σ⟨Δ, M⟩)))`` over ``[(Δ, M)]``."""
     return min(1.0, np.sqrt(kappa / (lr ** 2 * sum(np.sum(d * m) for d, m in pairs))))
+
+
+class DenseKfac:
+    """THOR's update for Dense blocks in float64, step by step from DESIGN §2: at a refresh the
+    damped factors of the batch are inverted (their diagonal blocks only, with ``split_dim``),
+    between refreshes those inverses are reused; ``Δ = (A + dI)⁻¹ M (G + dI)⁻¹`` per block, all
+    blocks scaled by the KL clip ν (``kl_clip`` None: ν = 1), then ``v = μv + νΔ; w ← w − lr·v``.
+
+    Parameters are ``[in + 1, out]`` matrices (bias as the last row)."""
+
+    def __init__(self, learning_rate, momentum=0.0, damping=0.03, kl_clip=None, split_dim=None):
+        self.lr, self.momentum, self.damping = learning_rate, momentum, damping
+        self.kl_clip, self.split_dim = kl_clip, split_dim
+        self.inverses, self.velocity = None, None
+
+    def _inverse(self, rows):
+        big = mean_outer(rows) + np.sqrt(self.damping) * np.eye(rows.shape[1])
+        if self.split_dim is not None:
+            big = block_diagonal_part(big, self.split_dim)
+        return np.linalg.inv(big)
+
+    def step(self, params, inputs, gs, refresh):
+        """New parameters after one step; ``inputs`` and ``gs``: per layer, the per-example input
+        rows and ``dℓ_n/dz`` rows of the batch (the loss: their mean)."""
+        a_bars = [homogeneous(np.asarray(a, np.float64), True) for a in inputs]
+        grads = [a.T @ g / a.shape[0] for a, g in zip(a_bars, gs)]
+        if refresh or self.inverses is None:
+            self.inverses = [(self._inverse(a), self._inverse(np.asarray(g, np.float64)))
+                             for a, g in zip(a_bars, gs)]
+        deltas = [ia @ m @ ig for (ia, ig), m in zip(self.inverses, grads)]
+        nu = 1.0 if self.kl_clip is None else kl_clip_scale(list(zip(deltas, grads)),
+                                                             self.kl_clip, self.lr)
+        if self.velocity is None:
+            self.velocity = [np.zeros_like(d) for d in deltas]
+        self.velocity = [self.momentum * v + nu * d for v, d in zip(self.velocity, deltas)]
+        return [p - self.lr * v for p, v in zip(params, self.velocity)]
+
+
+def folded(kernel, bias):
+    """``[kernel; bias]`` as one float64 ``[in + 1, out]`` matrix."""
+    return np.concatenate([np.asarray(kernel, np.float64), np.asarray(bias, np.float64)[None]])
