@@ -8,7 +8,8 @@ import pytest
 import tensorflow as tf
 
 import thor_tf
-from reference import DenseKfac, folded, homogeneous, mean_outer, softmax
+from reference import (DenseKfac, dense_backward, dense_forward, folded, homogeneous, mean_outer,
+                       softmax)
 
 
 def _data(n=64, shape=(8, 8, 1), classes=4, seed=0):
@@ -386,9 +387,12 @@ class GAN(keras.Model):
     def call(self, z):
         return self.generator(z)
 
+    def noise(self, batch, seed):
+        return tf.random.normal((batch, self.latent_dim), seed=seed)
+
     def train_step(self, real):
         batch = tf.shape(real)[0]
-        noise = tf.random.normal((batch, self.latent_dim), seed=3)
+        noise = self.noise(batch, 3)
         fake = self.generator(noise)
         images = tf.concat([fake, real], axis=0)
         labels = tf.concat([tf.ones((batch, 1)), tf.zeros((batch, 1))], axis=0)
@@ -396,7 +400,7 @@ class GAN(keras.Model):
             d_loss = self.loss_fn(labels, self.discriminator(images))
         grads = tape.gradient(d_loss, self.discriminator.trainable_weights)
         self.d_optimizer.apply_gradients(zip(grads, self.discriminator.trainable_weights))
-        noise = tf.random.normal((batch, self.latent_dim), seed=4)
+        noise = self.noise(batch, 4)
         with tf.GradientTape() as tape:
             g_loss = self.loss_fn(tf.zeros((batch, 1)), self.discriminator(self.generator(noise)))
         grads = tape.gradient(g_loss, self.generator.trainable_weights)
@@ -420,36 +424,88 @@ def _real(n=64):
     return (rng.normal(size=(n, 6)) * 0.5 + 1.0).astype("float32")
 
 
+def _fixed_noise_gan(batch):
+    """The GAN with its two draws per step given: ``(class, {seed: noise})``."""
+    rng = np.random.default_rng(5)
+    noises = {seed: rng.normal(size=(batch, 3)) for seed in (3, 4)}
+
+    class FixedNoiseGAN(GAN):
+        def noise(self, batch, seed):
+            return tf.constant(noises[seed], tf.float32)[:batch]
+
+    return FixedNoiseGAN, noises
+
+
+def _params(model):
+    """The Dense layers of a sub-model as float64 ``[kernel; bias]`` matrices."""
+    return [folded(l.kernel.numpy(), l.bias.numpy()) for l in model.layers]
+
+
+def _gan_reference_step(d, g, real, noises, d_step):
+    """keras-io's GAN step in float64 from first principles. ``d``, ``g``: the discriminator's
+    (relu, sigmoid) and generator's (relu, linear) ``[kernel; bias]`` matrices; ``d_step``:
+    ``DenseKfac`` of the discriminator. Returns ``(new d, the generator's per-layer inputs and
+    dℓ_n/dz)``: the generator loss goes through the discriminator *after* its step."""
+    chain = lambda params, acts: [(p[:-1], p[-1], a) for p, a in zip(params, acts)]
+    gen, dis = ("relu", "linear"), ("relu", "sigmoid")
+    _, _, fake = dense_forward(noises[3], chain(g, gen))
+    images = np.concatenate([fake, real])
+    labels = np.concatenate([np.ones((len(fake), 1)), np.zeros((len(real), 1))])
+    inputs, zs, p = dense_forward(images, chain(d, dis))
+    gs, _ = dense_backward(p - labels, chain(d, dis), zs)  # BCE on a sigmoid: dℓ/dz = p − y
+    d_new = d_step.step(d, inputs, gs, refresh=True)
+    g_inputs, g_zs, fake = dense_forward(noises[4], chain(g, gen))
+    _, d_zs, p = dense_forward(fake, chain(d_new, dis))
+    _, d_fake = dense_backward(p - 0.0, chain(d_new, dis), d_zs)  # labels 0 ("real")
+    g_gs, _ = dense_backward(d_fake, chain(g, gen), g_zs)
+    return d_new, g_inputs, g_gs
+
+
+def _assert_params(model, expected, what):
+    for layer, before, after in zip(model.layers, *expected):
+        got = folded(layer.kernel.numpy(), layer.bias.numpy())
+        step = before - after
+        np.testing.assert_allclose(before - got, step, rtol=2e-4, atol=2e-5 * np.abs(step).max(),
+                                   err_msg=f"{what} {layer.name}")
+
+
 def test_wrapped_gan_with_its_own_compile_trains_its_discriminator_with_thor():
+    """One step (lr 1, momentum 0): the discriminator's is the float64 K-FAC step of its loss on
+    [fake; real]; the generator's is its own optimizer's (SGD) step on the float64 gradient of its
+    loss through the updated discriminator, untouched by THOR."""
     disc, gen = _gan_parts()
-    gan = thor_tf.wrap(GAN(disc, gen, latent_dim=3), frequency=2, verbose=False)
-    gan.compile(d_optimizer=thor_tf.ThorOptimizer(learning_rate=0.02, frequency=2),
-                g_optimizer=keras.optimizers.Adam(1e-3),
+    d0, g0 = _params(disc), _params(gen)
+    cls, noises = _fixed_noise_gan(16)
+    gan = thor_tf.wrap(cls(disc, gen, latent_dim=3), verbose=False)
+    gan.compile(d_optimizer=thor_tf.ThorOptimizer(learning_rate=1.0, momentum=0.0, kl_clip=None),
+                g_optimizer=keras.optimizers.SGD(0.1),
                 loss_fn=keras.losses.BinaryCrossentropy())
-    history = gan.fit(_real(), batch_size=16, epochs=2, verbose=0)
+    history = gan.fit(_real(16), batch_size=16, epochs=1, verbose=0)  # one step: a refresh
     assert set(history.history) == {"d_loss", "g_loss"}
-    assert np.isfinite(history.history["d_loss"]).all()
     assert [b.name for b in gan.thor.blocks] == ["d1", "d2"]  # THOR trains the discriminator
-    stats = {s["name"]: s for s in gan.thor.layer_stats()}
-    assert stats["d1"]["refreshes"] > 0 and stats["d2"]["refreshes"] > 0
+    d1, g_inputs, g_gs = _gan_reference_step(d0, g0, _real(16), noises, DenseKfac(1.0))
+    _assert_params(disc, (d0, d1), "discriminator")
+    g1 = [p - 0.1 * homogeneous(a, True).T @ g / len(a) for p, a, g in zip(g0, g_inputs, g_gs)]
+    _assert_params(gen, (g0, g1), "generator")
 
 
 def test_gan_recipe_with_thor_for_both_sub_models():
+    """One step (lr 1, momentum 0) with THOR on each sub-model: both are float64 K-FAC steps,
+    the generator's G from its gradients through the updated discriminator."""
     disc, gen = _gan_parts()
-    d_thor = thor_tf.wrap(disc, learning_rate=0.02, frequency=2, verbose=False)
-    g_thor = thor_tf.wrap(gen, learning_rate=0.02, frequency=2, verbose=False)
+    d0, g0 = _params(disc), _params(gen)
+    cls, noises = _fixed_noise_gan(16)
+    options = dict(learning_rate=1.0, momentum=0.0, kl_clip=None, verbose=False)
+    d_thor, g_thor = thor_tf.wrap(disc, **options), thor_tf.wrap(gen, **options)
     d_thor.compile()
     g_thor.compile()
-    gan = GAN(d_thor, g_thor, latent_dim=3)
+    gan = cls(d_thor, g_thor, latent_dim=3)
     gan.compile(d_optimizer=d_thor.optimizer, g_optimizer=g_thor.optimizer,
                 loss_fn=keras.losses.BinaryCrossentropy())
-    history = gan.fit(_real(), batch_size=16, epochs=2, verbose=0)
-    assert np.isfinite(history.history["g_loss"]).all()
-    for wrapped, names in ((d_thor, ("d1", "d2")), (g_thor, ("g1", "g2"))):
-        stats = {s["name"]: s for s in wrapped.thor.layer_stats()}
-        assert all(stats[n]["refreshes"] > 0 for n in names)
-    # The generator's G comes from gradients through the discriminator: not zero.
-    assert np.abs(g_thor.thor.factors("g2")["G"]).max() > 0
+    gan.fit(_real(16), batch_size=16, epochs=1, verbose=0)
+    d1, g_inputs, g_gs = _gan_reference_step(d0, g0, _real(16), noises, DenseKfac(1.0))
+    _assert_params(disc, (d0, d1), "discriminator")
+    _assert_params(gen, (g0, DenseKfac(1.0).step(g0, g_inputs, g_gs, refresh=True)), "generator")
 
 
 def test_hook_path_refuses_the_sampled_fisher():
