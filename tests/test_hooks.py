@@ -593,15 +593,58 @@ def _readme_recipe(name):
     return match.group(1)
 
 
+class _RecordingThor:
+    """thor_tf as the recipes see it: ``wrap`` keeps the weights it was handed (the float64
+    reference starts from them), everything else is thor_tf's."""
+
+    def __init__(self):
+        self.initial = []
+
+    def __getattr__(self, name):
+        return getattr(thor_tf, name)
+
+    def wrap(self, model, *args, **kwargs):
+        self.initial.append([w.astype(np.float64) for w in model.get_weights()])
+        return thor_tf.wrap(model, *args, **kwargs)
+
+
 @pytest.mark.parametrize("name", ["train_step", "loop", "gan"])
 def test_readme_recipes_run_as_written(name):
+    """Each recipe, as written (THOR's defaults: lr 0.05, momentum 0.9, KL clip 0.001, split 128,
+    a refresh at step 0), against float64 THOR steps: the train_step recipe's one step, the
+    loop's two (the second reusing the first's inverses, with momentum), the GAN's one step of
+    each sub-model (its draws fixed)."""
     rng = np.random.default_rng(0)
     disc, gen = _gan_parts()
-    namespace = {"keras": keras, "tf": tf, "thor_tf": thor_tf, "np": np,
-                 "x": rng.normal(size=(64, 28, 28, 1)).astype("float32"),
-                 "y": rng.integers(0, 10, 64), "GAN": GAN, "discriminator": disc,
-                 "generator": gen, "latent_dim": 3, "images": _real()}
+    d0, g0 = _params(disc), _params(gen)
+    gan_class, noises = _fixed_noise_gan(32)
+    recording = _RecordingThor()
+    n = 64 if name == "loop" else 32  # fit shuffles: one batch keeps the batch known
+    x, y = rng.normal(size=(n, 28, 28, 1)).astype("float32"), rng.integers(0, 10, n)
+    namespace = {"keras": keras, "tf": tf, "thor_tf": recording, "np": np, "x": x, "y": y,
+                 "GAN": gan_class, "discriminator": disc, "generator": gen, "latent_dim": 3,
+                 "images": _real(32)}
     exec(compile(_readme_recipe(name), f"README recipe {name}", "exec"), namespace)
     model = namespace["gan"].discriminator if name == "gan" else namespace["model"]
     stats = model.thor.layer_stats()
-    assert stats and all(s["refreshes"] > 0 for s in stats)  # THOR's curvature was used
+    assert stats and all(s["refreshes"] == 1 for s in stats)  # THOR's curvature was used
+    thor = lambda: DenseKfac(0.05, momentum=0.9, kl_clip=0.001, split_dim=128)
+    if name == "gan":
+        d_step = thor()
+        d1, g_inputs, g_gs = _gan_reference_step(d0, g0, _real(32), noises, d_step)
+        _assert_params(disc, (d0, d1), "discriminator")
+        _assert_params(gen, (g0, thor().step(g0, g_inputs, g_gs, refresh=True)), "generator")
+        return
+    (kernel, bias), = [recording.initial[0]]
+    params = [folded(kernel, bias)]
+    reference = thor()
+    flat = x.reshape(n, -1).astype(np.float64)
+    for step, start in enumerate(range(0, n, 32)):
+        rows, labels = flat[start:start + 32], y[start:start + 32]
+        p = softmax(rows @ params[0][:-1] + params[0][-1])
+        params = reference.step(params, [rows], [p - np.eye(10)[labels]], refresh=step == 0)
+    dense = model.model.layers[-1]
+    got = folded(dense.kernel.numpy(), dense.bias.numpy())
+    moved = folded(kernel, bias) - params[0]
+    np.testing.assert_allclose(folded(kernel, bias) - got, moved, rtol=2e-4,
+                               atol=2e-5 * np.abs(moved).max())
