@@ -127,7 +127,7 @@ def _check_scaled_dense_factors(path):
         grads = tape.gradient(loss, wrapped.trainable_variables)
         wrapped.optimizer.apply(grads, wrapped.trainable_variables)
     # Float64 forward and per-example backward: z of `scaled` is a·W + b, its output 3·tanh(z).
-    (w0, b0), (w1, b1), (w2, b2) = (tuple(np.float64(t) for t in p) for p in layers)
+    (w0, b0), (w1, b1), (w2, b2) = ((k.astype(np.float64), b.astype(np.float64)) for k, b in layers)
     h = np.tanh(x @ w0 + b0)
     z = h @ w1 + b1
     p = softmax(3.0 * np.tanh(z) @ w2 + b2)
@@ -641,12 +641,11 @@ def test_readme_recipes_run_as_written(name):
     assert stats and all(s["refreshes"] == 1 for s in stats)  # THOR's curvature was used
     thor = lambda: DenseKfac(0.05, momentum=0.9, kl_clip=0.001, split_dim=128)
     if name == "gan":
-        d_step = thor()
-        d1, g_inputs, g_gs = _gan_reference_step(d0, g0, _real(32), noises, d_step)
+        d1, g_inputs, g_gs = _gan_reference_step(d0, g0, _real(32), noises, thor())
         _assert_params(disc, (d0, d1), "discriminator")
         _assert_params(gen, (g0, thor().step(g0, g_inputs, g_gs, refresh=True)), "generator")
         return
-    (kernel, bias), = [recording.initial[0]]
+    kernel, bias = recording.initial[0]  # the recipe's Dense, as wrap received it
     params = [folded(kernel, bias)]
     reference = thor()
     flat = x.reshape(n, -1).astype(np.float64)
