@@ -166,8 +166,10 @@ def test_bad_damping_split_raises(bad):
 
 def test_damping_split_round_trips_through_config_and_save(tmp_path):
     x, y = digits(64)
+    # thor_nt at frequency 1: every step refreshes every block (ω1 = 0 refreshes even at Δ = 0),
+    # so the step after loading inverts anew, with whatever split the loaded optimizer has.
     wrapped = thor_tf.wrap(_model(), learning_rate=0.05, damping=LAMBDA, damping_split="pi",
-                           frequency=2, verbose=False)
+                           split_dim=SPLIT, preset="thor_nt", frequency=1, verbose=False)
     wrapped.compile(loss="sparse_categorical_crossentropy")
     wrapped.fit(x, y, batch_size=32, epochs=1, verbose=0)
     config = wrapped.optimizer.get_config()
@@ -181,11 +183,19 @@ def test_damping_split_round_trips_through_config_and_save(tmp_path):
     assert isinstance(loaded, thor_tf.ThorModel)
     assert loaded.optimizer.damping_split == "pi"
     assert loaded.optimizer.config.damping_split == "pi"
-    # Both continue identically (the next step is a cadence point: the loaded model inverts with
-    # the π split too, else its weights would differ).
-    wrapped.train_on_batch(x[:32], y[:32])
-    loaded.train_on_batch(x[:32], y[:32])
-    for name in ("conv", "fc"):
+    refreshes = {s["name"]: s["refreshes"] for s in loaded.thor.layer_stats()}
+    # Both continue identically. The step after loading refreshes every block (checked), and the
+    # loaded model's new inverses are the float64 inverses of its new factors damped with π (far
+    # from 1 in some layer, checked), not √λ_b.
+    wrapped.train_on_batch(x[32:], y[32:])
+    loaded.train_on_batch(x[32:], y[32:])
+    for s in loaded.thor.layer_stats():
+        assert s["refreshes"] == refreshes[s["name"]] + 1, s
+    pis = _check_inverses(loaded, "pi")
+    assert any(abs(np.log(p)) > 0.5 for p in pis.values()), pis
+    for name in ("conv", "fc", "out"):
+        np.testing.assert_allclose(loaded.thor.factors(name)["A"], wrapped.thor.factors(name)["A"],
+                                   rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(loaded.thor.inverses(name)["A_inv"],
                                    wrapped.thor.inverses(name)["A_inv"], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(loaded.get_layer(index=0).get_layer(name).kernel.numpy(),

@@ -287,10 +287,11 @@ def test_damping_split_and_max_block_age_flags_reach_the_thor_optimizer():
                               steps_per_epoch=1, show_table=False)
     assert model.optimizer.damping_split == "sqrt"
     assert model.optimizer.max_block_age == 50  # the library's default
-    args = mnist.parse_args(["--max-block-age", "50"])
+    # A value other than the default (50): the flag, not the default, sets it.
+    args = mnist.parse_args(["--max-block-age", "7"])
     model = runner.make_model("thor", 0.02, lambda: models.build("mlp", (8, 8, 1), 10), args,
                               steps_per_epoch=1, show_table=False)
-    assert model.optimizer.max_block_age == 50
+    assert model.optimizer.max_block_age == 7
     args = mnist.parse_args(["--max-block-age", "none"])
     model = runner.make_model("thor", 0.02, lambda: models.build("mlp", (8, 8, 1), 10), args,
                               steps_per_epoch=1, show_table=False)

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import thor_tf
+from reference import dense_backward, dense_forward, dense_kfac_steps, softmax
 
 
 def _two_outputs(seed=0):
@@ -24,14 +25,49 @@ def test_list_outputs_with_losses_and_metrics_by_name_log_what_keras_logs():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 6)).astype("float32")
     ys = {"cls": rng.integers(0, 3, 64), "reg": rng.normal(size=(64, 1)).astype("float32")}
+    weights = {"cls": 1.5, "reg": 0.5}
     compile_args = dict(loss={"cls": "sparse_categorical_crossentropy", "reg": "mse"},
-                        loss_weights={"cls": 1.0, "reg": 0.5},
-                        metrics={"cls": ["accuracy"], "reg": ["mae"]})
+                        loss_weights=weights, metrics={"cls": ["accuracy"], "reg": ["mae"]})
+    wrapped = thor_tf.wrap(_two_outputs(), learning_rate=1.0, momentum=0.0, kl_clip=None,
+                           verbose=False)
+    start = [w.astype(np.float64) for w in wrapped.get_weights()]
+    wrapped.compile(**compile_args)
+    # One step (step 0: every block refreshes from this batch) against the float64 K-FAC step of
+    # the weighted loss ℓ_n = 1.5·CE_n + 0.5·(r_n − y_n)²: the loss weights reach the gradient
+    # and, squared, G of each head and (summed through the trunk) of the trunk.
+    wrapped.train_on_batch(x[:16], {k: v[:16] for k, v in ys.items()})
+    (wt, bt), (wc, bc), (wr, br) = zip(start[0::2], start[1::2])
+    h = np.tanh(x[:16] @ wt + bt)
+    g_cls = weights["cls"] * (softmax(h @ wc + bc) - np.eye(3)[ys["cls"][:16]])
+    g_reg = weights["reg"] * 2.0 * (h @ wr + br - ys["reg"][:16])
+    g_trunk = (g_cls @ wc.T + g_reg @ wr.T) * (1.0 - h ** 2)
+    expected = {"trunk": (x[:16], g_trunk), "cls": (h, g_cls), "reg": (h, g_reg)}
+    for name, (a, g) in expected.items():
+        (delta, _), = dense_kfac_steps([a], [g], 0.03)
+        layer = wrapped.model.get_layer(name)
+        k = 2 * ["trunk", "cls", "reg"].index(name)
+        moved = np.concatenate([start[k] - layer.kernel.numpy(),
+                                (start[k + 1] - layer.bias.numpy())[None]])
+        np.testing.assert_allclose(moved, delta, rtol=2e-4, atol=2e-5 * np.abs(delta).max(),
+                                   err_msg=name)
+    # evaluate: plain Keras on the same weights gives the same losses (weighted total and per
+    # output) and metrics.
     plain = _two_outputs()
     plain.compile(optimizer="sgd", **compile_args)
+    plain.set_weights(wrapped.get_weights())
+    got = wrapped.evaluate(x, ys, batch_size=64, verbose=0, return_dict=True)
+    want = plain.evaluate(x, ys, batch_size=64, verbose=0, return_dict=True)
+    assert sorted(got) == sorted(want) and {"loss", "cls_accuracy"} <= set(got)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-6, err_msg=key)
+    # ... and the weighted loss of the stepped weights, in float64.
+    wt, bt, wc, bc, wr, br = (w.astype(np.float64) for w in wrapped.get_weights())
+    h = np.tanh(x @ wt + bt)
+    cross_entropy = -np.log(softmax(h @ wc + bc)[np.arange(64), ys["cls"]]).mean()
+    squared = ((h @ wr + br - ys["reg"]) ** 2).mean()
+    assert got["loss"] == pytest.approx(1.5 * cross_entropy + 0.5 * squared, rel=1e-5)
+    # fit logs what Keras logs.
     expected = plain.fit(x, ys, batch_size=16, epochs=1, verbose=0, validation_data=(x, ys))
-    wrapped = thor_tf.wrap(_two_outputs(), verbose=False)
-    wrapped.compile(**compile_args)
     history = wrapped.fit(x, ys, batch_size=16, epochs=1, verbose=0, validation_data=(x, ys))
     assert sorted(history.history) == sorted(expected.history)
     assert "cls_accuracy" in history.history and "val_reg_mae" in history.history
@@ -41,7 +77,7 @@ def test_list_outputs_with_losses_and_metrics_by_name_log_what_keras_logs():
 @pytest.mark.parametrize("how", ["floatx", "layer_dtype"])
 def test_float64_trains_like_keras(how):
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(64, 6))
+    x = rng.normal(size=(16, 6))
     y = (x[:, 0] > 0).astype("int64")
     previous, policy = keras.config.floatx(), keras.config.dtype_policy()
     try:
@@ -55,16 +91,29 @@ def test_float64_trains_like_keras(how):
                                   keras.layers.Dense(8, activation="tanh", dtype=dtype, name="h"),
                                   keras.layers.Dense(2, activation="softmax", dtype=dtype,
                                                      name="out")])
-        wrapped = thor_tf.wrap(model, learning_rate=0.1, frequency=2, verbose=False)
+        start = [w.copy() for w in model.get_weights()]
+        wrapped = thor_tf.wrap(model, learning_rate=1.0, momentum=0.0, kl_clip=None,
+                               verbose=False)
         wrapped.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-        history = wrapped.fit(x, y, batch_size=16, epochs=4, verbose=0)
+        wrapped.train_on_batch(x, y)  # step 0: both blocks refresh from this batch
     finally:
         keras.config.set_floatx(previous)
         keras.config.set_dtype_policy(policy)
     assert model.get_layer("h").kernel.dtype == "float64"
-    assert history.history["loss"][-1] < 0.8 * history.history["loss"][0]
+    assert all(w.dtype == np.float64 for w in start)
     assert wrapped.thor.counters()["nonfinite_steps"] == 0
     assert wrapped.thor.factors("h")["A"].dtype == np.float32  # statistics in float32
+    # The step (lr 1, momentum 0) is the float64 K-FAC step of the mean cross-entropy, to the
+    # float32 precision of the statistics.
+    layers = [(start[0], start[1], "tanh"), (start[2], start[3], "softmax")]
+    inputs, zs, p = dense_forward(x, layers)
+    gs, _ = dense_backward(p - np.eye(2)[y], layers, zs)
+    for (delta, _), name, k in zip(dense_kfac_steps(inputs, gs, 0.03), ("h", "out"), (0, 2)):
+        layer = model.get_layer(name)
+        moved = np.concatenate([start[k] - layer.kernel.numpy(),
+                                (start[k + 1] - layer.bias.numpy())[None]])
+        np.testing.assert_allclose(moved, delta, rtol=2e-4, atol=2e-5 * np.abs(delta).max(),
+                                   err_msg=name)
 
 
 def test_an_epoch_with_no_finite_step_logs_nan_and_checkpoints_keep_the_real_best(tmp_path):

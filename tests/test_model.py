@@ -10,6 +10,7 @@ import tensorflow as tf
 
 import thor_tf
 from digits_models import digits, small_cnn
+from reference import conv_patches, dense_kfac_steps, homogeneous, mean_outer
 
 
 
@@ -242,12 +243,44 @@ def test_fit_with_validation_sample_weights_and_callbacks():
     assert np.isfinite(loss) and 0 <= acc <= 1
 
 
+def test_sample_weights_reach_the_step_and_g():
+    """One step (lr 1, momentum 0) with sample weights w_n: Keras' loss is Σ w_n ℓ_n / N, so the
+    per-example gradient behind G is w_n (p_n − y_n): the float64 K-FAC step of that."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(16, 5)).astype("float32")
+    y = rng.integers(0, 3, 16)
+    weights = rng.uniform(0.2, 3.0, 16).astype("float32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3, activation="softmax")])
+    kernel, bias = (w.astype(np.float64) for w in model.get_weights())
+    wrapped = thor_tf.wrap(model, learning_rate=1.0, momentum=0.0, kl_clip=None, verbose=False)
+    wrapped.compile(loss="sparse_categorical_crossentropy")
+    wrapped.train_on_batch(x, y, sample_weight=weights)
+    logits = x.astype(np.float64) @ kernel + bias
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    (delta, _), = dense_kfac_steps([x], [weights[:, None] * (p - np.eye(3)[y])], 0.03)
+    moved = np.concatenate([kernel - model.layers[0].kernel.numpy(),
+                            (bias - model.layers[0].bias.numpy())[None]])
+    np.testing.assert_allclose(moved, delta, rtol=2e-4, atol=2e-5 * np.abs(delta).max())
+
+
 def test_other_optimizer_trains_like_plain_keras():
     x, y = digits(64)
     wrapped = thor_tf.wrap(small_cnn(), verbose=False)
-    wrapped.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy")
-    wrapped.fit(x, y, epochs=1, batch_size=32, verbose=0)
+    wrapped.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                    loss="sparse_categorical_crossentropy")
+    history = wrapped.fit(x, y, epochs=1, batch_size=32, shuffle=False, verbose=0)
     assert not isinstance(wrapped.optimizer, thor_tf.ThorOptimizer)
+    # The same weights, batches and optimizer in plain Keras: the same steps (the hooks observe
+    # nothing THOR uses; float32 rounding of the two graphs may differ in the last bits).
+    plain = small_cnn()
+    plain.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                  loss="sparse_categorical_crossentropy")
+    expected = plain.fit(x, y, epochs=1, batch_size=32, shuffle=False, verbose=0)
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-6)
+    for a, b in zip(wrapped.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_sampled_fisher_trains_and_refreshes():
@@ -258,6 +291,39 @@ def test_sampled_fisher_trains_and_refreshes():
     wrapped.fit(x, y, epochs=2, batch_size=32, verbose=0)
     assert wrapped.evaluate(x, y, verbose=0) < first
     assert all(s["refreshes"] == 8 for s in wrapped.thor.layer_stats())  # 16 steps / 2
+
+
+def test_sampled_fisher_g_is_the_model_fisher_in_expectation():
+    """fisher="sampled": the output layer's G is the mean of g gᵀ with g = p − e_y, y drawn from
+    the model's p, whose expectation is diag(p) − p pᵀ (one term per label, by hand), not the
+    empirical Fisher of the data's labels. Checked within 5 standard errors of the sampling
+    (also by hand: the variance of g gᵀ over the 3 labels of each example), on a batch large
+    enough that the empirical Fisher lies beyond 20 of them."""
+    n = 2048
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    y = np.zeros(n, "int64")  # every label 0: far from the model's p
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax",
+                                                                    name="out")])
+    kernel, bias = (w.astype(np.float64) for w in model.get_weights())
+    wrapped = thor_tf.wrap(model, fisher="sampled", learning_rate=1e-6, verbose=False)
+    wrapped.compile(loss="sparse_categorical_crossentropy")
+    wrapped.train_on_batch(x, y)
+    got = wrapped.thor.factors("out")["G"]
+    logits = x.astype(np.float64) @ kernel + bias
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    outer = lambda label: np.einsum("ni,nj->nij", p - np.eye(3)[label], p - np.eye(3)[label])
+    terms = [outer(np.full(n, k)) for k in range(3)]  # g gᵀ for each possible label
+    mean = sum(p[:, k, None, None] * terms[k] for k in range(3))  # per example: diag(p) − ppᵀ
+    np.testing.assert_allclose(mean, np.einsum("ni,ij->nij", p, np.eye(3))
+                               - np.einsum("ni,nj->nij", p, p), atol=1e-12)
+    variance = sum(p[:, k, None, None] * (terms[k] - mean) ** 2 for k in range(3))
+    expected, stderr = mean.mean(0), np.sqrt(variance.sum(0)) / n
+    assert np.all(np.abs(got - expected) < 5 * stderr + 1e-6), (got, expected, stderr)
+    empirical = outer(y).mean(0)
+    assert np.abs(empirical - expected).max() > 20 * stderr.max()
 
 
 def test_sampled_fisher_rejects_unknown_loss():
@@ -291,11 +357,20 @@ def test_mixed_precision_keeps_factors_float32():
         x, y = digits(64)
         wrapped = thor_tf.wrap(small_cnn(), verbose=False)
         wrapped.compile(loss="sparse_categorical_crossentropy")
-        wrapped.fit(x, y, epochs=1, batch_size=32, verbose=0)
+        wrapped.train_on_batch(x[:32], y[:32])  # step 0: every block refreshes from this batch
+        wrapped.train_on_batch(x[32:], y[32:])
         factors = wrapped.thor.factors("fc")
         assert factors["A"].dtype == np.float32 and np.all(np.isfinite(factors["A"]))
+        conv_a = wrapped.thor.factors("conv")["A"]
     finally:
         keras.mixed_precision.set_global_policy("float32")
+    # The digits are k/16, exact in bfloat16: the conv's A from its 3x3 patches (bias folded),
+    # accumulated in float32, is exact to float32 precision (in bfloat16, k1·k2/256 alone would
+    # round: 8 significant bits).
+    patches = conv_patches(x[:32].astype(np.float64), (3, 3), (1, 1), "same", (1, 1))
+    expected = mean_outer(homogeneous(patches.reshape(-1, 9), True))
+    assert conv_a.dtype == np.float32
+    np.testing.assert_allclose(conv_a, expected, rtol=1e-6, atol=1e-7)
 
 
 def test_fit_warns_on_skipped_steps_and_stops_when_an_epoch_is_all_non_finite():

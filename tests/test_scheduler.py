@@ -447,9 +447,21 @@ def test_bad_max_block_age_raises(age):
         thor_tf.ThorOptimizer(max_block_age=age)
 
 
-def test_max_block_age_round_trips_through_the_optimizer_config():
-    config = thor_tf.ThorOptimizer(max_block_age=50).get_config()
-    assert config["max_block_age"] == 50
-    assert thor_tf.ThorOptimizer.from_config(config).max_block_age == 50
+def test_max_block_age_round_trips_through_the_optimizer_config(tmp_path):
+    # Non-default values only (50 is the default: a from_config that dropped the key would
+    # still read 50), through get_config/from_config and through a saved model.
     assert thor_tf.ThorOptimizer().max_block_age == 50
-    assert thor_tf.ThorOptimizer(max_block_age=None).max_block_age is None
+    for age in (7, None):
+        config = thor_tf.ThorOptimizer(max_block_age=age).get_config()
+        assert config["max_block_age"] == age
+        restored = thor_tf.ThorOptimizer.from_config(config)
+        assert restored.max_block_age == age and restored.config.max_block_age == age
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="fc")])
+    wrapped = thor_tf.wrap(model, max_block_age=7, verbose=False)
+    wrapped.compile(loss="mse")
+    wrapped.train_on_batch(np.ones((4, 3), "float32"), np.zeros((4, 2), "float32"))
+    path = str(tmp_path / "age.keras")
+    wrapped.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.optimizer.max_block_age == 7 and loaded.optimizer.config.max_block_age == 7
