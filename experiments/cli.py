@@ -64,12 +64,13 @@ def parse_ints(text):
     return values
 
 
-def parse_optimizers(text):
+def parse_optimizers(text, allowed=OPTIMIZERS):
+    """A comma list of optimizer names from ``allowed`` (duplicates dropped, order kept)."""
     names = [v for v in str(text).replace(" ", "").split(",") if v]
-    bad = [n for n in names if n not in OPTIMIZERS]
+    bad = [n for n in names if n not in allowed]
     if not names or bad:
         raise argparse.ArgumentTypeError(
-            f"optimizers must be a comma list from {', '.join(OPTIMIZERS)}; got {text!r}")
+            f"optimizers must be a comma list from {', '.join(allowed)}; got {text!r}")
     return list(dict.fromkeys(names))
 
 

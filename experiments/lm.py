@@ -29,14 +29,15 @@ final validation loss over the seeds):
   step; the head ``lm_head`` and the embeddings get its AdamW step, as Keras' documentation
   advises. Keras' Muon orthogonalizes 2-D kernels only: here the MLP kernels; the attention
   projections (3-D EinsumDense kernels) get its AdamW step too. Same grid.
-* ``thor``: ``thor_tf.wrap(model, learning_rate=..., damping=..., fisher=..., [kl_clip=...,
-  frequency=..., max_block_age=...])`` and thor_tf's defaults for everything else (momentum 0.9,
-  preset "thor", split_dim 128, trace filter "mean", damping split "sqrt", no weight decay);
+* ``thor``: ``thor_tf.wrap(model, learning_rate=..., damping=..., fisher=..., damping_split=...,
+  [kl_clip=..., frequency=..., max_block_age=...])`` and thor_tf's defaults for everything else
+  (momentum 0.9, preset "thor", split_dim 128, trace filter "mean", κ 0.001, no weight decay);
   learning rate ``--thor-lr`` (default: thor_tf's, 0.05) under ``--thor-schedule`` (default
-  ``poly``: THOR's polynomial decay sized to the run, ``ThorPolynomialDecay(lr, 1.25·steps,
-  4.9687)`` per step, as ``runner.lr_schedule`` sizes it to epochs), damping ``--thor-damping``
+  ``cosine``: the baselines' warmup + cosine to lr/10; ``poly``: THOR's polynomial decay sized to
+  the run, ``ThorPolynomialDecay(lr, 1.25·steps, 4.9687)`` per step), ``--damping-split``
+  (default ``pi``, not thor_tf's ``sqrt``: docs/lm.md says why), damping ``--thor-damping``
   (constant; default thor_tf's, 0.03). The settings in force are printed and stored in the
-  summary (``thor_settings``).
+  summary (``thor_settings``); docs/lm.md has the measurement made with these defaults.
 
 Fairness: for a seed, every optimizer starts from the same initial weights
 (``keras.utils.set_random_seed(seed)`` right before the model is built) and sees the same sequence
@@ -247,7 +248,8 @@ def thor_options(args, lr):
         lr_value = warmup_cosine(lr, args.steps, args.warmup)
     else:
         lr_value = float(lr)
-    options = dict(learning_rate=lr_value, damping=args.thor_damping, fisher=args.fisher)
+    options = dict(learning_rate=lr_value, damping=args.thor_damping, fisher=args.fisher,
+                   damping_split=args.damping_split)
     if args.kl_clip is not None:
         options["kl_clip"] = None if args.kl_clip == "none" else args.kl_clip
     if args.frequency is not None:
@@ -586,12 +588,7 @@ def plot(runs, summary, path, title):
 # --------------------------------------------------------------------------------------------
 
 def _optimizers(text_value):
-    names = [v for v in str(text_value).replace(" ", "").split(",") if v]
-    bad = [n for n in names if n not in OPTIMIZERS]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(
-            f"optimizers must be a comma list from {','.join(OPTIMIZERS)}; got {text_value!r}")
-    return list(dict.fromkeys(names))
+    return cli.parse_optimizers(text_value, allowed=OPTIMIZERS)
 
 
 def parse_args(argv=None):
@@ -656,9 +653,12 @@ def parse_args(argv=None):
                    help=f"cadence (default thor_tf's, {defaults['frequency']})")
     t.add_argument("--max-block-age", type=cli._max_block_age, default=None, metavar="STEPS",
                    help=f"or 'none' (default thor_tf's, {defaults['max_block_age']})")
-    t.add_argument("--thor-schedule", choices=("poly", "cosine", "constant"), default="poly",
-                   help="poly: THOR's polynomial decay lr·(1 − step/(1.25·steps))^4.9687; cosine: "
-                        "the baselines' warmup + cosine; constant (default poly)")
+    t.add_argument("--thor-schedule", choices=("poly", "cosine", "constant"), default="cosine",
+                   help="cosine: the baselines' warmup + cosine to lr/10 (default); poly: THOR's "
+                        "polynomial decay lr·(1 − step/(1.25·steps))^4.9687; constant")
+    t.add_argument("--damping-split", choices=("pi", "sqrt"), default="pi",
+                   help="pi (default here: the attention's q/k factors start ~1e-4 of the "
+                        "damping, docs/lm.md) or sqrt (thor_tf's default)")
     t.add_argument("--fisher", choices=("empirical", "sampled"), default=defaults["fisher"],
                    help=f"empirical (THOR) or sampled (K-FAC's true Fisher) (default "
                         f"{defaults['fisher']})")
