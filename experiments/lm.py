@@ -398,17 +398,10 @@ def steps_to_target(steps, val_losses, seconds, target):
     return (None, None) if index is None else (steps[index - 1], secs)
 
 
-def by_config(runs):
-    configs = {}
-    for r in runs:
-        configs.setdefault((r.optimizer, r.lr), []).append(r)
-    return configs
-
-
 def best_configs(runs):
     """``{optimizer: (lr, [Run per seed], median final val loss)}``: the lowest median."""
     best = {}
-    for (name, lr), group in by_config(runs).items():
+    for (name, lr), group in reports.by_config(runs).items():
         loss = reports.median_or_none([r.final_loss for r in group])
         score = math.inf if loss is None else loss
         if name not in best or score < best[name][3]:
@@ -458,7 +451,7 @@ def summarize(runs, args, corpus_info, target_loss=None):
             "grid": [{"lr": clr, "final_val_loss": reports.median_or_none(
                           [r.final_loss for r in cruns]),
                       "final_val_loss_per_seed": [r.final_loss for r in sorted(cruns, key=lambda r: r.seed)]}
-                     for (cname, clr), cruns in sorted(by_config(runs).items()) if cname == name],
+                     for (cname, clr), cruns in sorted(reports.by_config(runs).items()) if cname == name],
         }
         rates = sorted(g["lr"] for g in entry["grid"])
         if len(rates) > 1 and lr in (rates[0], rates[-1]):

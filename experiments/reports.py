@@ -106,7 +106,8 @@ def median_or_none(values):
     m = statistics.median(values)
     return None if math.isinf(m) or math.isnan(m) else m
 
-def _by_config(results):
+def by_config(results):
+    """``{(optimizer, lr): [results of its seeds]}`` (anything with ``optimizer`` and ``lr``)."""
     configs = {}
     for r in results:
         configs.setdefault((r.optimizer, r.lr), []).append(r)
@@ -120,7 +121,7 @@ def _score(value):
 def best_configs(results):
     """``{optimizer: (lr, [RunResult per seed])}`` with the best median final accuracy."""
     best = {}
-    for (name, lr), runs in _by_config(results).items():
+    for (name, lr), runs in by_config(results).items():
         acc = median_or_none([r.final_acc for r in runs])
         if name not in best or _score(acc) > _score(best[name][2]):
             best[name] = (lr, runs, acc)
@@ -211,7 +212,7 @@ def summarize(results, args, dataset_info, model_name):
             "steps_per_epoch": runs[0].steps_per_epoch,
             "per_seed": per_seed,
             "grid": [{"lr": clr, "final_acc": median_or_none([r.final_acc for r in cruns])}
-                     for (cname, clr), cruns in _by_config(results).items() if cname == name],
+                     for (cname, clr), cruns in by_config(results).items() if cname == name],
         }
         if runs[0].layer_stats is not None:
             entry["layer_stats"] = runs[0].layer_stats  # first seed of the best config

@@ -81,25 +81,6 @@ def term_scale(divisor, loss_scale=None):
     return scale
 
 
-def example_scale(reduction, batch_size, loss_scale=None):
-    """Factor turning ``dL/dz`` of the reduced, replica-divided, scaled loss into ``dℓ_n/dz``.
-
-    Args:
-      reduction: ``"mean"`` or ``"sum"`` (how the loss reduces over the batch; see
-        :func:`loss_reduction` for a compiled loss).
-      batch_size: local batch size (scalar tensor).
-      loss_scale: what the loss was multiplied by before differentiation (the optimizer's
-        ``loss_scale_factor`` and/or a ``LossScaleOptimizer``'s dynamic scale): float, scalar
-        tensor or None.
-    """
-    scale = tf.cast(batch_size, tf.float32) if reduction == "mean" else tf.constant(1.0)
-    replicas = tf.distribute.get_strategy().num_replicas_in_sync
-    scale = scale * float(replicas)
-    if loss_scale is not None:
-        scale = scale / tf.cast(loss_scale, tf.float32)
-    return scale
-
-
 def sampled_loss(spec: LossSpec, y_pred, seed=None, mask=None):
     """Sum over the batch of the per-term loss at targets sampled from the model.
 

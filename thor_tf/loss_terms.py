@@ -104,23 +104,24 @@ def from_reduction(values, sample_weight=None, mask=None, reduction="sum_over_ba
         per_example = tf.constant(float(values.shape[1:].num_elements()))
     else:
         per_example = total / tf.cast(tf.shape(values)[0], tf.float32)
-    valid = None
-    if mask is not None:
-        valid = tf.cast(_broadcast_weight(tf.cast(mask, tf.bool), values), tf.bool)
+    # The Keras mask and the nonzero sample weights, broadcast to the values' shape.
+    in_mask = None if mask is None else _broadcast_weight(tf.cast(mask, tf.bool), values)
     weight = None
     if sample_weight is not None:
         weight = tf.cast(_broadcast_weight(sample_weight, values), tf.float32)
+    valid = in_mask
+    if weight is not None:
         nonzero = tf.not_equal(weight, 0.0)
         valid = nonzero if valid is None else tf.logical_and(valid, nonzero)
     if reduction == "sum":
         scale = tf.constant(1.0)
-    elif reduction == "mean_with_sample_weight" and (weight is not None or mask is not None):
+    elif reduction == "mean_with_sample_weight" and (weight is not None or in_mask is not None):
         masked = tf.ones_like(values, tf.float32) if weight is None else weight
-        if mask is not None:
-            masked = masked * tf.cast(_broadcast_weight(tf.cast(mask, tf.bool), values), tf.float32)
+        if in_mask is not None:
+            masked = masked * tf.cast(in_mask, tf.float32)
         scale = tf.reduce_sum(masked)
-    elif mask is not None:  # Keras rescales a mask so that the mean is over the unmasked terms
-        scale = tf.reduce_sum(tf.cast(_broadcast_weight(tf.cast(mask, tf.bool), values), tf.float32))
+    elif in_mask is not None:  # Keras rescales a mask so that the mean is over the unmasked terms
+        scale = tf.reduce_sum(tf.cast(in_mask, tf.float32))
     else:
         scale = total
     count = total if valid is None else tf.reduce_sum(tf.cast(valid, tf.float32))
