@@ -1,5 +1,7 @@
 """Tests for thor_tf.schedules against plain-Python float64 references."""
 
+import math
+
 import keras
 import numpy as np
 import pytest
@@ -192,3 +194,73 @@ def test_damping_validation(kwargs, arg):
     base.update(kwargs)
     with pytest.raises(ValueError, match=arg):
         ThorDampingDecay(**base)
+
+
+# --------------------------------------------------------------------------- WarmupCosine
+
+def ref_warmup_cosine(step, total, peak, warmup_fraction=0.05, floor=0.0):
+    """float64 reference: linear ramp (step + 1) / W, then half a cosine from peak to floor."""
+    w = round(warmup_fraction * total)
+    if step < w:
+        return peak * (step + 1) / w
+    progress = min(max((step - w) / max(total - w, 1), 0.0), 1.0)
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@pytest.mark.parametrize("total,peak,fraction,floor", [(100, 0.05, 0.05, 0.0),
+                                                        (37, 0.3, 0.1, 0.03),
+                                                        (1000, 1e-3, 0.0, 0.0)])
+def test_warmup_cosine_matches_reference(total, peak, fraction, floor):
+    from thor_tf.schedules import WarmupCosine
+
+    sched = WarmupCosine(total, peak=peak, warmup_fraction=fraction, floor=floor)
+    for step in sorted({0, 1, 2, 3, 4, 5, 6, total // 2, total - 1, total, total + 50}):
+        np.testing.assert_allclose(float(sched(step)),
+                                   ref_warmup_cosine(step, total, peak, fraction, floor),
+                                   rtol=1e-6, atol=1e-9, err_msg=f"step {step}")
+    assert float(sched(total)) == pytest.approx(floor, abs=1e-9)
+
+
+def test_warmup_cosine_decay_is_keras_cosine_decay_after_warmup():
+    """After the warmup the shape is Keras' own CosineDecay with the same warmup (an independent
+    implementation of the standard recipe the first-order baselines use)."""
+    from thor_tf.schedules import WarmupCosine
+
+    total, peak = 200, 0.02
+    ours = WarmupCosine(total, peak=peak)
+    keras_sched = keras.optimizers.schedules.CosineDecay(
+        0.0, decay_steps=total - 10, alpha=0.0, warmup_target=peak, warmup_steps=10)
+    for step in (10, 11, 57, 150, 199):
+        np.testing.assert_allclose(float(ours(step)), float(keras_sched(step)), rtol=1e-5,
+                                   atol=1e-9)
+
+
+def test_warmup_cosine_in_a_traced_optimizer_step_and_config_roundtrip():
+    from thor_tf.schedules import WarmupCosine
+
+    sched = WarmupCosine(40, peak=0.1)
+    step = tf.Variable(0, dtype=tf.int64)
+
+    @tf.function
+    def value():
+        return sched(step)
+
+    for s in (0, 1, 2, 30, 40):
+        step.assign(s)
+        np.testing.assert_allclose(float(value()), ref_warmup_cosine(s, 40, 0.1), rtol=1e-6,
+                                   atol=1e-9)
+    back = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(sched))
+    assert type(back) is WarmupCosine and back.get_config() == sched.get_config()
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(total_steps=0), "total_steps"),
+                                          (dict(total_steps=2.5), "total_steps"),
+                                          (dict(total_steps=10, peak=-1.0), "peak"),
+                                          (dict(total_steps=10, warmup_fraction=1.0),
+                                           "warmup_fraction"),
+                                          (dict(total_steps=10, peak=0.1, floor=0.2), "floor")])
+def test_warmup_cosine_bad_arguments_name_the_argument(kwargs, match):
+    from thor_tf.schedules import WarmupCosine
+
+    with pytest.raises(ValueError, match=match):
+        WarmupCosine(**kwargs)

@@ -26,6 +26,7 @@ import tensorflow as tf
 
 __all__ = [
     "MINDSPORE_RESNET50_PRESETS",
+    "WarmupCosine",
     "ThorDampingDecay",
     "ThorPolynomialDecay",
     "mindspore_resnet50",
@@ -155,6 +156,64 @@ class ThorDampingDecay(keras.optimizers.schedules.LearningRateSchedule):
             "decay_rate": self.decay_rate,
             "steps_per_epoch": self.steps_per_epoch,
         }
+
+
+@keras.saving.register_keras_serializable(package="thor_tf")
+class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warmup, then cosine decay: the schedule sized by the run's length alone.
+
+    With a 0-based ``step``, ``W = round(warmup_fraction * total_steps)`` and ``T = total_steps``::
+
+        lr(step) = peak * (step + 1) / W                                   step < W
+        lr(step) = floor + (peak - floor) * (1 + cos(pi * (step - W) / (T - W))) / 2   otherwise
+
+    reaching ``floor`` at ``step = T`` and staying there after it. The same shape as the standard
+    first-order recipe (Keras' ``CosineDecay(warmup_steps=...)``); ``thor_tf.wrap(model,
+    learning_rate=thor_tf.schedules.WarmupCosine(total_steps))`` is THOR's default for a run of
+    known length (``total_steps`` = epochs x steps per epoch).
+
+    Args:
+        total_steps: optimizer steps of the run (positive int).
+        peak: the rate after warmup (default thor_tf's learning rate, 0.05).
+        warmup_fraction: share of the run spent warming up, in ``[0, 1)`` (default 0.05).
+        floor: the final rate, ``0 <= floor <= peak`` (default 0).
+    """
+
+    def __init__(self, total_steps: int, peak: float = 0.05, warmup_fraction: float = 0.05,
+                 floor: float = 0.0):
+        super().__init__()
+        try:
+            ok = not isinstance(total_steps, bool) and int(total_steps) == total_steps \
+                and total_steps > 0
+        except (TypeError, ValueError, OverflowError):
+            ok = False
+        if not ok:
+            raise ValueError(f"total_steps must be a positive integer; got {total_steps!r}")
+        self.total_steps = int(total_steps)
+        self.peak = _check_number("peak", peak)
+        self.warmup_fraction = _check_number("warmup_fraction", warmup_fraction, allow_zero=True)
+        if self.warmup_fraction >= 1:
+            raise ValueError(f"warmup_fraction must be in [0, 1); got {warmup_fraction!r}")
+        self.floor = _check_number("floor", floor, allow_zero=True)
+        if self.floor > self.peak:
+            raise ValueError(f"floor must be <= peak ({self.peak}); got {floor!r}")
+        self.warmup_steps = int(round(self.warmup_fraction * self.total_steps))
+
+    def __call__(self, step):
+        with tf.name_scope("WarmupCosine"):
+            step = tf.cast(tf.convert_to_tensor(step), tf.float64)
+            warm = float(max(self.warmup_steps, 1))
+            ramp = self.peak * tf.minimum((step + 1.0) / warm, 1.0)
+            span = float(max(self.total_steps - self.warmup_steps, 1))
+            progress = tf.clip_by_value((step - self.warmup_steps) / span, 0.0, 1.0)
+            cosine = self.floor + (self.peak - self.floor) * 0.5 * (
+                1.0 + tf.cos(math.pi * progress))
+            lr = tf.where(step < self.warmup_steps, ramp, cosine)
+            return tf.cast(lr, tf.float32)
+
+    def get_config(self):
+        return {"total_steps": self.total_steps, "peak": self.peak,
+                "warmup_fraction": self.warmup_fraction, "floor": self.floor}
 
 
 #: MindSpore model_zoo ResNet-50/ImageNet THOR settings (``config_thor_gpu`` /
