@@ -51,7 +51,6 @@ class _EpochTracker(keras.callbacks.Callback):
         self._engine = engine
         self._skipped_before = 0
         self._steps_before = 0
-        self._scale_warned = False
 
     def _skipped(self):
         return self._engine.counters()["nonfinite_steps"] if self._engine._state is not None else 0
@@ -62,12 +61,19 @@ class _EpochTracker(keras.callbacks.Callback):
         return int(optimizer.iterations.numpy())
 
     def _warn_if_damping_swamps_curvature(self):
-        """Once per fit: warn when the loss's scale leaves G negligible against the damping."""
-        if self._scale_warned or self._engine._state is None:
+        """Warn when the loss's scale leaves G negligible against the damping. Looked at once per
+        model, at the first epoch end with refreshed factors: a loss too small in scale is so
+        from the start, while later a model that fits its data has a small empirical Fisher
+        because its gradients are small (the digits CNN near 100 % train accuracy), not a
+        problem of scale."""
+        engine = self._engine
+        if getattr(engine, "_scale_checked", False) or engine._state is None:
             return
-        ratios = self._engine.curvature_to_damping()
-        if ratios and max(ratios.values()) < SWAMPED_CURVATURE:
-            self._scale_warned = True
+        ratios = engine.curvature_to_damping()
+        if not ratios:
+            return
+        engine._scale_checked = True
+        if max(ratios.values()) < SWAMPED_CURVATURE:
             warnings.warn(
                 f"thor_tf: G's mean eigenvalue is at most {max(ratios.values()):.1e} of the "
                 f"damping √λ in every layer: the loss is so small in scale (class or sample "
