@@ -14,10 +14,12 @@ FIRST_ORDER = ("sgd", "adam", "adamw", "muon")
 #: optimizer; an optimizer its grid leaves out gets the one here (:func:`finish_args`). Muon's
 #: grid starts at Keras' default lr, 1e-3 (with ``rms_rate=0.2`` Keras' Muon is meant to take
 #: Adam's learning rate and weight decay).
-DEFAULT_LR_GRID = {"sgd": (0.01, 0.03, 0.1), "adam": (3e-4, 1e-3, 3e-3),
-                   "adamw": (3e-4, 1e-3, 3e-3), "muon": (1e-3, 3e-3, 1e-2)}
-QUICK_LR_GRID = {"sgd": (0.03, 0.1), "adam": (1e-3, 3e-3), "adamw": (1e-3, 3e-3),
-                 "muon": (1e-3, 3e-3)}
+DEFAULT_LR_GRID = {"sgd": (0.01, 0.03, 0.1, 0.3), "adam": (1e-3, 3e-3, 1e-2, 3e-2),
+                   "adamw": (1e-3, 3e-3, 1e-2, 3e-2), "muon": (1e-3, 3e-3, 1e-2, 3e-2)}
+QUICK_LR_GRID = {"sgd": (0.03, 0.1), "adam": (3e-3, 1e-2), "adamw": (3e-3, 1e-2),
+                 "muon": (3e-3, 1e-2)}
+#: The schedules of --lr-schedule / --baseline-lr-schedule.
+LR_SCHEDULES = ("cosine", "constant", "poly")
 #: AdamW's decoupled weight decay when --weight-decay is not given (Keras' default).
 ADAMW_WEIGHT_DECAY = 0.004
 #: Muon's weight decay (its Muon and its AdamW step) when --weight-decay is not given (Keras').
@@ -176,8 +178,10 @@ def add_common_arguments(parser, *, out, epochs, batch_size, thor_lr, thor_dampi
                    help=f"comma list from {','.join(OPTIMIZERS)} (default: {','.join(optimizers)})")
     g.add_argument("--seeds", type=parse_ints, default=[0],
                    help="comma list of seeds; medians over seeds are reported (default: 0)")
-    g.add_argument("--epochs", type=int, default=epochs, help=f"default {epochs}")
-    g.add_argument("--batch-size", type=int, default=batch_size, help=f"default {batch_size}")
+    g.add_argument("--epochs", type=int, default=epochs,
+                   help=f"default {epochs if epochs is not None else 'the dataset’s'}")
+    g.add_argument("--batch-size", type=int, default=batch_size,
+                   help=f"default {batch_size if batch_size is not None else 'the dataset’s'}")
     g.add_argument("--target-from", choices=FIRST_ORDER, default=None,
                    help="baseline whose final test accuracy is the target (default: the best "
                         "first-order baseline of this run)")
@@ -188,14 +192,14 @@ def add_common_arguments(parser, *, out, epochs, batch_size, thor_lr, thor_dampi
                    help="learning rates for sgd/adam/adamw/muon, e.g. "
                         "'sgd=0.01,0.03,0.1;adam=3e-4,1e-3' "
                         f"(repeatable; default {lr_grid_text})")
-    g.add_argument("--lr-schedule", choices=("constant", "poly"), default=lr_schedule,
-                   help="learning-rate schedule of every optimizer: constant, or THOR's "
-                        "polynomial decay lr0*(1-epoch/(1.25*epochs))^4.9687 "
+    g.add_argument("--lr-schedule", choices=LR_SCHEDULES, default=lr_schedule,
+                   help="learning-rate schedule of the THOR variants: cosine (linear warmup over "
+                        "5%% of the steps, then cosine to 0: thor_tf.schedules.WarmupCosine), "
+                        "constant, or THOR's polynomial decay lr0*(1-epoch/(1.25*epochs))^4.9687 "
                         f"(default {lr_schedule})")
-    g.add_argument("--baseline-lr-schedule", choices=("constant", "poly"), default=None,
-                   help="schedule of the first-order baselines (sgd/adam/adamw/muon) when it "
-                        "should differ from --lr-schedule (THOR's "
-                        "steep polynomial decay stalls first-order methods on short runs)")
+    g.add_argument("--baseline-lr-schedule", choices=LR_SCHEDULES, default="cosine",
+                   help="schedule of the first-order baselines (sgd/adam/adamw/muon): default "
+                        "cosine, their standard recipe (5%% linear warmup, cosine to 0)")
     g.add_argument("--weight-decay", type=float, default=0.0,
                    help="L2 weight decay on kernels (THOR: coupled, added to the update; "
                         "SGD: Keras weight_decay; Adam becomes AdamW; AdamW and Muon: their "
@@ -273,9 +277,9 @@ def finish_args(args, default_grid=None, quick_grid=None):
     ``default_grid``), which overrides this module's (``QUICK_LR_GRID``, ``DEFAULT_LR_GRID``)
     for the optimizers it names: a script's grid need not list every baseline (before, an
     optimizer missing from it, e.g. adamw in mnist.py, failed with a KeyError)."""
-    if args.epochs < 1:
+    if args.epochs is not None and args.epochs < 1:   # None: the script sizes it (mnist.py)
         raise SystemExit("--epochs must be >= 1")
-    if args.batch_size < 1:
+    if args.batch_size is not None and args.batch_size < 1:
         raise SystemExit("--batch-size must be >= 1")
     if "muon" in args.optimizers:
         require_muon()

@@ -28,7 +28,9 @@ Optimizers (``--optimizers``, comma separated):
 Fairness rules: for a given seed every optimizer starts from the same initial weights
 (``keras.utils.set_random_seed(seed)`` right before the model is built) and sees the training
 examples in the same order (one NumPy permutation per epoch drawn from ``seed``). The first-order
-baselines (SGD, Adam, AdamW, Muon) get a small learning-rate grid (``--lr-grid``); the THOR
+baselines (SGD, Adam, AdamW, Muon) run with their standard schedule by default (linear warmup
+over 5 % of the steps, then cosine to 0: ``--baseline-lr-schedule cosine``) over a learning-rate
+grid (``--lr-grid``; the summary warns when the best rate is at an end of it); the THOR
 variants get the learning rates of ``--thor-lr`` (one value by default). Every run of the grid is kept in ``metrics.csv``; the summary
 reports, per optimizer, the learning rate with the best median (over seeds) final test accuracy.
 
@@ -68,9 +70,15 @@ THOR_DAMPING_TOTAL_DECAY = 0.5467 ** 4  # damping at the last epoch / λ0 (0.546
 
 
 def lr_schedule(kind, lr0, epochs, steps_per_epoch):
-    """The learning rate (float or schedule) of every optimizer for ``--lr-schedule``."""
+    """The learning rate (float or schedule) for ``--lr-schedule`` / ``--baseline-lr-schedule``:
+    ``constant``; ``cosine``, the standard recipe (linear warmup over 5 % of the run, then cosine
+    to 0, :class:`thor_tf.schedules.WarmupCosine`, for THOR and the baselines alike); ``poly``,
+    THOR's polynomial decay sized to the run."""
     if kind == "constant":
         return float(lr0)
+    if kind == "cosine":
+        from thor_tf.schedules import WarmupCosine
+        return WarmupCosine(int(epochs * steps_per_epoch), peak=float(lr0))
     from thor_tf.schedules import ThorPolynomialDecay
     # MindSpore's ResNet-50 THOR: 40 epochs, end_epoch 50, power 4.9687. The late double halving
     # (decay_epochs 39) is left out: at 39/40 of the run the polynomial has already decayed lr
@@ -80,9 +88,9 @@ def lr_schedule(kind, lr0, epochs, steps_per_epoch):
 
 
 def damping_schedule(kind, damping0, epochs, steps_per_epoch):
-    """THOR's damping (float or ``ThorDampingDecay``), rescaled so the decay over the run equals
+    """THOR's damping: constant, except under ``poly`` (``ThorDampingDecay``), rescaled so the decay over the run equals
     MindSpore's over 40 epochs (×0.5467⁴ ≈ 0.089): rate per 10 epochs = 0.5467^(40/epochs)."""
-    if kind == "constant":
+    if kind != "poly":
         return float(damping0)
     from thor_tf.schedules import ThorDampingDecay
     rate = THOR_DAMPING_TOTAL_DECAY ** (10.0 / max(epochs, 1))

@@ -11,8 +11,10 @@ that every layer type with a thor_tf block appears (the registration table shows
 Every optimizer starts from the same initial weights and sees the same data order. Defaults
 (issue 18): THOR lr0 0.02 with its polynomial lr and damping schedules sized to the run and
 thor_tf's default ``max_block_age=50`` (a block is refreshed at least every 50 steps: behind
-LayerNorm the trace rule cannot see the factors turn, see docs/trace_rule.md); Muon and AdamW at constant lr 1e-3,
-the best of {1e-3, 3e-3, 1e-2} and {1e-3, 3e-3} on this model (``--lr-grid`` to search again).
+LayerNorm the trace rule cannot see the factors turn, see docs/trace_rule.md); Muon and AdamW with
+their standard schedule (5 % linear warmup, then cosine to 0) over 1e-3, 3e-3, 1e-2 (AdamW with
+warmup + cosine at 3e-3 reached 88.01 % after 5 epochs on seed 0, against 87.00 % at a constant
+1e-3; ``--baseline-lr-schedule constant`` for constant rates).
 The target of time-to-target is the best first-order baseline's final test accuracy
 (``--target-from`` / ``--target-acc`` override it). Outputs in ``--out`` (default
 ``runs/transformer``): ``metrics.csv``, ``summary.json``, the plots of ``experiments/runner.py``
@@ -29,7 +31,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from thor_tf_experiments import cli, runner  # noqa: E402
 
 DATASETS = ("auto", "fashion_mnist", "mnist", "digits")
-LR_GRID = {"sgd": (0.03, 0.1), "adam": (1e-3, 3e-3), "adamw": (1e-3,), "muon": (1e-3,)}
+LR_GRID = {"sgd": (0.03, 0.1, 0.3), "adam": (1e-3, 3e-3, 1e-2), "adamw": (1e-3, 3e-3, 1e-2),
+           "muon": (1e-3, 3e-3, 1e-2)}
 QUICK_LR_GRID = {"sgd": (0.1,), "adam": (3e-3,), "adamw": (3e-3,), "muon": (3e-3,)}
 
 
@@ -52,7 +55,6 @@ def parse_args(argv=None):
         thor_damping=0.03, frequency=10, kfac_frequency=2, lr_schedule="poly",
         optimizers=("thor", "muon", "adamw") if cli.muon_available() else ("thor", "adamw"),
         lr_grid_text=cli.grid_text(LR_GRID, QUICK_LR_GRID))
-    parser.set_defaults(baseline_lr_schedule="constant")
     args = parser.parse_args(argv)
     # --quick: digits (1437 train / 360 test, 8x8: 16 tokens of 2x2), 2 epochs, one rate each.
     args = cli.apply_quick(parser, args, argv, epochs=2, batch_size=64, dim=32, mlp_dim=64,

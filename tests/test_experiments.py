@@ -75,7 +75,7 @@ def test_lr_grid_parsing():
 
 def test_muon_is_a_first_order_baseline_with_keras_default_lr_in_its_grid():
     assert "muon" in cli.OPTIMIZERS and "muon" in cli.FIRST_ORDER
-    assert cli.DEFAULT_LR_GRID["muon"] == (1e-3, 3e-3, 1e-2)
+    assert cli.DEFAULT_LR_GRID["muon"] == (1e-3, 3e-3, 1e-2, 3e-2)
     assert cli.parse_optimizers("thor,adam,muon") == ["thor", "adam", "muon"]
     # A script's grid that leaves an optimizer out gets this module's (mnist.py names only sgd
     # and adam; adamw used to fail there with a KeyError).
@@ -84,10 +84,16 @@ def test_muon_is_a_first_order_baseline_with_keras_default_lr_in_its_grid():
         import mnist
     finally:
         sys.path.remove(str(EXPERIMENTS))
-    args = mnist.parse_args(["--optimizers", "thor,adamw,muon"])
-    assert args.lr_grid["muon"] == mnist.LR_GRID["muon"] == (3e-3,)  # the main job's best
+    args = mnist.parse_args(["--optimizers", "thor,adamw,muon", "--dataset", "fashion_mnist"])
+    assert args.lr_grid["muon"] == mnist.LR_GRID["muon"] == (3e-3, 1e-2)  # the main job's
     assert args.lr_grid["adamw"] == cli.DEFAULT_LR_GRID["adamw"]
     assert args.lr_grid["adam"] == mnist.LR_GRID["adam"]
+    assert (args.epochs, args.batch_size) == (3, 128)
+    # The digits fallback: longer (3 epochs of 128 are 33 steps) and its own, higher rates.
+    args = mnist.parse_args(["--dataset", "digits"])
+    assert (args.epochs, args.batch_size) == (mnist.DIGITS_EPOCHS, mnist.DIGITS_BATCH) == (10, 64)
+    assert args.lr_grid["adam"] == (1e-2, 3e-2) and args.lr_grid["muon"] == (1e-2, 3e-2)
+    assert mnist.parse_args(["--dataset", "digits", "--epochs", "2"]).epochs == 2
     import keras
     if hasattr(keras.optimizers, "Muon"):
         import inspect
