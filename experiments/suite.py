@@ -1,0 +1,534 @@
+"""THOR at its defaults against first-order optimizers at their best, on a suite of workloads.
+
+    python experiments/suite.py                 # every workload, 3 seeds (about an hour, 2 cores)
+    python experiments/suite.py --quick         # tiny sizes, 1 seed: a smoke run (CI)
+    python experiments/suite.py --workloads digits_cnn,autoencoder --seeds 0
+
+Workloads (``experiments/workloads.py``): digits CNN, Fashion-MNIST CNN, ResNet-20, ViT, the deep
+autoencoder of Martens & Grosse 2015, a tabular MLP (diabetes regression) and a char GPT. A
+workload whose data is not on the machine is skipped with a line saying how to get it.
+
+What each optimizer is:
+
+* ``thor``: what a user gets: ``thor_tf.wrap(model, learning_rate=
+  thor_tf.schedules.WarmupCosine(total_steps))`` and ``compile(loss=...)``; every other option is
+  thor_tf's default. The same on every workload: no per-workload rate or damping.
+  (``--thor-option NAME=VALUE`` changes one option, to measure candidates for the defaults; the
+  results table says when one was given.)
+* ``sgd`` (momentum 0.9), ``adam``, ``adamw`` (decoupled weight decay 0.004, Keras' default; the
+  GPT's 0.1), ``muon`` (Keras' Muon; the head gets its AdamW step): their standard schedule,
+  linear warmup over 5 % of the steps then cosine decay to 0 (the GPT: to lr/10, nanoGPT's
+  recipe), over each workload's learning-rate grid (``workloads.py``); the best rate is the one
+  with the best median final metric over the seeds (a warning says when it is at an end of the
+  grid).
+
+Fairness: for a seed, every run starts from the same weights (``keras.utils.set_random_seed``
+before the model is built) and sees the same batches in the same order (one permutation per epoch
+from the seed; the last partial batch of an epoch is dropped so every step is a full batch). The
+test metric is measured at step 0 and at ``--evals`` evenly spaced steps (evaluation is not
+timed); seconds are training seconds (``fit``), the first graph tracing included.
+
+Reported per workload: each optimizer's median final metric (at its best rate), and the steps and
+seconds to the **target**, the best baseline's median final metric: the first evaluation at or
+past it, median over seeds (a seed that never gets there counts as never; the median is "never"
+when half or more do). Ratios THOR / best baseline. Outputs in ``--out`` (default
+``runs/suite``): ``metrics.csv`` (every evaluation of every run), ``suite.json``, ``suite.md``
+(the table, also printed) and ``suite.png`` (median curves, one panel per workload).
+``--combine DIR...`` joins the ``metrics.csv`` of runs made in separate processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import csv
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from thor_tf_experiments import workloads as wl  # noqa: E402
+
+FIELDS = ("workload", "optimizer", "lr", "seed", "step", "seconds", "metric", "train_loss")
+BASELINES = ("sgd", "adam", "adamw", "muon")
+WARMUP_FRACTION = 0.05
+COLORS = {"thor": "tab:red", "sgd": "tab:green", "adam": "tab:blue", "adamw": "tab:cyan",
+          "muon": "tab:orange"}
+
+
+# --------------------------------------------------------------------------------------------
+# Optimizers
+# --------------------------------------------------------------------------------------------
+
+def baseline_schedule(lr, total_steps, workload):
+    """Linear warmup to ``lr`` over 5 % of the steps, then cosine to ``floor_fraction·lr``."""
+    import keras
+
+    warmup = max(1, round(WARMUP_FRACTION * total_steps))
+    return keras.optimizers.schedules.CosineDecay(
+        0.0, decay_steps=max(total_steps - warmup, 1), alpha=workload.floor_fraction,
+        warmup_target=float(lr), warmup_steps=warmup)
+
+
+def baseline_optimizer(name, lr, total_steps, workload, model):
+    import keras
+
+    schedule = baseline_schedule(lr, total_steps, workload)
+    clip = dict(global_clipnorm=workload.clipnorm) if workload.clipnorm else {}
+    b1, b2 = workload.betas
+    if name == "sgd":
+        return keras.optimizers.SGD(schedule, momentum=0.9, **clip)
+    if name == "adam":
+        return keras.optimizers.Adam(schedule, beta_1=b1, beta_2=b2, **clip)
+    if name == "adamw":
+        opt = keras.optimizers.AdamW(schedule, weight_decay=workload.weight_decay, beta_1=b1,
+                                     beta_2=b2, **clip)
+    elif name == "muon":
+        from thor_tf_experiments.cli import require_muon
+
+        require_muon()
+        opt = keras.optimizers.Muon(schedule, weight_decay=workload.weight_decay,
+                                    adam_weight_decay=workload.weight_decay, adam_beta_1=b1,
+                                    adam_beta_2=b2, exclude_layers=[workload.head], **clip)
+    else:
+        raise ValueError(f"unknown baseline {name!r}")
+    # Decay kernels and embeddings, not biases or normalization scales/offsets.
+    opt.exclude_from_weight_decay(var_list=[v for v in model.trainable_variables
+                                            if len(v.shape) < 2])
+    return opt
+
+
+def compiled_model(optimizer, lr, workload, data, quick, total_steps, thor_options):
+    """Build (the caller has seeded) and compile the model for ``optimizer``."""
+    import thor_tf
+
+    model = workload.build(data, quick)
+    if optimizer == "thor":
+        model = thor_tf.wrap(model, learning_rate=thor_tf.schedules.WarmupCosine(total_steps),
+                             verbose=False, **thor_options)
+        model.compile(loss=workload.loss(), metrics=list(workload.metrics))
+        return model
+    model.compile(optimizer=baseline_optimizer(optimizer, lr, total_steps, workload, model),
+                  loss=workload.loss(), metrics=list(workload.metrics))
+    return model
+
+
+# --------------------------------------------------------------------------------------------
+# One run
+# --------------------------------------------------------------------------------------------
+
+def batch_order(n, batch_size, epochs, seed, single_pass):
+    """Row indices of every step, ``[steps, batch_size]``: one permutation per epoch from
+    ``seed`` (the partial last batch dropped), or the rows in order for a single-pass workload."""
+    import numpy as np
+
+    if single_pass:
+        steps = n // batch_size
+        return np.arange(steps * batch_size).reshape(steps, batch_size)
+    rng = np.random.default_rng([seed, 2024])
+    per_epoch = n // batch_size
+    if per_epoch < 1:
+        raise SystemExit(f"error: batch size {batch_size} exceeds the {n} training examples")
+    return np.concatenate([rng.permutation(n)[:per_epoch * batch_size].reshape(per_epoch,
+                                                                             batch_size)
+                           for _ in range(epochs)])
+
+
+def eval_steps(total, evals):
+    """``evals`` evaluation points, evenly spaced, ending at ``total`` (0 not included)."""
+    count = min(evals, total)
+    return sorted({max(1, round(total * (i + 1) / count)) for i in range(count)})
+
+
+def train_run(workload, data, optimizer, lr, seed, args, log):
+    """Train one (workload, optimizer, lr, seed); one row per evaluation to ``log``."""
+    import keras
+    import tensorflow as tf
+
+    from thor_tf_experiments import runner
+
+    logger = tf.get_logger()
+    if not any(isinstance(f, runner._NoRetracingWarning) for f in logger.filters):
+        logger.addFilter(runner._NoRetracingWarning())
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(seed)
+    order = batch_order(data.num_train, workload.batch_size, workload.epochs, seed,
+                        workload.single_pass)
+    total = len(order)
+    model = compiled_model(optimizer, lr, workload, data, args.quick, total, args.thor_option)
+    rows, seconds, done = [], 0.0, 0
+    tag = f"[{workload.name} {optimizer}{'' if optimizer == 'thor' else f' lr={lr:g}'} seed={seed}]"
+
+    def evaluate(step, train_loss):
+        x, y = ((data.x_train, data.y_train) if workload.eval_split == "train"
+                else (data.x_test, data.y_test))
+        result = model.evaluate(x, y, batch_size=512, verbose=0, return_dict=True)
+        row = {"workload": workload.name, "optimizer": optimizer, "lr": float(lr),
+               "seed": int(seed), "step": step, "seconds": round(seconds, 4),
+               "metric": float(result[workload.metric]), "train_loss": train_loss}
+        rows.append(row)
+        log(row)
+        return row
+
+    evaluate(0, None)
+    for index, stop in enumerate(eval_steps(total, args.evals)):
+        idx = order[done:stop].reshape(-1)
+        timer = runner._epoch_timer()  # training seconds of this fit (one "epoch")
+        model.fit(data.x_train[idx], data.y_train[idx], batch_size=workload.batch_size,
+                  epochs=index + 1, initial_epoch=index, shuffle=False, verbose=0,
+                  callbacks=[timer])
+        seconds += timer.seconds
+        done = stop
+        row = evaluate(stop, float(timer.logs.get("loss", float("nan"))))
+    extra = ""
+    if optimizer == "thor":
+        counters = model.thor.counters()
+        extra = f"  refreshes {sum(s['refreshes'] for s in model.thor.layer_stats())}"
+        if counters["nonfinite_steps"]:
+            extra += f"  NON-FINITE STEPS SKIPPED {counters['nonfinite_steps']}"
+    print(f"{tag} {total} steps  {workload.metric} {row['metric']:.4f}  "
+          f"{seconds:.1f}s{extra}", flush=True)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Summary
+# --------------------------------------------------------------------------------------------
+
+def _better(workload, a, b):
+    """Whether metric ``a`` is at least as good as ``b`` (NaN never is)."""
+    if a is None or math.isnan(a):
+        return False
+    return a >= b if workload.higher_is_better else a <= b
+
+
+def _median(values):
+    """Median with None = never (sorted last); None when the median is never or no values."""
+    if not values:
+        return None
+    ordered = sorted(values, key=lambda v: (v is None, v if v is not None else 0))
+    mid = len(ordered) // 2
+    if len(ordered) % 2:
+        return ordered[mid]
+    a, b = ordered[mid - 1], ordered[mid]
+    return None if a is None or b is None else (a + b) / 2
+
+
+def _final_median(workload, runs):
+    finals = [r[-1]["metric"] for r in runs]
+    finals = [(-math.inf if workload.higher_is_better else math.inf) if math.isnan(v) else v
+              for v in finals]
+    return statistics.median(finals)
+
+
+def reach(workload, rows, target):
+    """``(step, seconds)`` of the first evaluation at or past ``target``, else ``(None, None)``."""
+    for row in rows:
+        if row["step"] > 0 and _better(workload, row["metric"], target):
+            return row["step"], row["seconds"]
+    return None, None
+
+
+def summarize_workload(workload, rows):
+    """The workload's summary dict from its metric rows (any number of seeds and rates)."""
+    runs = {}
+    for row in rows:
+        runs.setdefault((row["optimizer"], row["lr"]), {}).setdefault(row["seed"], []).append(row)
+    for per_seed in runs.values():
+        for seed_rows in per_seed.values():
+            seed_rows.sort(key=lambda r: r["step"])
+    configs = {}
+    for (name, lr), per_seed in runs.items():
+        configs.setdefault(name, []).append((lr, _final_median(workload, per_seed.values())))
+    sign = 1 if workload.higher_is_better else -1
+    best = {}
+    warnings = []
+    for name, scored in configs.items():
+        scored.sort()
+        lr, final = max(scored, key=lambda t: sign * t[1])
+        best[name] = {"lr": lr, "final": final, "grid": [s[0] for s in scored],
+                      "grid_finals": [s[1] for s in scored]}
+        if name != "thor" and len(scored) > 1 and lr in (scored[0][0], scored[-1][0]):
+            warnings.append(f"{workload.name}: {name}'s best rate {lr:g} is at an end of its "
+                            f"grid {[s[0] for s in scored]}")
+    baselines = [n for n in best if n != "thor"]
+    if not baselines:
+        return {"workload": workload.name, "optimizers": best, "warnings": warnings}
+    leader = max(baselines, key=lambda n: sign * best[n]["final"])
+    target = best[leader]["final"]
+    for name, info in best.items():
+        per_seed = runs[(name, info["lr"])]
+        hits = {seed: reach(workload, seed_rows, target) for seed, seed_rows in per_seed.items()}
+        info["seeds"] = sorted(per_seed)
+        info["finals"] = [per_seed[s][-1]["metric"] for s in sorted(per_seed)]
+        info["steps_to_target"] = [hits[s][0] for s in sorted(per_seed)]
+        info["seconds_to_target"] = [hits[s][1] for s in sorted(per_seed)]
+        info["median_steps"] = _median(info["steps_to_target"])
+        info["median_seconds"] = _median(info["seconds_to_target"])
+        info["total_steps"] = per_seed[info["seeds"][0]][-1]["step"]
+        info["total_seconds"] = statistics.median(r[-1]["seconds"] for r in per_seed.values())
+    summary = {"workload": workload.name, "title": workload.title, "metric": workload.metric,
+               "split": workload.eval_split,
+               "higher_is_better": workload.higher_is_better, "target": target,
+               "best_baseline": leader, "optimizers": best, "warnings": warnings}
+    if "thor" in best:
+        t, b = best["thor"], best[leader]
+        summary["steps_ratio"] = _ratio(t["median_steps"], b["median_steps"])
+        summary["seconds_ratio"] = _ratio(t["median_seconds"], b["median_seconds"])
+        summary["thor_at_least_as_good"] = bool(_better(workload, t["final"], target))
+    return summary
+
+
+def _ratio(a, b):
+    return None if a is None or not b else a / b
+
+
+def _fmt(value, spec, none="never"):
+    return none if value is None else format(value, spec)
+
+
+def markdown(summaries, thor_options):
+    lines = ["| workload | optimizer (best rate) | median final | steps to target | "
+             "seconds to target | THOR/best: steps, seconds |",
+             "|---|---|---|---|---|---|"]
+    for s in summaries:
+        if "target" not in s:
+            continue
+        metric = s["metric"]
+        for i, (name, info) in enumerate(sorted(s["optimizers"].items(),
+                                                key=lambda kv: kv[0] != "thor")):
+            label = name if name == "thor" else f"{name} ({info['lr']:g})"
+            if name == s["best_baseline"]:
+                label = f"**{label}**"
+            spec = ".2%" if metric == "accuracy" else ".4f"
+            ratios = ""
+            if name == "thor":
+                ratios = (f"{_fmt(s.get('steps_ratio'), '.2f', 'never')}"
+                          f"{'' if s.get('steps_ratio') is None else 'x'}, "
+                          f"{_fmt(s.get('seconds_ratio'), '.2f', 'never')}"
+                          f"{'' if s.get('seconds_ratio') is None else 'x'}")
+            label_metric = metric if s.get("split", "test") == "test" else f"{s['split']} {metric}"
+            first = (f"{s['workload']} ({label_metric}, target {format(s['target'], spec)})"
+                     if i == 0 else "")
+            lines.append(
+                f"| {first} | {label} | {format(info['final'], spec)} | "
+                f"{_fmt(info['median_steps'], '.0f')} / {info['total_steps']} | "
+                f"{_fmt(info['median_seconds'], '.1f')} / {info['total_seconds']:.1f} | {ratios} |")
+    notes = [w for s in summaries for w in s.get("warnings", [])]
+    text = "\n".join(lines)
+    if thor_options:
+        text += f"\n\nTHOR options changed from thor_tf's defaults: {thor_options}"
+    if notes:
+        text += "\n\n" + "\n".join(f"- {w}" for w in notes)
+    return text + "\n"
+
+
+def plot(summaries, rows_by_workload, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [s for s in summaries if "target" in s]
+    if not shown:
+        return None
+    cols = min(4, len(shown))
+    nrows = math.ceil(len(shown) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.3 * nrows), squeeze=False)
+    for ax, s in zip(axes.flat, shown):
+        rows = rows_by_workload[s["workload"]]
+        for name, info in sorted(s["optimizers"].items()):
+            curves = {}
+            for r in rows:
+                if r["optimizer"] == name and r["lr"] == info["lr"]:
+                    curves.setdefault(r["step"], []).append(r["metric"])
+            steps = sorted(curves)
+            label = name if name == "thor" else f"{name} {info['lr']:g}"
+            ax.plot(steps, [statistics.median(curves[k]) for k in steps], label=label,
+                    lw=2.2 if name == "thor" else 1.2, color=COLORS.get(name))
+        ax.axhline(s["target"], color="gray", ls=":", lw=1)
+        ax.set_title(s["workload"], fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"{s.get('split', 'test')} {s['metric']}")
+        finals = [info["final"] for info in s["optimizers"].values()]
+        if s["metric"] == "accuracy":
+            ax.set_ylim(max(0.0, min(finals) - 0.1), min(1.0, max(finals) + 0.02))
+        else:
+            ax.set_ylim(min(finals) * 0.9, max(finals) * 1.6)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(shown):]:
+        ax.axis("off")
+    fig.suptitle("THOR (defaults) vs first-order baselines at their best rate, median over "
+                 "seeds; dotted: target", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_outputs(workload_names, rows, args, sources, out):
+    by_workload = {}
+    for row in rows:
+        by_workload.setdefault(row["workload"], []).append(row)
+    summaries = [summarize_workload(wl.WORKLOADS[n].sized(args.quick), by_workload[n])
+                 for n in workload_names if n in by_workload]
+    text = markdown(summaries, args.thor_option)
+    (out / "suite.md").write_text(text)
+    from thor_tf_experiments.reports import environment_info
+
+    (out / "suite.json").write_text(json.dumps({
+        "quick": args.quick, "seeds": args.seeds, "evals": args.evals,
+        "thor_options": args.thor_option, "data": sources, "environment": environment_info(),
+        "workloads": summaries}, indent=1, default=float))
+    plot(summaries, by_workload, out / "suite.png")
+    print("\n" + text)
+    print(f"wrote {out / 'metrics.csv'}, suite.json, suite.md and suite.png in {out}")
+    return summaries
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+def _names(text):
+    names = [n for n in str(text).replace(" ", "").split(",") if n]
+    bad = [n for n in names if n not in wl.WORKLOADS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(
+            f"--workloads takes a comma list from {', '.join(wl.WORKLOADS)}; got {text!r}")
+    return names
+
+
+def _optimizer_names(text):
+    names = [n for n in str(text).replace(" ", "").split(",") if n]
+    bad = [n for n in names if n not in ("thor",) + BASELINES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(
+            f"--optimizers takes a comma list from thor, {', '.join(BASELINES)}; got {text!r}")
+    return names
+
+
+def _option(text):
+    name, sep, value = str(text).partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"--thor-option takes NAME=VALUE; got {text!r}")
+    try:
+        return name, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return name, value
+
+
+def parse_args(argv=None):
+    from thor_tf_experiments.cli import parse_ints
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--workloads", type=_names, default=list(wl.WORKLOADS),
+                        help=f"comma list (default all: {','.join(wl.WORKLOADS)})")
+    parser.add_argument("--optimizers", type=_optimizer_names, default=None,
+                        help="restrict to these (thor and the workloads' baselines by default)")
+    parser.add_argument("--seeds", type=parse_ints, default=None,
+                        help="comma list (default 0,1,2; --quick: 0)")
+    parser.add_argument("--evals", type=int, default=None,
+                        help="evaluations per run after step 0 (default 10)")
+    parser.add_argument("--lr-grid", action="append", default=[], metavar="NAME=LR,...",
+                        help="replace a baseline's grid on every selected workload, e.g. "
+                             "adam=3e-2,1e-1 (repeatable)")
+    parser.add_argument("--thor-option", type=_option, action="append", default=[],
+                        metavar="NAME=VALUE", help="a thor_tf.wrap option other than its default "
+                                                   "(to measure candidates; repeatable)")
+    parser.add_argument("--out", default="runs/suite", help="output directory (runs/suite)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, seed 0 (CI)")
+    parser.add_argument("--no-download", action="store_true",
+                        help="never fetch data (the char GPT's corpus is fetched once with pip)")
+    parser.add_argument("--combine", nargs="+", metavar="DIR", default=None,
+                        help="join the metrics.csv of earlier runs (same --quick) and report")
+    args = parser.parse_args(argv)
+    if args.seeds is None:
+        args.seeds = [0] if args.quick else [0, 1, 2]
+    if args.evals is None:
+        args.evals = 10
+    if args.evals < 1:
+        raise SystemExit("error: --evals must be >= 1")
+    args.thor_option = dict(args.thor_option)
+    from thor_tf_experiments.cli import parse_lr_grid
+
+    try:
+        args.lr_grid = parse_lr_grid(args.lr_grid, {})
+    except argparse.ArgumentTypeError as err:
+        raise SystemExit(f"error: {err}")
+    return args
+
+
+def _read_rows(path):
+    with open(path, newline="") as fh:
+        rows = []
+        for r in csv.DictReader(fh):
+            rows.append({"workload": r["workload"], "optimizer": r["optimizer"],
+                         "lr": float(r["lr"]), "seed": int(r["seed"]), "step": int(r["step"]),
+                         "seconds": float(r["seconds"]), "metric": float(r["metric"]),
+                         "train_loss": float(r["train_loss"]) if r["train_loss"] else None})
+        return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.combine:
+        rows, sources = [], {}
+        for directory in args.combine:
+            rows += _read_rows(Path(directory) / "metrics.csv")
+            meta = Path(directory) / "suite.json"
+            if meta.exists():
+                sources.update(json.loads(meta.read_text()).get("data", {}))
+        with open(out / "metrics.csv", "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=FIELDS)
+            writer.writeheader()
+            writer.writerows(rows)
+        names = [n for n in wl.WORKLOADS if any(r["workload"] == n for r in rows)]
+        return write_outputs(names, rows, args, sources, out)
+
+    wl.ALLOW_DOWNLOAD = not args.no_download
+    started = time.perf_counter()
+    rows, sources = [], {}
+    with open(out / "metrics.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=FIELDS)
+        writer.writeheader()
+
+        def log(row):
+            writer.writerow(row)
+            fh.flush()
+            rows.append(row)
+
+        for name in args.workloads:
+            workload = wl.WORKLOADS[name].sized(args.quick)
+            try:
+                data = workload.load(args.quick)
+            except wl.Unavailable as err:
+                print(f"[{name}] skipped: {err}", flush=True)
+                continue
+            sources[name] = data.source
+            grids = {b: args.lr_grid.get(b, grid) for b, grid in workload.baselines.items()}
+            plan = [("thor", 0.0)] + [(b, lr) for b, grid in grids.items() for lr in grid]
+            if args.optimizers:
+                plan = [(n, lr) for n, lr in plan if n in args.optimizers]
+            steps = (data.num_train // workload.batch_size) * (
+                1 if workload.single_pass else workload.epochs)
+            print(f"[{name}] {workload.title}: {data.source}; {steps} steps of batch "
+                  f"{workload.batch_size}; {len(plan)} configuration(s) x {len(args.seeds)} "
+                  f"seed(s)", flush=True)
+            for seed in args.seeds:
+                for optimizer, lr in plan:
+                    train_run(workload, data, optimizer, lr, seed, args, log)
+    print(f"suite: {time.perf_counter() - started:.0f} s", flush=True)
+    return write_outputs(args.workloads, rows, args, sources, out)
+
+
+if __name__ == "__main__":
+    main()

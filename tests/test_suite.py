@@ -1,0 +1,151 @@
+"""experiments/suite.py: the rules of the comparison (best rate by the median over seeds, the
+target, steps to it, never), the same batches for every optimizer, the baselines' schedule, THOR
+at thor_tf's defaults, the autoencoder's loss, and a --quick run end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from thor_tf_experiments import suite, workloads as wl
+
+
+def _rows(workload, optimizer, lr, seed, curve, seconds_per_eval=1.0):
+    """Metric rows at steps 0, 10, 20, ... with the given metric values."""
+    return [{"workload": workload, "optimizer": optimizer, "lr": lr, "seed": seed, "step": 10 * i,
+             "seconds": seconds_per_eval * i, "metric": m, "train_loss": None}
+            for i, m in enumerate(curve)]
+
+
+def _workload(higher=True):
+    return wl.Workload("w", "w", None, None, None, "accuracy" if higher else "loss", higher,
+                       batch_size=4, epochs=1, baselines={})
+
+
+def test_best_rate_is_the_median_over_seeds_and_the_target_is_the_best_baselines_median():
+    rows = []
+    # adam 1e-3: finals 0.80, 0.90, 0.70 (median 0.80); adam 1e-2: 0.85, 0.60, 0.86 (0.85, best
+    # by the median though seed 1 is poor); muon 3e-3: 0.84, 0.84, 0.84.
+    for seed, final in enumerate((0.80, 0.90, 0.70)):
+        rows += _rows("w", "adam", 1e-3, seed, [0.1, 0.5, final])
+    for seed, final in enumerate((0.85, 0.60, 0.86)):
+        rows += _rows("w", "adam", 1e-2, seed, [0.1, 0.6, final])
+    for seed in range(3):
+        rows += _rows("w", "muon", 3e-3, seed, [0.1, 0.84, 0.84])
+    # THOR reaches 0.85 at step 10 on seeds 0 and 1, never on seed 2.
+    for seed, curve in enumerate(([0.1, 0.85, 0.9], [0.1, 0.86, 0.88], [0.1, 0.5, 0.7])):
+        rows += _rows("w", "thor", 0.0, seed, curve, seconds_per_eval=2.0)
+    s = suite.summarize_workload(_workload(), rows)
+    assert s["best_baseline"] == "adam" and s["optimizers"]["adam"]["lr"] == 1e-2
+    assert s["target"] == pytest.approx(0.85)
+    adam, thor = s["optimizers"]["adam"], s["optimizers"]["thor"]
+    assert adam["steps_to_target"] == [20, None, 20] and adam["median_steps"] == 20
+    assert thor["steps_to_target"] == [10, 10, None] and thor["median_steps"] == 10
+    assert thor["median_seconds"] == 2.0 and adam["median_seconds"] == 2.0
+    assert s["steps_ratio"] == pytest.approx(0.5) and s["seconds_ratio"] == pytest.approx(1.0)
+    assert thor["final"] == pytest.approx(0.88)  # median of 0.9, 0.88, 0.7
+    assert s["thor_at_least_as_good"] is True
+    # adam's best 1e-2 is at the end of its grid {1e-3, 1e-2}: said so.
+    assert any("adam" in w and "end of its grid" in w for w in s["warnings"])
+
+
+def test_lower_is_better_metric_and_never_reached_median():
+    rows = []
+    for seed in range(3):
+        rows += _rows("w", "adam", 1e-3, seed, [5.0, 3.0, 2.0])
+        rows += _rows("w", "thor", 0.0, seed, [5.0, 2.5 if seed == 0 else 4.0, 2.1])
+    s = suite.summarize_workload(_workload(higher=False), rows)
+    assert s["target"] == 2.0
+    thor = s["optimizers"]["thor"]
+    assert thor["steps_to_target"] == [None, None, None] and thor["median_steps"] is None
+    assert s["steps_ratio"] is None and s["thor_at_least_as_good"] is False
+    text = suite.markdown([s], {})
+    assert "never" in text and "2.0000" in text
+
+
+def test_nan_final_never_counts_as_best():
+    rows = []
+    for seed in range(3):
+        rows += _rows("w", "sgd", 1.0, seed, [0.1, 0.9, float("nan")])
+        rows += _rows("w", "sgd", 0.1, seed, [0.1, 0.5, 0.6])
+    s = suite.summarize_workload(_workload(), rows)
+    assert s["optimizers"]["sgd"]["lr"] == 0.1 and s["target"] == pytest.approx(0.6)
+
+
+def test_batch_order_is_the_seeds_and_drops_the_partial_batch():
+    a = suite.batch_order(10, 3, 2, seed=5, single_pass=False)
+    assert a.shape == (6, 3)                           # 3 full batches per epoch, 2 epochs
+    for epoch in (a[:3], a[3:]):
+        assert len(set(epoch.ravel())) == 9            # no row twice within an epoch
+    assert np.array_equal(a, suite.batch_order(10, 3, 2, seed=5, single_pass=False))
+    assert not np.array_equal(a, suite.batch_order(10, 3, 2, seed=6, single_pass=False))
+    rng = np.random.default_rng([5, 2024])
+    assert np.array_equal(a[:3].ravel(), rng.permutation(10)[:9])
+    assert np.array_equal(suite.batch_order(7, 2, 1, 0, single_pass=True).ravel(), np.arange(6))
+
+
+def test_eval_steps():
+    assert suite.eval_steps(8, 10) == list(range(1, 9))
+    assert suite.eval_steps(100, 10) == list(range(10, 101, 10))
+    points = suite.eval_steps(351, 10)
+    assert len(points) == 10 and points[-1] == 351
+
+
+def test_baseline_schedule_is_warmup_then_cosine_to_the_floor():
+    w = wl.WORKLOADS["digits_cnn"]
+    sched = suite.baseline_schedule(0.01, 200, w)          # warmup 10 steps, cosine to 0
+    assert float(sched(0)) == 0.0 and float(sched(5)) == pytest.approx(0.005, rel=1e-5)
+    assert float(sched(10)) == pytest.approx(0.01, rel=1e-5)
+    ref = 0.01 * 0.5 * (1 + math.cos(math.pi * (105 - 10) / 190))
+    assert float(sched(105)) == pytest.approx(ref, rel=1e-5)
+    assert float(sched(200)) == pytest.approx(0.0, abs=1e-9)
+    gpt = suite.baseline_schedule(0.01, 200, wl.WORKLOADS["char_gpt"])
+    assert float(gpt(200)) == pytest.approx(0.001, rel=1e-5)  # nanoGPT: to lr/10
+
+
+def test_thor_in_the_suite_is_wrap_with_thor_tf_defaults_and_warmup_cosine():
+    import thor_tf
+
+    w = wl.WORKLOADS["tabular_mlp"]
+    data = w.load(True)
+    model = suite.compiled_model("thor", 0.0, w, data, True, 77, {})
+    opt = model.thor_optimizer
+    defaults = thor_tf.ThorOptimizer()
+    assert opt.config == defaults.config
+    assert isinstance(opt._learning_rate, thor_tf.schedules.WarmupCosine)
+    assert opt._learning_rate.get_config() == thor_tf.schedules.WarmupCosine(77).get_config()
+
+
+def test_autoencoder_loss_is_sigmoid_cross_entropy_summed_over_pixels():
+    rng = np.random.default_rng(0)
+    y = rng.uniform(size=(5, 12))
+    z = rng.normal(size=(5, 12)) * 3
+    ref = np.mean(np.sum(np.logaddexp(0.0, z) - y * z, axis=1))   # float64, per example summed
+    loss = wl.WORKLOADS["autoencoder"].loss()
+    assert float(loss(y.astype("float32"), z.astype("float32"))) == pytest.approx(ref, rel=1e-5)
+
+
+def test_quick_suite_end_to_end(tmp_path, capsys):
+    out = tmp_path / "suite"
+    suite.main(["--quick", "--no-download", "--workloads", "digits_cnn,tabular_mlp", "--out",
+                str(out)])
+    summary = json.loads((out / "suite.json").read_text())
+    names = [s["workload"] for s in summary["workloads"]]
+    assert names == ["digits_cnn", "tabular_mlp"]
+    for s in summary["workloads"]:
+        assert set(s["optimizers"]) == {"thor"} | set(wl.WORKLOADS[s["workload"]].quick["baselines"])
+        for info in s["optimizers"].values():
+            assert info["total_steps"] > 0 and math.isfinite(info["final"])
+    digits = summary["workloads"][0]
+    assert digits["optimizers"]["thor"]["final"] > 0.5       # 10 classes: chance is 0.1
+    text = (out / "suite.md").read_text()
+    assert "| digits_cnn" in text and "THOR/best" in text
+    assert (out / "suite.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # --combine joins runs made apart and gives the same summary.
+    again = tmp_path / "joined"
+    suite.main(["--quick", "--combine", str(out), "--out", str(again)])
+    joined = json.loads((again / "suite.json").read_text())
+    assert joined["workloads"][0]["target"] == digits["target"]
