@@ -30,7 +30,8 @@ Fairness rules: for a given seed every optimizer starts from the same initial we
 examples in the same order (one NumPy permutation per epoch drawn from ``seed``). The first-order
 baselines (SGD, Adam, AdamW, Muon) run with their standard schedule by default (linear warmup
 over 5 % of the steps, then cosine to 0: ``--baseline-lr-schedule cosine``) over a learning-rate
-grid (``--lr-grid``; the summary warns when the best rate is at an end of it); the THOR
+grid (``--lr-grid``; ``experiments/suite.py`` says when a best rate sits at an end of its grid);
+the THOR
 variants get the learning rates of ``--thor-lr`` (one value by default). Every run of the grid is kept in ``metrics.csv``; the summary
 reports, per optimizer, the learning rate with the best median (over seeds) final test accuracy.
 
@@ -88,8 +89,9 @@ def lr_schedule(kind, lr0, epochs, steps_per_epoch):
 
 
 def damping_schedule(kind, damping0, epochs, steps_per_epoch):
-    """THOR's damping: constant, except under ``poly`` (``ThorDampingDecay``), rescaled so the decay over the run equals
-    MindSpore's over 40 epochs (×0.5467⁴ ≈ 0.089): rate per 10 epochs = 0.5467^(40/epochs)."""
+    """THOR's damping: constant, except under ``poly`` (``ThorDampingDecay``, rescaled so the decay
+    over the run equals MindSpore's over 40 epochs, ×0.5467⁴ ≈ 0.089: rate per 10 epochs =
+    0.5467^(40/epochs))."""
     if kind != "poly":
         return float(damping0)
     from thor_tf.schedules import ThorDampingDecay
