@@ -76,6 +76,20 @@ def parse_optimizers(text, allowed=OPTIMIZERS):
     return list(dict.fromkeys(names))
 
 
+def parse_thor_option(text):
+    """``NAME=VALUE`` -> ``(name, value)``: a ``thor_tf.wrap`` option (VALUE a Python literal, or
+    a bare string), for ``--thor-option``."""
+    import ast
+
+    name, sep, value = str(text).partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"--thor-option takes NAME=VALUE; got {text!r}")
+    try:
+        return name, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return name, value
+
+
 def parse_lr_grid(specs, base):
     """``["sgd=0.01,0.1", "adam=1e-3"]`` (or ``"sgd=...;adam=..."``) over the ``base`` grid."""
     grid = {k: tuple(v) for k, v in base.items()}

@@ -225,19 +225,6 @@ def warmup_cosine(lr, steps, warmup):
         warmup_steps=warmup)
 
 
-def _thor_option(text):
-    """``NAME=VALUE`` -> ``(name, value)`` (VALUE a Python literal, or a bare string)."""
-    import ast
-
-    name, sep, value = text.partition("=")
-    if not sep or not name.isidentifier():
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
-    try:
-        return name, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return name, value
-
-
 def thor_options(args, lr):
     """The options ``thor_tf.wrap`` gets (everything else: thor_tf's defaults)."""
     from thor_tf_experiments import runner
@@ -655,7 +642,8 @@ def parse_args(argv=None):
     t.add_argument("--fisher", choices=("empirical", "sampled"), default=defaults["fisher"],
                    help=f"empirical (THOR) or sampled (K-FAC's true Fisher) (default "
                         f"{defaults['fisher']})")
-    t.add_argument("--thor-option", type=_thor_option, action="append", metavar="NAME=VALUE",
+    t.add_argument("--thor-option", type=cli.parse_thor_option, action="append",
+                   metavar="NAME=VALUE",
                    help="any other thor_tf.wrap option (a Python literal), e.g. "
                         "damping_split='pi'; repeatable")
     parser.add_argument("--combine", nargs="+", metavar="DIR",

@@ -40,7 +40,6 @@ when half or more do). Ratios THOR / best baseline. Outputs in ``--out`` (defaul
 from __future__ import annotations
 
 import argparse
-import ast
 import csv
 import json
 import math
@@ -412,18 +411,8 @@ def _optimizer_names(text):
     return names
 
 
-def _option(text):
-    name, sep, value = str(text).partition("=")
-    if not sep or not name.isidentifier():
-        raise argparse.ArgumentTypeError(f"--thor-option takes NAME=VALUE; got {text!r}")
-    try:
-        return name, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return name, value
-
-
 def parse_args(argv=None):
-    from thor_tf_experiments.cli import parse_ints
+    from thor_tf_experiments.cli import parse_ints, parse_thor_option
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -439,7 +428,7 @@ def parse_args(argv=None):
     parser.add_argument("--lr-grid", action="append", default=[], metavar="NAME=LR,...",
                         help="replace a baseline's grid on every selected workload, e.g. "
                              "adam=3e-2,1e-1 (repeatable)")
-    parser.add_argument("--thor-option", type=_option, action="append", default=[],
+    parser.add_argument("--thor-option", type=parse_thor_option, action="append", default=[],
                         metavar="NAME=VALUE", help="a thor_tf.wrap option other than its default "
                                                    "(to measure candidates; repeatable)")
     parser.add_argument("--out", default="runs/suite", help="output directory (runs/suite)")
