@@ -107,8 +107,11 @@ def compiled_model(optimizer, lr, workload, data, quick, total_steps, thor_optio
 
     model = workload.build(data, quick)
     if optimizer == "thor":
-        model = thor_tf.wrap(model, learning_rate=thor_tf.schedules.WarmupCosine(total_steps),
-                             verbose=False, **thor_options)
+        options = dict(thor_options)
+        # --thor-option peak=X: the schedule's peak (default: the update rule's rate).
+        peak = options.pop("peak", None)
+        model = thor_tf.wrap(model, learning_rate=thor_tf.schedules.WarmupCosine(total_steps, peak),
+                             verbose=False, **options)
         model.compile(loss=workload.loss(), metrics=list(workload.metrics))
         return model
     model.compile(optimizer=baseline_optimizer(optimizer, lr, total_steps, workload, model),

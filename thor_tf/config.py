@@ -20,6 +20,7 @@ from typing import Any, Optional, Tuple
 
 import keras
 
+from thor_tf import rules
 from thor_tf.inverse import DAMPING_SPLITS
 from thor_tf.scheduler import PRESETS, TRACE_FILTERS, CadenceSchedule
 
@@ -125,10 +126,13 @@ class ThorConfig:
     loss_reduction: str = "auto"
     damping_split: str = "sqrt"
     max_block_age: Optional[int] = DEFAULT_MAX_BLOCK_AGE
+    update_rule: Any = rules.DEFAULT_RULE
 
     def __post_init__(self):
         def set_(name, value):
             object.__setattr__(self, name, value)
+
+        set_("update_rule", rules.resolve(self.update_rule))
 
         check_positive_or_schedule("damping", self.damping)
         m = self.momentum
@@ -191,6 +195,11 @@ class ThorConfig:
     def cadence(self):
         return self._cadence
 
+    @property
+    def rule(self):
+        """The :class:`~thor_tf.rules.UpdateRule` instance (``update_rule`` resolved)."""
+        return self.update_rule
+
     def options(self):
         """The options as constructor keywords (live objects: schedules, callables)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -204,6 +213,7 @@ class ThorConfig:
         frequency = self.cadence.get_config()
         out["frequency"] = DEFAULT_FREQUENCY if frequency is None else frequency
         out["weight_decay_exclude"] = list(self.weight_decay_exclude) if self.weight_decay_exclude else None
+        out["update_rule"] = rules.serialize(self.update_rule)
         return out
 
     @classmethod
@@ -254,8 +264,7 @@ def split_options(options):
             f"`trace_smoothing` was replaced by `trace_filter` (one of {list(TRACE_FILTERS)}; "
             f"\"none\" is the rule as published); got trace_smoothing="
             f"{options['trace_smoothing']!r}.")
-    learning_rate = options.pop("learning_rate", 0.05)
-    check_positive_or_schedule("learning_rate", learning_rate)
+    learning_rate = options.pop("learning_rate", None)
     thor = {k: options.pop(k) for k in THOR_OPTIONS if k in options}
     allowed = keras_optimizer_arguments()
     unknown = sorted(k for k in options if k not in allowed)
@@ -263,4 +272,18 @@ def split_options(options):
         raise ValueError(
             f"unknown option(s) {unknown}: THOR's options are {list(THOR_OPTIONS)}, plus "
             f"`learning_rate` and Keras optimizer arguments {[a for a in allowed if a not in REFUSED_KERAS_ARGUMENTS]}.")
-    return ThorConfig(**thor), learning_rate, options
+    config = ThorConfig(**thor)
+    return config, resolve_learning_rate(learning_rate, config.rule), options
+
+
+def resolve_learning_rate(learning_rate, rule):
+    """``learning_rate`` with None → the rule's ``default_learning_rate``, and a
+    ``thor_tf.schedules.WarmupCosine`` without a peak given that rate as its peak (a copy)."""
+    from thor_tf.schedules import WarmupCosine
+
+    if learning_rate is None:
+        return rule.default_learning_rate
+    if isinstance(learning_rate, WarmupCosine) and learning_rate.peak is None:
+        learning_rate = learning_rate.with_peak(rule.default_learning_rate)
+    check_positive_or_schedule("learning_rate", learning_rate)
+    return learning_rate

@@ -2,7 +2,8 @@
 
 hooks (:mod:`thor_tf.capture`: each block layer's input, ``z`` and ``dL/dz``) → blocks (factors A,
 G) → trace rule (:mod:`thor_tf.scheduler`: refresh / reuse / freeze at cadence points) → refresh
-(:mod:`thor_tf.refresh`: factors, split inverses) → preconditioning → ``ThorOptimizer`` update.
+(:mod:`thor_tf.refresh`: factors, then the update rule's inverses or bases) → preconditioning
+(:mod:`thor_tf.rules`) → ``ThorOptimizer`` update.
 
 Which layers have blocks is :mod:`thor_tf.discovery`'s business (at wrap, and per ``compile`` for
 the variables the optimizer trains, so freezing and unfreezing layers between compiles works);
@@ -22,8 +23,9 @@ code (:meth:`ThorEngine.apply_gradients`, from ``ThorOptimizer.apply``). Either 
    combined over replicas → the trace rule per layer (:meth:`_judge`) → factors and inverses of
    the refreshing layers (:meth:`thor_tf.refresh.Refresher.refresh`, combined over replicas
    first) → decisions recorded;
-3. preconditioning (:mod:`thor_tf.precondition`: the blocks' ``(1/P)·A_inv·M·G_inv`` as one
-   block-diagonal mat of Kronecker operators, and K-FAC's KL clip);
+3. preconditioning, the update rule's (:mod:`thor_tf.rules`): Adam in the eigenbasis of the
+   split factors (the default), or THOR's ``(1/P)·A_inv·M·G_inv`` as one block-diagonal mat of
+   Kronecker operators with K-FAC's KL clip (:mod:`thor_tf.precondition`);
 4. the update (:meth:`thor_tf.optimizer.ThorOptimizer.apply_masked`), skipped on every replica
    when the loss or a gradient is not finite.
 """
@@ -191,7 +193,7 @@ class ThorEngine(Introspection):
         if self.select_blocks(var_list) and self.verbose:
             print(self.registration_table(self.config.split_dim))
         self._state = ThorState.create(optimizer, self.blocks, self.config.split_dim,
-                                       self.config.cadence.interval_base())
+                                       self.config.cadence.interval_base(), self.config.rule)
         #: The last cadence points' decisions, for TraceRuleLogger (telemetry, not saved).
         self.decision_log = DecisionLog(len(self.blocks))
 
@@ -599,21 +601,16 @@ class ThorEngine(Introspection):
         return tf.reduce_any(decisions.refresh)
 
     def precondition(self, active, rows_per_term, grads, variables, ok=True, use_grads=None):
-        """Preconditioned gradients of the blocks' variables (see :mod:`thor_tf.precondition`;
-        ``rows_per_term``: ``{block name: c}``, the step's ``1/c`` scale); the KL-clip scale ν of
-        a finite step is kept in ``counters()["kl_scale"]``."""
-        s = self.state
-        inverses = {}
-        for b in active:
-            layer = s.layers[self._block_index[b.name]]
-            inverses[b.name] = (layer.A_inv, layer.G_inv)
-        opt = self.optimizer
-        out, nu = precondition.precondition_gradients(
-            active, rows_per_term, inverses, grads, variables, kl_clip=self.config.kl_clip,
-            learning_rate=opt.learning_rate, use_grads=use_grads)
-        if nu is not None:
-            s.kl_scale.assign(tf.where(ok, nu, s.kl_scale))
-        return out
+        """The blocks' steps from their gradients: the update rule's business
+        (:meth:`thor_tf.rules.UpdateRule.precondition`; ``rows_per_term``: ``{block name: c}``;
+        ``ok`` False: a skipped step, the rule's state stays as it is)."""
+        ok = tf.convert_to_tensor(ok)
+        return self.config.rule.precondition(self, active, rows_per_term, grads, variables, ok,
+                                             use_grads)
+
+    def block_position(self, name):
+        """Index of block ``name`` in :attr:`blocks` and in the state's per-block vectors."""
+        return self._block_index[name]
 
 
 def _rows_per_example(block, record):

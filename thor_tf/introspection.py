@@ -83,7 +83,21 @@ class Introspection:
         return self._block_index[name]
 
     def inverses(self, name):
-        """``{"A_inv": [nb, d, d], "G_inv": [nb, d, d]}`` split inverses for layer ``name``."""
+        """``{"A_inv": [nb, d, d], "G_inv": [nb, d, d]}`` split inverses for layer ``name``
+        (the inverse rule; :meth:`bases` under the eigenbasis rule)."""
         i = self._index_of(name)
-        s = self.state
-        return {"A_inv": s.layers[i].A_inv.numpy(), "G_inv": s.layers[i].G_inv.numpy()}
+        held = self.state.layers[i]
+        if not hasattr(held, "A_inv"):
+            raise ValueError(f"the {self.config.rule.name} update rule keeps no inverses; "
+                             f"read its bases with bases({name!r})")
+        return {"A_inv": held.A_inv.numpy(), "G_inv": held.G_inv.numpy()}
+
+    def bases(self, name):
+        """The eigenbasis rule's state of layer ``name``: ``{"Q_A": [nb, d, d], "w_A": [nb, d],
+        "Q_G", "w_G", "m": [a_dim, g_dim], "v": [a_dim, g_dim]}`` (eigenvectors as columns)."""
+        i = self._index_of(name)
+        held = self.state.layers[i]
+        if not hasattr(held, "Q_A"):
+            raise ValueError(f"the {self.config.rule.name} update rule keeps no eigenbases; "
+                             f"read its inverses with inverses({name!r})")
+        return {k: getattr(held, k).numpy() for k in ("Q_A", "w_A", "Q_G", "w_G", "m", "v")}

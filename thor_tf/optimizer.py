@@ -1,6 +1,9 @@
 """``ThorOptimizer``: THOR's hyper-parameters, its state, and the update chain.
 
-The update of one variable, in THOR's order (each step a small function below):
+How a block's factors become its step is the update rule's (:mod:`thor_tf.rules`, option
+``update_rule``): ``"eigenbasis"`` (the default: Adam in the eigenbasis of each split factor
+block, AdamW for the variables without a block, decoupled weight decay) or ``"inverse"``
+(THOR's). Under the inverse rule the update of one variable, in THOR's order:
 
     Δ = precondition(∇w)          (done by the engine for variables with a Kronecker block,
                                    scaled by K-FAC's KL clip ν <= 1)
@@ -22,6 +25,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from thor_tf.rules import DEFAULT_RULE
 from thor_tf.config import (DEFAULT_FREQUENCY, DEFAULT_KL_CLIP, DEFAULT_MAX_BLOCK_AGE,
                             DEFAULT_TRACE_FILTER, REFUSED_KERAS_ARGUMENTS, split_options)
 
@@ -31,8 +35,18 @@ class ThorOptimizer(keras.optimizers.Optimizer):
     """Kronecker-factored natural gradient with THOR's trace rule and split inverses.
 
     Args:
-      learning_rate: float or ``LearningRateSchedule`` (see :mod:`thor_tf.schedules`).
-      momentum: μ in ``v = μ v + Δ``, in [0, 1).
+      learning_rate: float or ``LearningRateSchedule`` (see :mod:`thor_tf.schedules`); None
+        (default): the update rule's rate (eigenbasis 0.01, inverse 0.05), also the peak of a
+        ``WarmupCosine`` given without one.
+      update_rule: ``"eigenbasis"`` (default), ``"inverse"`` (THOR's damped inverses, KL clip and
+        momentum) or a :class:`thor_tf.rules.UpdateRule` instance such as
+        ``thor_tf.rules.Eigenbasis(beta_2=0.99)``. ``momentum``, ``damping``, ``damping_split``,
+        ``kl_clip`` and ``inverse_assignment`` act under the inverse rule only (the eigenbasis
+        rule has β1/β2/ε of its own and needs no damping); ``weight_decay`` is coupled (added to
+        the update before momentum) under the inverse rule, decoupled (AdamW's) under the
+        eigenbasis rule; ``clip_norm`` clips the update before momentum under the inverse rule,
+        each gradient before the moments under the eigenbasis rule.
+      momentum: μ in ``v = μ v + Δ``, in [0, 1) (inverse rule).
       damping: λ (float > 0 or schedule of the step); a block's damping is ``λ_b = λ/P`` (P:
         positions per example), shared between its factors as ``damping_split`` says.
       damping_split: ``"sqrt"`` (default, THOR's): A and G each get ``√λ_b``; ``"pi"``: the
@@ -86,7 +100,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
 
     def __init__(
         self,
-        learning_rate=0.05,
+        learning_rate=None,
         momentum=0.9,
         damping=0.03,
         weight_decay=0.0,
@@ -106,6 +120,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         loss_reduction="auto",
         damping_split="sqrt",
         max_block_age=DEFAULT_MAX_BLOCK_AGE,
+        update_rule=DEFAULT_RULE,
         name="thor",
         **kwargs,
     ):
@@ -116,7 +131,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
             split_dim=split_dim, fisher=fisher, factor_decay=factor_decay,
             trace_filter=trace_filter, kl_clip=kl_clip, factor_examples=factor_examples,
             inverse_assignment=inverse_assignment, loss_reduction=loss_reduction,
-            damping_split=damping_split, max_block_age=max_block_age))
+            damping_split=damping_split, max_block_age=max_block_age, update_rule=update_rule))
         super().__init__(learning_rate=learning_rate, name=name, **keras_kwargs)
         #: The validated options, shared with the engine (:class:`thor_tf.config.ThorConfig`).
         self.config = config
@@ -125,6 +140,9 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         self.engine = None
         self._gradients_reduced = False
         self._step_ok = None
+        #: Keys (``_var_key``) of the variables whose gradient in the step being traced is a block's step (set by
+        #: the update rule's ``precondition``; the eigenbasis rule applies those as they are).
+        self.preconditioned = frozenset()
 
     # THOR's options, read-only views of ``config`` (what users and older code read).
     momentum = property(lambda self: self.config.momentum)
@@ -148,6 +166,10 @@ class ThorOptimizer(keras.optimizers.Optimizer):
     factor_examples = property(lambda self: self.config.factor_examples)
     inverse_assignment = property(lambda self: self.config.inverse_assignment)
     loss_reduction = property(lambda self: self.config.loss_reduction)
+    #: The :class:`thor_tf.rules.UpdateRule` in use.
+    update_rule = property(lambda self: self.config.rule)
+    #: False in a step that is skipped (non-finite loss or gradient): the rule masks every change.
+    step_ok = property(lambda self: self._step_ok)
 
     # -- wiring ------------------------------------------------------------------------------------
     def attach(self, engine):
@@ -160,9 +182,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         if self.built:
             return
         super().build(var_list)
-        self._momentums = [
-            self.add_variable_from_reference(v, name="momentum") for v in var_list
-        ]
+        self.config.rule.build_slots(self, var_list)
         if self.engine is None:
             raise ValueError(
                 "ThorOptimizer has no model attached: compile a model returned by thor_tf.wrap() "
@@ -202,6 +222,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
             super(ThorOptimizer, self).apply(grads, variables)
         finally:
             self._step_ok = None
+            self.preconditioned = frozenset()
             self._gradients_reduced = False
             self.loss_scale_factor = loss_scale_factor
         self.iterations.assign_sub(tf.cast(tf.logical_not(ok), self.iterations.dtype))
@@ -235,32 +256,8 @@ class ThorOptimizer(keras.optimizers.Optimizer):
             return list(grads_and_vars)
         return super()._all_reduce_sum_gradients(grads_and_vars)
 
-    def _weight_decay_term(self, update, variable):
-        if self.thor_weight_decay and self._use_weight_decay(variable):
-            return update + ops.cast(self.thor_weight_decay, variable.dtype) * variable
-        return update
-
-    def _clip(self, update):
-        if self.clip_norm is None:
-            return update
-        return tf.clip_by_norm(update, self.clip_norm)
-
     def update_step(self, gradient, variable, learning_rate):
-        lr = ops.cast(learning_rate, variable.dtype)
-        update = ops.cast(gradient, variable.dtype)
-        update = self._weight_decay_term(update, variable)
-        update = self._clip(update)
-        velocity = self._momentums[self._get_variable_index(variable)]
-        new_velocity = self.momentum * velocity + update
-        if self._step_ok is not None:
-            # A skipped step keeps the velocity (a non-finite gradient never enters it) and
-            # moves nothing: the learning rate is masked, a scalar, not every update.
-            new_velocity = tf.where(self._step_ok, new_velocity, velocity)
-            step = tf.where(self._step_ok, lr, tf.zeros_like(lr)) * new_velocity
-        else:
-            step = lr * new_velocity
-        self.assign(velocity, new_velocity)
-        self.assign_sub(variable, step)
+        self.config.rule.update_step(self, gradient, variable, learning_rate)
 
     # -- config ----------------------------------------------------------------------------------
     def get_config(self):
@@ -280,6 +277,8 @@ class ThorOptimizer(keras.optimizers.Optimizer):
                 config["damping"], custom_objects=custom_objects)
         if isinstance(config.get("frequency"), list):
             config["frequency"] = [tuple(p) for p in config["frequency"]]
+        # Saved before update rules existed: THOR's inverse rule was the only one.
+        config.setdefault("update_rule", "inverse")
         return super().from_config(config, custom_objects=custom_objects)
 
 

@@ -174,13 +174,15 @@ class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
 
     Args:
         total_steps: optimizer steps of the run (positive int).
-        peak: the rate after warmup (default thor_tf's learning rate, 0.05).
+        peak: the rate after warmup. None (default): the update rule's rate, filled in when the
+            schedule is given to ``thor_tf.wrap`` / ``ThorOptimizer`` (the eigenbasis rule's
+            0.01, the inverse rule's 0.05); elsewhere a peak must be given.
         warmup_fraction: share of the run spent warming up, in ``[0, 1)`` (default 0.05).
         floor: the final rate, ``0 <= floor <= peak`` (default 0).
     """
 
-    def __init__(self, total_steps: int, peak: float = 0.05, warmup_fraction: float = 0.05,
-                 floor: float = 0.0):
+    def __init__(self, total_steps: int, peak: Optional[float] = None,
+                 warmup_fraction: float = 0.05, floor: float = 0.0):
         super().__init__()
         try:
             ok = not isinstance(total_steps, bool) and int(total_steps) == total_steps \
@@ -190,16 +192,24 @@ class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
         if not ok:
             raise ValueError(f"total_steps must be a positive integer; got {total_steps!r}")
         self.total_steps = int(total_steps)
-        self.peak = _check_number("peak", peak)
+        self.peak = None if peak is None else _check_number("peak", peak)
         self.warmup_fraction = _check_number("warmup_fraction", warmup_fraction, allow_zero=True)
         if self.warmup_fraction >= 1:
             raise ValueError(f"warmup_fraction must be in [0, 1); got {warmup_fraction!r}")
         self.floor = _check_number("floor", floor, allow_zero=True)
-        if self.floor > self.peak:
+        if self.peak is not None and self.floor > self.peak:
             raise ValueError(f"floor must be <= peak ({self.peak}); got {floor!r}")
         self.warmup_steps = int(round(self.warmup_fraction * self.total_steps))
 
+    def with_peak(self, peak):
+        """A copy with ``peak`` (what ``wrap`` does with a schedule whose peak is None)."""
+        return WarmupCosine(self.total_steps, peak, self.warmup_fraction, self.floor)
+
     def __call__(self, step):
+        if self.peak is None:
+            raise ValueError(
+                "WarmupCosine has no peak: give it to thor_tf.wrap / ThorOptimizer (which set the "
+                "update rule's rate) or pass peak=... for another optimizer.")
         with tf.name_scope("WarmupCosine"):
             step = tf.cast(tf.convert_to_tensor(step), tf.float64)
             warm = float(max(self.warmup_steps, 1))

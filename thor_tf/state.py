@@ -1,9 +1,10 @@
 """THOR's curvature state as named objects, created on (and saved with) the optimizer.
 
-* :class:`LayerFactors`, one per block: ``A`` ``[nb_a, d_a, d_a]`` and ``G`` ``[nb_g, d_g, d_g]``
-  (the diagonal blocks of the undamped factors in use: the only part the split inverse needs, so
-  the only part computed), ``A_inv`` and ``G_inv`` (same shapes: split inverses of the damped
-  factors, identity before the first refresh).
+* per block, the update rule's layer state (:mod:`thor_tf.rules`): ``A`` ``[nb_a, d_a, d_a]``
+  and ``G`` ``[nb_g, d_g, d_g]`` (the diagonal blocks of the undamped factors in use: the only
+  part the split inverse or eigendecomposition needs, so the only part computed), and the
+  rule's products: split inverses (:class:`LayerFactors`, the inverse rule) or bases,
+  eigenvalues and moments (the eigenbasis rule).
 * :class:`ThorState`: the layers' factors, then one vector per statistic with one entry per block
   (vectors, so a cadence point writes every layer's decision in one assignment): traces of the
   factors in use, the trace filter (a :class:`~thor_tf.scheduler.FilterState` of vectors), the
@@ -24,6 +25,7 @@ import tensorflow as tf
 
 from thor_tf import scheduler
 from thor_tf.algebra import split_layout
+from thor_tf.rules import inverse as inverse_rule
 
 
 def variable_name(block_name):
@@ -31,25 +33,8 @@ def variable_name(block_name):
     return block_name.replace("/", "__")
 
 
-def _identity_blocks(num_blocks, size):
-    def init(shape=None, dtype=None):
-        return tf.eye(size, batch_shape=[num_blocks], dtype=dtype or "float32")
-
-    return init
-
-
-@dataclasses.dataclass
-class LayerFactors:
-    """One block's factors and split inverses (optimizer variables)."""
-
-    A: object
-    A_inv: object
-    G: object
-    G_inv: object
-
-    def shapes(self):
-        """``(A's shape, G's shape)`` as tuples (the inverses have the same)."""
-        return tuple(tuple(int(d) for d in v.shape) for v in (self.A, self.G))
+# One block's factors and split inverses under the inverse rule (kept here for older imports).
+LayerFactors = inverse_rule.LayerFactors
 
 
 #: Model-wide scalars (int64 unless noted) in creation order: attribute -> (variable name, initial).
@@ -67,7 +52,7 @@ COUNTERS = {
 class ThorState:
     """Everything THOR keeps between steps (see the module docstring)."""
 
-    layers: List[LayerFactors]
+    layers: List[object]  # the rule's layer states (each has A, G, shapes())
     trace_a: object
     trace_g: object
     filter: scheduler.FilterState
@@ -87,22 +72,17 @@ class ThorState:
     kl_scale: object
 
     @classmethod
-    def create(cls, optimizer, blocks, split_dim, interval_base):
-        """Add the state's variables to ``optimizer`` (inside its ``build``)."""
+    def create(cls, optimizer, blocks, split_dim, interval_base, rule=None):
+        """Add the state's variables to ``optimizer`` (inside its ``build``); the per-block
+        factors and products are the update rule's (:meth:`thor_tf.rules.UpdateRule.
+        create_layer_state`; the inverse rule when ``rule`` is None)."""
+        rule = rule or inverse_rule.Inverse()
         n = len(blocks)
         layers = []
         for b in blocks:
-            prefix = variable_name(b.name)
-            made = {}
-            for factor, dim, size in zip(("A", "G"), (b.a_dim, b.g_dim), b.split_sizes(split_dim)):
-                nb, size = split_layout(dim, size)
-                # float32 whatever floatx is: every statistic is computed in float32.
-                made[factor] = optimizer.add_variable((nb, size, size), dtype="float32",
-                                                      name=f"{prefix}_{factor}")
-                made[factor + "_inv"] = optimizer.add_variable(
-                    (nb, size, size), initializer=_identity_blocks(nb, size), dtype="float32",
-                    name=f"{prefix}_{factor}_inv")
-            layers.append(LayerFactors(**made))
+            layouts = [split_layout(dim, size)
+                       for dim, size in zip((b.a_dim, b.g_dim), b.split_sizes(split_dim))]
+            layers.append(rule.create_layer_state(optimizer, b, variable_name(b.name), *layouts))
 
         def vector(name, dtype, value):
             return optimizer.add_variable(

@@ -1,0 +1,368 @@
+"""The eigenbasis update rule (thor_tf/rules/eigenbasis.py) against float64 NumPy references.
+
+* Dense, from first principles: per-example activations and softmax gradients give A, G and the
+  gradient matrix; the eigendecomposition of every split diagonal block, the rotation, Adam's
+  moments, the moments carried into a new basis at a refresh and the rotation back, over several
+  steps with refreshes between, in float64.
+* Conv2D, EinsumDense and a Dense pair sharing inputs: the same NumPy rule replayed from the
+  gradients of an unhooked clone and the factors the state holds (their own float64 tests are in
+  test_hooks.py / test_blocks_layers.py).
+* Bases held at identity are Keras' AdamW; an orthogonal rotation of the input features leaves
+  the run unchanged while AdamW's changes; the loss ×1000 gives the same steps; a non-finite
+  batch changes no moment and no basis; save/load resumes to the same continuation.
+"""
+
+import numpy as np
+import keras
+import pytest
+import tensorflow as tf
+
+import thor_tf
+from thor_tf.rules import Eigenbasis, Inverse
+
+from reference import homogeneous, mean_outer
+
+LR, B1, B2, EPS = 0.01, 0.9, 0.95, 1e-8
+CE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+#: Refresh at every cadence point (THOR_NT, the published rule) every 2 steps: steps 0, 2, 4.
+EVERY_2 = dict(preset="thor_nt", trace_filter="none", frequency=2, max_block_age=None)
+
+
+# -- the rule in float64 NumPy ------------------------------------------------------------------
+
+def np_eigh_blocks(factor, split):
+    """Per diagonal block of ``factor`` (dense [n, n]): its eigenvectors (columns)."""
+    n = factor.shape[0]
+    out = []
+    for start in range(0, n, split):
+        block = factor[start:start + split, start:start + split]
+        out.append(np.linalg.eigh(block)[1])
+    return out
+
+
+def block_diag(blocks):
+    n = sum(b.shape[0] for b in blocks)
+    out, k = np.zeros((n, n)), 0
+    for b in blocks:
+        d = b.shape[0]
+        out[k:k + d, k:k + d] = b
+        k += d
+    return out
+
+
+class NumpyEigenbasis:
+    """Adam in the eigenbasis of ⊕A_i and ⊕G_j, float64 (DESIGN.md §9)."""
+
+    def __init__(self, a_dim, g_dim):
+        self.qa, self.qg = np.eye(a_dim), np.eye(g_dim)
+        self.m, self.v = np.zeros((a_dim, g_dim)), np.zeros((a_dim, g_dim))
+        self.t = 0
+
+    def refresh(self, factor_a, factor_g, split_a, split_g):
+        qa = block_diag(np_eigh_blocks(factor_a, split_a))
+        qg = block_diag(np_eigh_blocks(factor_g, split_g))
+        ra, rg = self.qa.T @ qa, self.qg.T @ qg
+        self.m = ra.T @ self.m @ rg
+        self.v = (ra ** 2).T @ self.v @ rg ** 2
+        self.qa, self.qg = qa, qg
+
+    def step(self, grad):
+        self.t += 1
+        rotated = self.qa.T @ grad @ self.qg
+        self.m = B1 * self.m + (1 - B1) * rotated
+        self.v = B2 * self.v + (1 - B2) * rotated ** 2
+        m_hat, v_hat = self.m / (1 - B1 ** self.t), self.v / (1 - B2 ** self.t)
+        return self.qa @ (m_hat / (np.sqrt(v_hat) + EPS)) @ self.qg.T
+
+
+# -- Dense from first principles ----------------------------------------------------------------
+
+def _softmax_data(n=64, d=6, k=5, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, d)).astype("float32")
+    x[:, 1] += 0.8 * x[:, 0]  # correlated features: A is far from diagonal
+    y = rng.integers(0, k, size=n)
+    return x, y
+
+
+def _linear_targets(x, k=5, seed=0):
+    """Regression targets ``[n, k]``: a noisy linear map of ``x`` (G of an MSE loss is full
+    rank, unlike a softmax's, whose logits' all-ones direction has no gradient: Adam in any
+    rotated basis would turn float32 round-off there into steps that float64 does not take)."""
+    rng = np.random.default_rng(seed + 7)
+    return (x @ rng.normal(size=(x.shape[1], k)) + rng.normal(size=(len(x), k))).astype("float32")
+
+
+def _softmax_model(d=6, k=5, seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((d,)), keras.layers.Dense(k)])
+
+
+@pytest.mark.parametrize("split_dim", [3, 4, 128])
+def test_dense_steps_match_float64_first_principles(split_dim):
+    """5 steps of batch 16, refreshes at steps 0, 2, 4 (the bases change twice with moments in
+    them); A is split into blocks of 3 (7 = 3 + 3 + 1 padded) or 4 (4 + 3 padded) or one block.
+    Weights after every step within 2e-5 of the float64 rule. A reference that keeps v across a
+    basis change (no rotation) is 100x farther: the test sees the carry."""
+    x, _ = _softmax_data(n=96)
+    y = _linear_targets(x)
+    model = _softmax_model()
+    kernel0, bias0 = (v.numpy().astype(np.float64) for v in model.layers[0].weights)
+    wrapped = thor_tf.wrap(model, learning_rate=LR, split_dim=split_dim, verbose=False, **EVERY_2)
+    wrapped.compile(loss="mse")
+    weights = np.concatenate([kernel0, bias0[None]], axis=0)  # [a_dim, g_dim]
+    ref = NumpyEigenbasis(7, 5)
+    stale = NumpyEigenbasis(7, 5)
+    for step in range(5):
+        xb, yb = x[16 * step:16 * (step + 1)].astype(np.float64), y[16 * step:16 * (step + 1)]
+        a_rows = homogeneous(xb, True)
+        g_rows = 2.0 * (a_rows @ weights - yb) / 5  # dℓ/dz per example, ℓ = mean_k (z - y)²
+        grad = a_rows.T @ g_rows / len(xb)  # mean loss
+        if step % 2 == 0:
+            factor_a, factor_g = mean_outer(a_rows), mean_outer(g_rows)
+            ref.refresh(factor_a, factor_g, split_dim, split_dim)
+            old_v = stale.v.copy()
+            stale.refresh(factor_a, factor_g, split_dim, split_dim)
+            stale.v = old_v
+        update = ref.step(grad)
+        stale_update = stale.step(grad)
+        wrapped.train_on_batch(x[16 * step:16 * (step + 1)], y[16 * step:16 * (step + 1)])
+        got = np.concatenate([model.layers[0].kernel.numpy(),
+                              model.layers[0].bias.numpy()[None]], axis=0)
+        stale_weights = weights - LR * stale_update
+        weights = weights - LR * update
+        np.testing.assert_allclose(got, weights, atol=2e-5, rtol=0)
+    assert np.abs(stale_weights - weights).max() > 100 * 2e-5
+    assert [s["refreshes"] for s in wrapped.thor.layer_stats()] == [3]
+
+
+# -- other block kinds, replayed ----------------------------------------------------------------
+
+def _conv_model():
+    return keras.Sequential([keras.Input((6, 6, 2)),
+                             keras.layers.Conv2D(4, 3, padding="same", activation="tanh"),
+                             keras.layers.Flatten(), keras.layers.Dense(3)])
+
+
+def _einsum_model():
+    inputs = keras.Input((4, 5))
+    h = keras.layers.EinsumDense("btd,de->bte", output_shape=(4, 6), bias_axes="e",
+                                 activation="tanh")(inputs)
+    h = keras.layers.Flatten()(h)
+    return keras.Model(inputs, keras.layers.Dense(3)(h))
+
+
+@pytest.mark.parametrize("build,shape", [(_conv_model, (6, 6, 2)), (_einsum_model, (4, 5))],
+                         ids=["conv2d", "einsum_dense"])
+def test_other_blocks_replay_the_float64_rule(build, shape):
+    """Every block of a Conv2D and an EinsumDense model: from the gradient of an unhooked clone
+    at the same weights and the factors the state holds after each refresh, the float64 rule gives
+    the weights after each of 5 steps (refreshes at 0, 2, 4; split 8 cuts the conv's A of 19)."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(80, *shape)).astype("float32")
+    y = rng.normal(size=(80, 3)).astype("float32")
+    mse = keras.losses.MeanSquaredError()
+    keras.utils.set_random_seed(0)
+    model = build()
+    keras.utils.set_random_seed(0)
+    clone = build()
+    clone.set_weights(model.get_weights())
+    wrapped = thor_tf.wrap(model, learning_rate=LR, split_dim=8, verbose=False, **EVERY_2)
+    wrapped.compile(loss="mse")
+    blocks = wrapped.thor.blocks
+    refs = {b.name: NumpyEigenbasis(b.a_dim, b.g_dim) for b in blocks}
+    for step in range(5):
+        xb, yb = x[16 * step:16 * (step + 1)], y[16 * step:16 * (step + 1)]
+        with tf.GradientTape() as tape:
+            loss = mse(yb, clone(xb))
+        grads = dict(zip([id(v) for v in clone.trainable_variables],
+                         tape.gradient(loss, clone.trainable_variables)))
+        wrapped.train_on_batch(xb, yb)
+        expected = []
+        for b, layer in zip(blocks, [l for l in clone.layers if l.weights]):
+            kernel, bias = layer.kernel, layer.bias
+            grad = np.concatenate([grads[id(kernel)].numpy().reshape(b.in_dim, b.g_dim),
+                                   grads[id(bias)].numpy().reshape(1, b.g_dim)]).astype(np.float64)
+            if step % 2 == 0:
+                f = wrapped.thor.factors(b.name)
+                split_a = wrapped.thor.state.layers[wrapped.thor.block_position(b.name)].A.shape[1]
+                split_g = wrapped.thor.state.layers[wrapped.thor.block_position(b.name)].G.shape[1]
+                refs[b.name].refresh(f["A"].astype(np.float64), f["G"].astype(np.float64),
+                                     split_a, split_g)
+            update = refs[b.name].step(grad)
+            weights = np.concatenate([kernel.numpy().reshape(b.in_dim, b.g_dim),
+                                      bias.numpy()[None]]).astype(np.float64) - LR * update
+            expected.append(weights)
+            new_kernel, new_bias = weights[:-1].reshape(kernel.shape), weights[-1]
+            kernel.assign(new_kernel.astype("float32"))
+            bias.assign(new_bias.astype("float32"))
+        for b, layer, weights in zip(blocks, [l for l in model.layers if l.weights], expected):
+            got = np.concatenate([layer.kernel.numpy().reshape(b.in_dim, b.g_dim),
+                                  layer.bias.numpy()[None]])
+            np.testing.assert_allclose(got, weights, atol=3e-5, rtol=0, err_msg=b.name)
+
+
+# -- invariances and Keras equivalence ---------------------------------------------------------
+
+class HeldBases(Eigenbasis):
+    """The eigenbasis rule with its bases held at the identity (refresh does nothing)."""
+
+    def refresh(self, refresher, layers, refresh, factors, damping):
+        pass
+
+
+def _regression(seed=0, n=96, d=5):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, d)).astype("float32")
+    y = (np.tanh(x @ rng.normal(size=(d, 2))) + 0.1 * rng.normal(size=(n, 2))).astype("float32")
+    return x, y
+
+
+def _mlp(seed=0, d=5):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((d,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.LayerNormalization(), keras.layers.Dense(2)])
+
+
+def test_bases_held_at_identity_are_keras_adamw():
+    """Bases at the identity: 6 steps equal Keras' AdamW (β2 0.95, weight decay 0.01, the same ε
+    up to Keras' ε·√(1−β2ᵗ)) on every variable, blocks and LayerNormalization alike, to float32
+    round-off."""
+    x, y = _regression()
+    plain = _mlp()
+    plain.compile(optimizer=keras.optimizers.AdamW(LR, weight_decay=0.01, beta_2=B2, epsilon=EPS),
+                  loss="mse")
+    wrapped = thor_tf.wrap(_mlp(), learning_rate=LR, update_rule=HeldBases(), weight_decay=0.01,
+                           verbose=False)
+    wrapped.compile(loss="mse")
+    for step in range(6):
+        xb, yb = x[16 * step:16 * (step + 1)], y[16 * step:16 * (step + 1)]
+        plain.train_on_batch(xb, yb)
+        wrapped.train_on_batch(xb, yb)
+    moved = max(np.abs(a.numpy() - b.numpy()).max()
+                for a, b in zip(plain.trainable_variables, _mlp().trainable_variables))
+    diff = max(np.abs(a.numpy() - b.numpy()).max()
+               for a, b in zip(plain.trainable_variables, wrapped.trainable_variables))
+    assert moved > 0.03 and diff < 1e-5 * max(moved, 1.0), (moved, diff)
+
+
+def _rotation_run(rule, rotate, steps=6):
+    """Losses of a softmax regression whose inputs are rotated by an orthogonal O (the kernel
+    rotated to match, so the model computes the same function)."""
+    x, y = _softmax_data(n=96, d=6)
+    o = np.linalg.qr(np.random.default_rng(3).normal(size=(6, 6)))[0].astype("float32")
+    model = _softmax_model()
+    if rotate:
+        kernel, bias = model.layers[0].get_weights()
+        model.layers[0].set_weights([o @ kernel, bias])
+        x = x @ o.T
+    if rule == "adamw":
+        model.compile(optimizer=keras.optimizers.AdamW(LR, beta_2=B2, epsilon=EPS), loss=CE)
+    else:
+        model = thor_tf.wrap(model, learning_rate=LR, update_rule=rule, verbose=False,
+                             **EVERY_2)
+        model.compile(loss=CE)
+    return [float(model.train_on_batch(x[16 * s:16 * (s + 1)], y[16 * s:16 * (s + 1)]))
+            for s in range(steps)]
+
+
+def test_rotated_input_features_leave_the_eigenbasis_run_unchanged():
+    """x → x·Oᵀ with the kernel O·W (same function): the eigenbasis rule's 6 losses agree to 1e-5
+    (A is one block: its eigenbasis rotates with O), AdamW's differ by > 1e-3."""
+    plain, rotated = _rotation_run("eigenbasis", False), _rotation_run("eigenbasis", True)
+    np.testing.assert_allclose(rotated, plain, atol=1e-5)
+    adam_plain, adam_rotated = _rotation_run("adamw", False), _rotation_run("adamw", True)
+    assert np.abs(np.array(adam_plain) - np.array(adam_rotated)).max() > 1e-3
+
+
+def _plain_mlp(seed=0, d=5):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((d,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.Dense(2)])
+
+
+def test_loss_times_1000_gives_the_same_steps():
+    """The loss ×1000 (a loss in other units): the same weights after 6 steps to 1e-5 of the step
+    (the inverse rule's KL clip and damping are in loss units: its steps differ by > 1 %). The
+    model has no direction without gradient (no LayerNormalization before a Dense, no softmax):
+    there float32 round-off of the rotation meets ε (docs/limits.md)."""
+    x, y = _regression()
+
+    def run(scale, rule):
+        model = thor_tf.wrap(_plain_mlp(), learning_rate=LR, update_rule=rule, verbose=False,
+                             **EVERY_2)
+        model.compile(loss=lambda t, p: scale * keras.losses.mean_squared_error(t, p))
+        for s in range(6):
+            model.train_on_batch(x[16 * s:16 * (s + 1)], y[16 * s:16 * (s + 1)])
+        return [v.numpy() for v in model.trainable_variables]
+
+    start = [v.numpy() for v in _plain_mlp().trainable_variables]
+    one, many = run(1.0, "eigenbasis"), run(1000.0, "eigenbasis")
+    moved = max(np.abs(a - s).max() for a, s in zip(one, start))
+    assert max(np.abs(a - b).max() for a, b in zip(one, many)) < 1e-5 * moved / LR
+    inv_one, inv_many = run(1.0, "inverse"), run(1000.0, "inverse")
+    assert max(np.abs(a - b).max() for a, b in zip(inv_one, inv_many)) > 0.01 * moved
+
+
+def test_non_finite_batch_changes_no_moment_and_no_basis():
+    """A batch with a NaN: weights, moments, bases and the Adam slots stay as they were."""
+    x, y = _regression()
+    model = thor_tf.wrap(_mlp(), learning_rate=LR, verbose=False, **EVERY_2)
+    model.compile(loss="mse")
+    model.train_on_batch(x[:16], y[:16])
+    before = [v.numpy().copy() for v in model.thor_optimizer.variables]
+    bad = x[16:32].copy()
+    bad[3, 1] = np.nan
+    model.train_on_batch(bad, y[16:32])
+    after = [v.numpy() for v in model.thor_optimizer.variables]
+    for v, a, b in zip(model.thor_optimizer.variables, before, after):
+        if "nonfinite" in v.name:
+            continue
+        np.testing.assert_array_equal(a, b, err_msg=v.name)
+    assert model.thor.counters()["nonfinite_steps"] == 1
+
+
+def test_save_and_load_resume_the_same_run(tmp_path):
+    """model.save after 4 steps, load, 4 more steps = 8 uninterrupted steps (bases, eigenvalues,
+    moments and Adam slots are optimizer state); the loaded optimizer is the eigenbasis rule with
+    its options."""
+    x, y = _regression()
+    rule = Eigenbasis(beta_2=0.99)
+
+    def fresh():
+        model = thor_tf.wrap(_mlp(), learning_rate=LR, update_rule=rule, verbose=False,
+                             **EVERY_2)
+        model.compile(loss="mse")
+        return model
+
+    whole = fresh()
+    for s in range(8):
+        whole.train_on_batch(x[8 * s:8 * (s + 1)], y[8 * s:8 * (s + 1)])
+    half = fresh()
+    for s in range(4):
+        half.train_on_batch(x[8 * s:8 * (s + 1)], y[8 * s:8 * (s + 1)])
+    half.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert loaded.thor_optimizer.update_rule == rule
+    for s in range(4, 8):
+        loaded.train_on_batch(x[8 * s:8 * (s + 1)], y[8 * s:8 * (s + 1)])
+    for a, b in zip(whole.trainable_variables, loaded.trainable_variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6)
+    bases = loaded.thor.bases(loaded.thor.blocks[0].name)
+    q = bases["Q_A"][0]
+    np.testing.assert_allclose(q.T @ q, np.eye(q.shape[0]), atol=1e-5)
+
+
+def test_options_name_the_allowed_values():
+    with pytest.raises(ValueError, match="update_rule.*eigenbasis.*inverse"):
+        thor_tf.wrap(_mlp(), update_rule="adam")
+    with pytest.raises(ValueError, match="beta_2"):
+        Eigenbasis(beta_2=1.0)
+    model = thor_tf.wrap(_mlp(), update_rule="inverse", verbose=False)
+    model.compile(loss="mse")
+    assert isinstance(model.thor_optimizer.update_rule, Inverse)
+    assert float(model.thor_optimizer.learning_rate) == pytest.approx(0.05)
+    default = thor_tf.wrap(_mlp(), verbose=False)
+    default.compile(loss="mse")
+    assert isinstance(default.thor_optimizer.update_rule, Eigenbasis)
+    assert float(default.thor_optimizer.learning_rate) == pytest.approx(0.01)

@@ -1,0 +1,127 @@
+"""Batched eigendecomposition of split factor blocks, and moments carried into a new basis.
+
+The eigenbasis rule (:mod:`thor_tf.rules.eigenbasis`) keeps, per diagonal block ``F_i`` of a
+factor (``[nb, d, d]``, undamped, zero on the padding of the last block), its eigenvectors
+``Q_i`` (columns) and eigenvalues ``w_i``: ``F_i = Q_i diag(w_i) Q_iᵀ``. Damping does not move
+eigenvectors, so the undamped blocks are decomposed.
+
+Padding: the padded rows/columns of a block get the diagonal value ``tr F_i + 1`` (> every
+eigenvalue of the PSD block) before ``eigh``, so that ``eigh``'s ascending order puts the true
+eigenvectors first and the padding's last, never mixed with a zero eigenvalue of the true block;
+the stored basis is then exactly block-diagonal: the true part top-left, identity on the padding.
+
+Robustness (as :mod:`thor_tf.inverse`): a block whose float32 ``eigh`` gives a non-finite basis is
+retried in float64; a block that still fails keeps the basis it had.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from thor_tf import _keras_compat
+
+__all__ = ["eigh_blocks", "eigh_selected", "basis_change", "rotate_first_moment",
+           "rotate_second_moment"]
+
+
+def _padded_for_eigh(blocks, mask):
+    """``blocks`` with ``tr + 1`` on each padding diagonal entry (``mask`` 0 there)."""
+    trace = tf.reduce_sum(tf.linalg.diag_part(blocks) * mask, axis=-1)  # [B]
+    return tf.linalg.set_diag(blocks * mask[:, :, None] * mask[:, None, :],
+                              tf.linalg.diag_part(blocks) * mask
+                              + (1.0 - mask) * (tf.abs(trace) + 1.0)[:, None])
+
+
+def _clean(q, w, mask):
+    """Exactly block-diagonal basis: true part kept, identity on the padding; ``w`` 0 there."""
+    outer = mask[:, :, None] * mask[:, None, :]
+    eye = tf.eye(tf.shape(q)[-1], batch_shape=tf.shape(q)[:1], dtype=q.dtype)
+    return q * outer + eye * (1.0 - mask)[:, :, None], w * mask
+
+
+def eigh_blocks(blocks, mask, previous_q=None, previous_w=None):
+    """``(Q [B, d, d], w [B, d])``: eigendecomposition of each block (see the module docstring).
+
+    Args:
+      blocks: ``[B, d, d]`` float32 symmetric PSD blocks (undamped; zero padding).
+      mask: ``[B, d]`` 1 on each block's true entries, 0 on padding.
+      previous_q, previous_w: the basis in use, kept for a block whose decomposition fails
+        (identity and zeros when None).
+    """
+    blocks = tf.convert_to_tensor(blocks, tf.float32)
+    mask = tf.convert_to_tensor(mask, tf.float32)
+    size = int(blocks.shape[-1])
+    if previous_q is None:
+        previous_q = tf.eye(size, batch_shape=tf.shape(blocks)[:1], dtype=tf.float32)
+    if previous_w is None:
+        previous_w = tf.zeros(tf.shape(blocks)[:2], tf.float32)
+    if size == 1:  # 1×1 blocks (an embedding's diagonal A): the basis is 1
+        w = blocks[:, :, 0] * mask
+        ok = tf.math.is_finite(w[:, 0])
+        return (tf.where(ok[:, None, None], tf.ones_like(blocks), previous_q),
+                tf.where(ok[:, None], w, previous_w))
+    padded = _padded_for_eigh(blocks, mask)
+    w, q = tf.linalg.eigh(padded)
+
+    def finite(q, w):
+        return tf.logical_and(tf.reduce_all(tf.math.is_finite(q), axis=[1, 2]),
+                              tf.reduce_all(tf.math.is_finite(w), axis=1))
+
+    ok = finite(q, w)
+
+    def retry():
+        w64, q64 = tf.linalg.eigh(tf.cast(padded, tf.float64))
+        return tf.cast(w64, tf.float32), tf.cast(q64, tf.float32)
+
+    w2, q2 = tf.cond(tf.reduce_all(ok), lambda: (w, q), retry)
+    q = tf.where(ok[:, None, None], q, q2)
+    w = tf.where(ok[:, None], w, w2)
+    ok = finite(q, w)
+    q, w = _clean(q, w, mask)
+    return (tf.where(ok[:, None, None], q, previous_q), tf.where(ok[:, None], w, previous_w))
+
+
+def eigh_selected(blocks, mask, q_in_use, w_in_use, selected):
+    """``(Q, w)`` in use with the ``selected`` blocks replaced by their new decomposition.
+
+    Only the selected blocks are decomposed (gathered into one batch); under XLA (static shapes)
+    all are, when one is selected, and the others keep theirs. Shapes as :func:`eigh_blocks`;
+    ``selected`` ``[B]`` bool.
+    """
+    if _keras_compat.in_xla_context():
+        def all_blocks():
+            q, w = eigh_blocks(blocks, mask, q_in_use, w_in_use)
+            return (tf.where(selected[:, None, None], q, q_in_use),
+                    tf.where(selected[:, None], w, w_in_use))
+        return tf.cond(tf.reduce_any(selected), all_blocks, lambda: (q_in_use, w_in_use))
+    due = tf.where(selected)  # [K, 1]
+    q, w = eigh_blocks(tf.gather_nd(blocks, due), tf.gather_nd(tf.convert_to_tensor(mask), due),
+                       tf.gather_nd(q_in_use, due), tf.gather_nd(w_in_use, due))
+    return (tf.tensor_scatter_nd_update(q_in_use, due, q),
+            tf.tensor_scatter_nd_update(w_in_use, due, w))
+
+
+def basis_change(q_old, q_new):
+    """``R = Q_oldᵀ Q_new`` per diagonal block (``[nb, d, d]``): coordinates in the old basis →
+    coordinates in the new one are ``Rᵀ x``."""
+    return tf.linalg.matmul(q_old, q_new, transpose_a=True)
+
+
+def rotate_first_moment(m, r_a, r_g, a_dim, g_dim):
+    """``R_Aᵀ m R_G``: a first moment ``[a_dim, g_dim]`` kept in the old bases, in the new ones
+    (exact: the first moment is linear in the gradient)."""
+    from thor_tf.algebra import BlockDiagonal
+
+    left = BlockDiagonal(tf.linalg.matrix_transpose(r_a), a_dim).matmul(m)
+    return BlockDiagonal(r_g, g_dim).rmatmul(left)
+
+
+def rotate_second_moment(v, r_a, r_g, a_dim, g_dim):
+    """``(R_A∘R_A)ᵀ v (R_G∘R_G)``: the diagonal second moment ``[a_dim, g_dim]`` carried into the
+    new bases, entry ``(i, j) = Σ_kl R_A[k,i]² v[k,l] R_G[l,j]²`` (the diagonal of
+    ``Rᵀ diag(v) R`` on each side: the old coordinates treated as uncorrelated). It stays ≥ 0
+    and keeps the total ``Σ v`` (the columns of an orthogonal R have unit norm)."""
+    from thor_tf.algebra import BlockDiagonal
+
+    left = BlockDiagonal(tf.linalg.matrix_transpose(tf.square(r_a)), a_dim).matmul(v)
+    return BlockDiagonal(tf.square(r_g), g_dim).rmatmul(left)

@@ -1,0 +1,228 @@
+"""``Eigenbasis``: Adam in the eigenbasis of each block's split factors (EKFAC, George et al.
+2018; SOAP, Vyas et al. 2024), with THOR's trace rule deciding when a block's basis is renewed.
+
+Per block with gradient matrix ``M`` (``[a_dim, g_dim]``, bias row folded in; see
+:mod:`thor_tf.blocks.base`) and split factors ``A = ⊕_i A_i``, ``G = ⊕_j G_j``:
+
+* at a refresh (the trace rule, or ``max_block_age``): ``A_i = Q_A,i Λ_A,i Q_A,iᵀ`` and
+  ``G_j = Q_G,j Λ_G,j Q_G,jᵀ`` for every diagonal block (:mod:`thor_tf.eigh`, batched per size
+  bucket, float64 retry); the moments are carried into the new bases with ``R = Q_oldᵀ Q_new``
+  per block: ``m ← R_Aᵀ m R_G`` (exact), ``v ← (R_A∘R_A)ᵀ v (R_G∘R_G)`` (the diagonal of
+  ``Rᵀ diag(v) R`` on each side). Keeping ``v`` as it was across a basis change diverged on the
+  digits CNN (DESIGN.md §9).
+* every step: ``M' = Q_Aᵀ M Q_G``; ``m ← β1 m + (1−β1) M'``, ``v ← β2 v + (1−β2) M'²``;
+  ``Δ' = m̂ / (√v̂ + ε)`` (bias-corrected with the optimizer's step ``t``); ``Δ = Q_A Δ' Q_Gᵀ``.
+* the optimizer: ``w ← w − lr·(Δ + wd·w)`` (decoupled weight decay, ``weight_decay_exclude``
+  chooses the variables); every variable without a block (or a block without a record in a step)
+  takes AdamW with the same β1, β2, ε.
+
+With ``Q = I`` the step is Adam's; the rule does not depend on the loss's scale (a loss ×1000 gives
+the same steps up to ε) and needs no damping (eigenvectors do not move with it). ``clip_norm``
+clips each gradient tensor by its norm before the moments (Keras' ``clipnorm``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+from keras import ops
+
+from thor_tf.algebra import BlockDiagonal
+from thor_tf.eigh import basis_change, eigh_selected, rotate_first_moment, rotate_second_moment
+from thor_tf.inverse import batched_layout, pad_blocks, size_buckets
+from thor_tf.rules.base import UpdateRule, keras_serializable
+from thor_tf.rules.inverse import identity_blocks
+
+
+@dataclasses.dataclass
+class EigenLayerState:
+    """One block's factors, bases, eigenvalues and moments (optimizer variables).
+
+    ``A``/``G`` and ``Q_A``/``Q_G``: ``[nb, d, d]`` (bases' columns are eigenvectors, identity
+    before the first refresh and on padding); ``w_A``/``w_G``: ``[nb, d]`` eigenvalues (0 on
+    padding); ``m``/``v``: ``[a_dim, g_dim]`` Adam's moments in the current bases.
+    """
+
+    A: object
+    G: object
+    Q_A: object
+    Q_G: object
+    w_A: object
+    w_G: object
+    m: object
+    v: object
+
+    def shapes(self):
+        """``(A's shape, G's shape)`` as tuples."""
+        return tuple(tuple(int(d) for d in v.shape) for v in (self.A, self.G))
+
+
+@keras_serializable
+class Eigenbasis(UpdateRule):
+    """Adam in the eigenbasis of THOR's split factors (module docstring).
+
+    Args:
+      beta_1: first-moment decay, in [0, 1).
+      beta_2: second-moment decay, in [0, 1) (0.95: SOAP's and the measured default).
+      epsilon: added to ``√v̂``, > 0.
+    """
+
+    name = "eigenbasis"
+    default_learning_rate = 0.01
+
+    def __init__(self, beta_1=0.9, beta_2=0.95, epsilon=1e-8):
+        for name, value in (("beta_1", beta_1), ("beta_2", beta_2)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ValueError(f"`{name}` must be a float in [0, 1); got {value!r}.")
+        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0:
+            raise ValueError(f"`epsilon` must be a float > 0; got {epsilon!r}.")
+        self.beta_1, self.beta_2, self.epsilon = float(beta_1), float(beta_2), float(epsilon)
+
+    def get_config(self):
+        return {"beta_1": self.beta_1, "beta_2": self.beta_2, "epsilon": self.epsilon}
+
+    # -- state -------------------------------------------------------------------------------------
+    def create_layer_state(self, optimizer, block, prefix, layout_a, layout_g):
+        made = {}
+        for factor, (nb, size) in zip(("A", "G"), (layout_a, layout_g)):
+            made[factor] = optimizer.add_variable((nb, size, size), dtype="float32",
+                                                  name=f"{prefix}_{factor}")
+            made["Q_" + factor] = optimizer.add_variable(
+                (nb, size, size), initializer=identity_blocks(nb, size), dtype="float32",
+                name=f"{prefix}_{factor}_basis")
+            made["w_" + factor] = optimizer.add_variable(
+                (nb, size), initializer="zeros", dtype="float32", name=f"{prefix}_{factor}_eigenvalues")
+        for moment in ("m", "v"):
+            made[moment] = optimizer.add_variable(
+                (block.a_dim, block.g_dim), initializer="zeros", dtype="float32",
+                name=f"{prefix}_eigen_{moment}")
+        return EigenLayerState(**made)
+
+    def build_slots(self, optimizer, var_list):
+        optimizer._momentums = [
+            optimizer.add_variable_from_reference(v, name="adam_m") for v in var_list]
+        optimizer._velocities = [
+            optimizer.add_variable_from_reference(v, name="adam_v") for v in var_list]
+
+    # -- refresh -----------------------------------------------------------------------------------
+    def refresh(self, refresher, layers, refresh, factors, damping):
+        """New bases for the refreshing layers (one batched ``eigh`` per bucket of block sizes,
+        :func:`thor_tf.inverse.size_buckets`), their moments carried into them."""
+        s = refresher.state
+        entries = []  # (layer position, factor [nb, d, d], true dim, Q in use, w in use)
+        for k, (layer, (fa, fg)) in enumerate(zip(layers, factors)):
+            held = s.layers[layer.index]
+            entries.append((k, fa, layer.block.a_dim, held.Q_A, held.w_A))
+            entries.append((k, fg, layer.block.g_dim, held.Q_G, held.w_G))
+        flags = tf.repeat(tf.stack(refresh), 2)
+        sizes = [int(e[1].shape[-1]) for e in entries]
+        new = [[None, None] for _ in layers]
+        for size, joined in sorted(size_buckets(sizes).items()):
+            members = [n for n, d in enumerate(sizes) if d in joined]
+            group = [entries[n] for n in members]
+            owner, mask, counts = batched_layout(
+                [(n, int(f.shape[0]), int(f.shape[-1]), dim)
+                 for n, (_, f, dim, _, _) in zip(members, group)], size)
+            blocks = tf.concat([pad_blocks(e[1], size) for e in group], axis=0)
+            q_in_use = tf.concat([pad_blocks(e[3], size) for e in group], axis=0)
+            w_in_use = tf.concat([tf.pad(tf.convert_to_tensor(e[4]),
+                                         [[0, 0], [0, size - int(e[4].shape[-1])]])
+                                  for e in group], axis=0)
+            q, w = eigh_selected(blocks, mask, q_in_use, w_in_use, tf.gather(flags, owner))
+            for n, q_part, w_part in zip(members, tf.split(q, counts), tf.split(w, counts)):
+                d = sizes[n]
+                new[entries[n][0]][n % 2] = ((q_part[:, :d, :d], w_part[:, :d]) if d < size
+                                             else (q_part, w_part))
+        for layer, flag, ((q_a, w_a), (q_g, w_g)) in zip(layers, refresh, new):
+            held = s.layers[layer.index]
+            a_dim, g_dim = layer.block.a_dim, layer.block.g_dim
+            r_a = basis_change(held.Q_A, q_a)
+            r_g = basis_change(held.Q_G, q_g)
+            m = rotate_first_moment(tf.convert_to_tensor(held.m), r_a, r_g, a_dim, g_dim)
+            v = rotate_second_moment(tf.convert_to_tensor(held.v), r_a, r_g, a_dim, g_dim)
+            held.m.assign(tf.where(flag, m, held.m))
+            held.v.assign(tf.where(flag, v, held.v))
+            held.Q_A.assign(q_a)
+            held.Q_G.assign(q_g)
+            held.w_A.assign(w_a)
+            held.w_G.assign(w_g)
+
+    # -- precondition ------------------------------------------------------------------------------
+    def precondition(self, engine, active, rows_per_term, grads, variables, ok, use_grads):
+        config, opt, s = engine.config, engine.optimizer, engine.state
+        use_grads = dict(use_grads or {})
+        if config.clip_norm is not None:
+            grads = [None if g is None else _clip(g, config.clip_norm) for g in grads]
+            use_grads = {k: _clip(g, config.clip_norm) for k, g in use_grads.items()}
+        index = {id(v): k for k, v in enumerate(variables)}
+        t = tf.cast(opt.iterations + 1, tf.float32)
+        correction_1 = 1.0 - tf.pow(self.beta_1, t)
+        correction_2 = 1.0 - tf.pow(self.beta_2, t)
+        out, written = list(grads), set()
+        for b in active:
+            k = index[id(b.kernel)]
+            if grads[k] is None:
+                continue
+            bias_grad = None
+            if b.bias is not None:
+                bias_grad = grads[index[id(b.bias)]]
+                if bias_grad is None:
+                    bias_grad = tf.zeros_like(b.bias)
+            matrix = b.to_matrix(use_grads.get(b.name, grads[k]), bias_grad)
+            held = s.layers[engine.block_position(b.name)]
+            q_a = BlockDiagonal(tf.convert_to_tensor(held.Q_A), b.a_dim)
+            q_g = BlockDiagonal(tf.convert_to_tensor(held.Q_G), b.g_dim)
+            q_a_t = BlockDiagonal(tf.linalg.matrix_transpose(held.Q_A), b.a_dim)
+            q_g_t = BlockDiagonal(tf.linalg.matrix_transpose(held.Q_G), b.g_dim)
+            rotated = q_g.rmatmul(q_a_t.matmul(matrix))  # Q_Aᵀ M Q_G
+            m = self.beta_1 * held.m + (1.0 - self.beta_1) * rotated
+            v = self.beta_2 * held.v + (1.0 - self.beta_2) * tf.square(rotated)
+            held.m.assign(tf.where(ok, m, held.m))
+            held.v.assign(tf.where(ok, v, held.v))
+            step = (m / correction_1) / (tf.sqrt(v / correction_2) + self.epsilon)
+            update = q_g_t.rmatmul(q_a.matmul(step))  # Q_A Δ' Q_Gᵀ
+            kernel_update, bias_update = b.from_matrix(update)
+            kernel_update = tf.cast(kernel_update, grads[k].dtype)
+            out[k] = out[k] + kernel_update if k in written else kernel_update  # tied: summed
+            written.add(k)
+            if b.bias is not None:
+                out[index[id(b.bias)]] = bias_update
+                written.add(index[id(b.bias)])
+        # Keyed as Keras keys the optimizer's variables: update_step gets the backend variable.
+        opt.preconditioned = frozenset(opt._var_key(variables[k]) for k in written)
+        return out
+
+    # -- the optimizer's chain ---------------------------------------------------------------------
+    def update_step(self, optimizer, gradient, variable, learning_rate):
+        """A block's step as it is, AdamW for the other variables; then ``w ← w − lr·(Δ + wd·w)``."""
+        config = optimizer.config
+        lr = ops.cast(learning_rate, variable.dtype)
+        ok = optimizer.step_ok
+        if isinstance(gradient, tf.IndexedSlices):
+            gradient = tf.convert_to_tensor(gradient)
+        update = ops.cast(gradient, variable.dtype)
+        if optimizer._var_key(variable) not in optimizer.preconditioned:
+            i = optimizer._get_variable_index(variable)
+            m_var, v_var = optimizer._momentums[i], optimizer._velocities[i]
+            t = ops.cast(optimizer.iterations + 1, variable.dtype)
+            m = self.beta_1 * m_var + (1.0 - self.beta_1) * update
+            v = self.beta_2 * v_var + (1.0 - self.beta_2) * tf.square(update)
+            if ok is not None:
+                m, v = tf.where(ok, m, m_var), tf.where(ok, v, v_var)
+            optimizer.assign(m_var, m)
+            optimizer.assign(v_var, v)
+            update = (m / (1.0 - tf.pow(ops.cast(self.beta_1, variable.dtype), t))) / (
+                tf.sqrt(v / (1.0 - tf.pow(ops.cast(self.beta_2, variable.dtype), t)))
+                + ops.cast(self.epsilon, variable.dtype))
+        if config.weight_decay and optimizer._use_weight_decay(variable):
+            update = update + ops.cast(config.weight_decay, variable.dtype) * variable
+        if ok is not None:
+            lr = tf.where(ok, lr, tf.zeros_like(lr))
+        optimizer.assign_sub(variable, lr * update)
+
+
+def _clip(gradient, clip_norm):
+    if isinstance(gradient, tf.IndexedSlices):
+        gradient = tf.convert_to_tensor(gradient)
+    return tf.clip_by_norm(gradient, clip_norm)

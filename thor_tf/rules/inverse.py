@@ -1,0 +1,204 @@
+"""``Inverse``: THOR's rule. ``Δ = (1/c)·A_inv·M·G_inv`` from the damped split inverses, K-FAC's
+KL clip, then (in THOR's order) weight decay, per-tensor clip and momentum.
+
+The inverses are refreshed with the factors: the refreshing layers' diagonal blocks of similar
+sizes are inverted in one batched Cholesky (:func:`thor_tf.inverse.invert_selected`), or, with
+``inverse_assignment="balanced"`` under a multi-replica strategy, each block by the replica it is
+assigned to and shared with one packed all-reduce. See :mod:`thor_tf.precondition` for the step
+and :mod:`thor_tf.inverse` for the split inversion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+from keras import ops
+
+from thor_tf import distributed, precondition
+from thor_tf.inverse import (batched_layout, factor_dampings, invert_owned, invert_selected,
+                             pad_blocks, size_buckets)
+from thor_tf.rules.base import UpdateRule, keras_serializable
+
+
+def identity_blocks(num_blocks, size):
+    """A Keras initializer of ``num_blocks`` identity ``[size, size]`` blocks."""
+    def init(shape=None, dtype=None):
+        return tf.eye(size, batch_shape=[num_blocks], dtype=dtype or "float32")
+
+    return init
+
+
+@dataclasses.dataclass
+class LayerFactors:
+    """One block's factors and split inverses (optimizer variables)."""
+
+    A: object
+    A_inv: object
+    G: object
+    G_inv: object
+
+    def shapes(self):
+        """``(A's shape, G's shape)`` as tuples (the inverses have the same)."""
+        return tuple(tuple(int(d) for d in v.shape) for v in (self.A, self.G))
+
+
+@keras_serializable
+class Inverse(UpdateRule):
+    """THOR's inverse rule (the module docstring); its options are ``ThorOptimizer``'s
+    ``momentum``, ``damping``, ``damping_split``, ``kl_clip``, ``inverse_assignment``."""
+
+    name = "inverse"
+    default_learning_rate = 0.05
+
+    def create_layer_state(self, optimizer, block, prefix, layout_a, layout_g):
+        made = {}
+        for factor, (nb, size) in zip(("A", "G"), (layout_a, layout_g)):
+            # float32 whatever floatx is: every statistic is computed in float32.
+            made[factor] = optimizer.add_variable((nb, size, size), dtype="float32",
+                                                  name=f"{prefix}_{factor}")
+            made[factor + "_inv"] = optimizer.add_variable(
+                (nb, size, size), initializer=identity_blocks(nb, size), dtype="float32",
+                name=f"{prefix}_{factor}_inv")
+        return LayerFactors(**made)
+
+    # -- refresh -----------------------------------------------------------------------------------
+    def refresh(self, refresher, layers, refresh, factors, damping):
+        config = refresher.config
+        if (distributed.replica_context() is not None
+                and config.inverse_assignment == "balanced"):
+            inverses = self._shared_inverses(refresher, layers, refresh, factors, damping)
+        else:
+            inverses = self._batched_inverses(refresher, layers, refresh, factors, damping)
+        state = refresher.state
+        for layer, (ia, ig) in zip(layers, inverses):
+            held = state.layers[layer.index]
+            held.A_inv.assign(ia)
+            held.G_inv.assign(ig)
+
+    def _batched_inverses(self, refresher, layers, refresh, factors, damping):
+        """Split inverses of the refreshing layers' damped factors, one batched inversion per
+        bucket of block sizes (:func:`thor_tf.inverse.size_buckets`: sizes within 0.75× of a
+        larger one are padded to it, identity on the padding).
+
+        The diagonal blocks of a bucket's sizes of every layer's A and G form one batch;
+        the blocks of the refreshing layers are gathered, inverted together
+        (:func:`thor_tf.inverse.invert_damped`: one Cholesky, each block with its factor's damping
+        on its true diagonal, 1 on padding: ``√(λ/P)``, or with ``damping_split="pi"`` π·√(λ/P)
+        for A and √(λ/P)/π for G, :meth:`_factor_dampings`) and scattered over the inverses in
+        use. No branch: with no layer refreshing the gathered batch is empty. A handful of ops per
+        bucket, where a cond per layer (or per size) made tracing and graph optimization grow with
+        the model; sizes are not all padded to the largest (on the CNN that cost 9 ms per refresh
+        of all blocks). Under XLA (static shapes) all blocks of a bucket are inverted when one of
+        their layers refreshes, and the refreshing ones kept.
+
+        Returns ``[(A_inv, G_inv)]`` aligned with ``layers``: the new inverses of refreshing
+        layers, the ones in use for the others.
+        """
+        s = refresher.state
+        entries = []  # (layer position, factor [nb, d, d], true dim, inverse in use): A, G, A, ...
+        per_factor = []  # entry n's damping (A: 2k, G: 2k + 1)
+        for k, (layer, (fa, fg)) in enumerate(zip(layers, factors)):
+            held = s.layers[layer.index]
+            entries.append((k, fa, layer.block.a_dim, held.A_inv))
+            entries.append((k, fg, layer.block.g_dim, held.G_inv))
+            per_factor.extend(self._factor_dampings(refresher.config, layer, fa, fg, damping))
+        per_factor = tf.stack(per_factor)
+        flags = tf.repeat(tf.stack(refresh), 2)  # per entry
+        sizes = [int(factor.shape[-1]) for _, factor, _, _ in entries]
+        pairs = [[None, None] for _ in layers]
+        for size, joined in sorted(size_buckets(sizes).items()):
+            members = [n for n, d in enumerate(sizes) if d in joined]
+            group = [entries[n] for n in members]
+            owner, mask, counts = batched_layout(  # owner: the entry (factor) of each block
+                [(n, int(f.shape[0]), int(f.shape[-1]), dim)
+                 for n, (_, f, dim, _) in zip(members, group)], size)
+            blocks = tf.concat([pad_blocks(f, size) for _, f, _, _ in group], axis=0)  # [B, S, S]
+            in_use = tf.concat([pad_blocks(inv, size) for _, _, _, inv in group], axis=0)
+            out = invert_selected(blocks, in_use, mask, tf.gather(per_factor, owner),
+                                  tf.gather(flags, owner))
+            for n, part in zip(members, tf.split(out, counts)):
+                d = sizes[n]
+                pairs[entries[n][0]][n % 2] = part[:, :d, :d] if d < size else part
+        return [tuple(pair) for pair in pairs]
+
+    @staticmethod
+    def _factor_dampings(config, layer, factor_a, factor_g, damping):
+        """``(d_A, d_G)`` of one layer: its block damping ``λ/P`` split between the factors as
+        ``damping_split`` says (:func:`thor_tf.inverse.factor_dampings`; ``"pi"`` reads π from
+        the factors being inverted)."""
+        return factor_dampings(damping / layer.rows_per_term, factor_a, factor_g,
+                               layer.block.a_dim, layer.block.g_dim, config.damping_split)
+
+    def _shared_inverses(self, refresher, layers, refresh, factors, damping):
+        """``inverse_assignment="balanced"``: every diagonal block of every layer is inverted on
+        one replica (longest-processing-time over all blocks, cost ``d³``:
+        :func:`thor_tf.distributed.balanced_block_owners`; a layer is not the unit, so one large
+        layer cannot hold the cut), zeros elsewhere; one packed SUM shares the inverses. Only
+        refreshing layers' blocks are inverted. Returns ``[(A_inv, G_inv)]``: the new inverses of
+        refreshing layers, those in use for the others."""
+        state = refresher.state
+        shapes = [state.layers[layer.index].shapes() for layer in layers]
+        owners = distributed.balanced_block_owners(
+            [[int(sh[1]) ** 3] * int(sh[0]) for pair in shapes for sh in pair],
+            distributed.num_replicas())
+        me = distributed.replica_id()
+        local = []
+        for k, (layer, flag, (fa, fg)) in enumerate(zip(layers, refresh, factors)):
+            held = state.layers[layer.index]
+            damp_a, damp_g = self._factor_dampings(refresher.config, layer, fa, fg, damping)
+            pairs = ((fa, layer.block.a_dim, held.A_inv, owners[2 * k], damp_a),
+                     (fg, layer.block.g_dim, held.G_inv, owners[2 * k + 1], damp_g))
+            for factor, dim, previous, own, per_factor in pairs:
+                owned = tf.logical_and(flag, tf.equal(tf.constant(own, tf.int32), me))
+                local.append(invert_owned(factor, per_factor, dim, owned, previous))
+        shared = distributed.sum_packed(local)
+        out = []
+        for k, (layer, flag) in enumerate(zip(layers, refresh)):
+            held = state.layers[layer.index]
+            out.append((tf.where(flag, shared[2 * k], held.A_inv),
+                        tf.where(flag, shared[2 * k + 1], held.G_inv)))
+        return out
+
+    # -- precondition ------------------------------------------------------------------------------
+    def precondition(self, engine, active, rows_per_term, grads, variables, ok, use_grads):
+        """``(1/c)·A_inv·M·G_inv`` per block and the KL clip (:mod:`thor_tf.precondition`); the
+        clip scale ν of a finite step is kept in ``counters()["kl_scale"]``."""
+        s = engine.state
+        inverses = {}
+        for b in active:
+            layer = s.layers[engine.block_position(b.name)]
+            inverses[b.name] = (layer.A_inv, layer.G_inv)
+        out, nu = precondition.precondition_gradients(
+            active, rows_per_term, inverses, grads, variables, kl_clip=engine.config.kl_clip,
+            learning_rate=engine.optimizer.learning_rate, use_grads=use_grads)
+        if nu is not None:
+            s.kl_scale.assign(tf.where(ok, nu, s.kl_scale))
+        return out
+
+    # -- the optimizer's chain ---------------------------------------------------------------------
+    def build_slots(self, optimizer, var_list):
+        optimizer._momentums = [
+            optimizer.add_variable_from_reference(v, name="momentum") for v in var_list]
+
+    def update_step(self, optimizer, gradient, variable, learning_rate):
+        """``Δ + wd·w`` → per-tensor clip → ``v = μv + Δ``; ``w ← w − lr·v``."""
+        config = optimizer.config
+        lr = ops.cast(learning_rate, variable.dtype)
+        update = ops.cast(gradient, variable.dtype)
+        if config.weight_decay and optimizer._use_weight_decay(variable):
+            update = update + ops.cast(config.weight_decay, variable.dtype) * variable
+        if config.clip_norm is not None:
+            update = tf.clip_by_norm(update, config.clip_norm)
+        velocity = optimizer._momentums[optimizer._get_variable_index(variable)]
+        new_velocity = config.momentum * velocity + update
+        ok = optimizer.step_ok
+        if ok is not None:
+            # A skipped step keeps the velocity (a non-finite gradient never enters it) and
+            # moves nothing: the learning rate is masked, a scalar, not every update.
+            new_velocity = tf.where(ok, new_velocity, velocity)
+            step = tf.where(ok, lr, tf.zeros_like(lr)) * new_velocity
+        else:
+            step = lr * new_velocity
+        optimizer.assign(velocity, new_velocity)
+        optimizer.assign_sub(variable, step)
