@@ -185,7 +185,7 @@ def parse_frequency(text):
 
 def add_common_arguments(parser, *, out, epochs, batch_size, thor_lr, thor_damping, frequency,
                          kfac_frequency, lr_schedule, lr_grid_text, max_train=None, max_test=None,
-                         optimizers=("thor",)):
+                         optimizers=("thor",), update_rule="eigenbasis"):
     """The flags both scripts share (script-specific defaults passed in)."""
     g = parser.add_argument_group("comparison")
     g.add_argument("--optimizers", type=parse_optimizers, default=list(optimizers),
@@ -229,6 +229,9 @@ def add_common_arguments(parser, *, out, epochs, batch_size, thor_lr, thor_dampi
                    help="Keras progress bars and the THOR registration table of every model")
 
     t = parser.add_argument_group("THOR / K-FAC")
+    t.add_argument("--update-rule", choices=("eigenbasis", "inverse"), default=update_rule,
+                   help=f"thor_tf's update_rule for the THOR variants (default {update_rule}; "
+                        f"the K-FAC variant keeps the inverse rule)")
     t.add_argument("--thor-lr", type=parse_floats, default=[thor_lr],
                    help=f"learning rate(s) of the THOR variants, comma list (default {thor_lr})")
     t.add_argument("--thor-damping", type=float, default=thor_damping,

@@ -212,8 +212,11 @@ def thor_defaults():
     import thor_tf
 
     params = inspect.signature(thor_tf.ThorOptimizer.__init__).parameters
-    return {k: params[k].default for k in ("learning_rate", "damping", "kl_clip", "frequency",
-                                           "max_block_age", "fisher")}
+    out = {k: params[k].default for k in ("learning_rate", "damping", "kl_clip", "frequency",
+                                          "max_block_age", "fisher")}
+    # learning_rate None: the default update rule's rate.
+    out["learning_rate"] = thor_tf.rules.RULES[thor_tf.rules.DEFAULT_RULE].default_learning_rate
+    return out
 
 
 def warmup_cosine(lr, steps, warmup):

@@ -11,7 +11,8 @@ minutes on 2 CPU cores)::
 
 THOR is what a user gets: ``thor_tf.wrap(model, learning_rate=
 thor_tf.schedules.WarmupCosine(total_steps))`` with every other option at thor_tf's default
-(peak lr 0.05, damping 0.03, a cadence point every 10 steps, momentum 0.9). Adam and Muon run with
+(the eigenbasis update rule at its peak lr 0.01, a cadence point every 10 steps;
+``--update-rule inverse --thor-lr 0.05`` for THOR's inverse rule). Adam and Muon run with
 their standard schedule (linear warmup over 5 % of the steps, then cosine to 0) at their best
 rates: the main job runs 3e-3 and 1e-2 for each on Fashion-MNIST, 1e-2 and 3e-2 on digits
 (``--lr-grid`` to change; the summary reports the better; the suite, ``experiments/suite.py``,
@@ -66,7 +67,7 @@ def parse_args(argv=None):
                              "(--quick: digits)")
     parser.add_argument("--model", choices=MODELS, default="cnn", help="default cnn")
     cli.add_common_arguments(
-        parser, out="runs/mnist", epochs=None, batch_size=None, thor_lr=0.05, thor_damping=0.03,
+        parser, out="runs/mnist", epochs=None, batch_size=None, thor_lr=0.01, thor_damping=0.03,
         frequency=10, kfac_frequency=2, lr_schedule="cosine", optimizers=MAIN_JOB_OPTIMIZERS,
         lr_grid_text=cli.grid_text(LR_GRID, cli.QUICK_LR_GRID))
     args = parser.parse_args(argv)

@@ -66,7 +66,8 @@ def parse_args(argv=None):
     cli.add_common_arguments(
         parser, out="runs/resnet", epochs=5, batch_size=128, thor_lr=0.1, thor_damping=0.03,
         frequency=10, kfac_frequency=2, lr_schedule="poly",
-        lr_grid_text=cli.grid_text(LR_GRID, QUICK_LR_GRID))
+        lr_grid_text=cli.grid_text(LR_GRID, QUICK_LR_GRID),
+        update_rule="inverse")  # its tuned THOR rate and poly schedule are the inverse rule's
     args = parser.parse_args(argv)
     # --quick: ResNet-20, 1 epoch over 384 images (6 steps of 64), 256 test images, one lr for
     # sgd / adam.

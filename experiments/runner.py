@@ -112,11 +112,12 @@ def make_model(optimizer, lr, build_model, args, steps_per_epoch, show_table):
     metrics = ["accuracy"]
     if optimizer in THOR_FAMILY:
         damping = args.thor_damping
-        options = dict(preset=optimizer, frequency=args.frequency)
+        options = dict(preset=optimizer, frequency=args.frequency,
+                       update_rule=getattr(args, "update_rule", "inverse"))
         if optimizer == "kfac":
             damping = args.kfac_damping if args.kfac_damping is not None else args.thor_damping
             options = dict(preset="thor_nt", fisher="sampled", factor_decay=0.95,
-                           frequency=args.kfac_frequency)
+                           frequency=args.kfac_frequency, update_rule="inverse")
         if args.weight_decay:
             options.update(weight_decay=args.weight_decay,
                            weight_decay_exclude=WEIGHT_DECAY_EXCLUDE)

@@ -54,7 +54,8 @@ def parse_args(argv=None):
         parser, out="runs/transformer", epochs=5, batch_size=128, thor_lr=0.02,
         thor_damping=0.03, frequency=10, kfac_frequency=2, lr_schedule="poly",
         optimizers=("thor", "muon", "adamw") if cli.muon_available() else ("thor", "adamw"),
-        lr_grid_text=cli.grid_text(LR_GRID, QUICK_LR_GRID))
+        lr_grid_text=cli.grid_text(LR_GRID, QUICK_LR_GRID),
+        update_rule="inverse")  # its tuned THOR rate and poly schedule are the inverse rule's
     args = parser.parse_args(argv)
     # --quick: digits (1437 train / 360 test, 8x8: 16 tokens of 2x2), 2 epochs, one rate each.
     args = cli.apply_quick(parser, args, argv, epochs=2, batch_size=64, dim=32, mlp_dim=64,

@@ -47,7 +47,8 @@ MODELS = {
     "resnet20": ((32, 32, 1), 10, 128),
     "resnet50": ((32, 32, 3), 10, 32),
 }
-OPTIMIZERS = ("sgd", "adam", "muon", "thor")  # muon: when this Keras has it (>= 3.10)
+OPTIMIZERS = ("sgd", "adam", "muon", "thor", "thor_inverse")  # muon: when this Keras has it (>= 3.10)
+#: thor: thor_tf's default update rule (eigenbasis); thor_inverse: update_rule="inverse".
 
 
 def build(model_name):
@@ -85,6 +86,8 @@ def _compiled(model_name, optimizer, seed=0, **thor_options):
         model.compile(optimizer=keras.optimizers.Muon(3e-3, exclude_layers=["predictions"]),
                       loss=loss)
         return model
+    if optimizer == "thor_inverse":
+        thor_options = dict(thor_options, update_rule="inverse")
     wrapped = thor_tf.wrap(model, learning_rate=0.01, verbose=False, **thor_options)
     wrapped.compile(loss=loss)
     return wrapped
@@ -117,7 +120,7 @@ def worker(model_name, optimizer, steps, amortize_steps, long_run_steps=0, first
     y = rng.integers(0, classes, size=batch)
     out = {"model": model_name, "optimizer": optimizer, "batch": batch}
     # THOR: a cadence point at step 0 only, so later steps are plain preconditioned steps.
-    options = {"frequency": 10 ** 9} if optimizer == "thor" else {}
+    options = {"frequency": 10 ** 9} if optimizer.startswith("thor") else {}
     model = _compiled(model_name, optimizer, **options)
     traced = _python_trace_seconds(model)
     out["first_step_s"] = _timed(lambda: model.train_on_batch(x, y))
@@ -126,14 +129,14 @@ def worker(model_name, optimizer, steps, amortize_steps, long_run_steps=0, first
         return out
     times = [_timed(lambda: model.train_on_batch(x, y)) for _ in range(steps)]
     out["steady_step_s"] = statistics.median(times[1:])
-    if optimizer == "thor":
+    if optimizer.startswith("thor"):
         out["blocks"] = len(model.thor.blocks)
-        cadence = _compiled(model_name, "thor", preset="thor_nt", frequency=1)
+        cadence = _compiled(model_name, optimizer, preset="thor_nt", frequency=1)
         cadence.train_on_batch(x, y)
         times = [_timed(lambda: cadence.train_on_batch(x, y)) for _ in range(steps)]
         out["cadence_step_s"] = statistics.median(times[1:])
         out["refresh_over_step"] = (out["cadence_step_s"] - out["steady_step_s"]) / out["steady_step_s"]
-        default = _compiled(model_name, "thor")
+        default = _compiled(model_name, optimizer)
         default.train_on_batch(x, y)
         # Fresh random batches: the trace rule sees batch-to-batch variation as in training.
         batches = [(rng.normal(size=x.shape).astype("float32"), rng.integers(0, classes, size=batch))
@@ -180,15 +183,15 @@ def long_run(model_name, optimizer, steps):
 
     for k in range(warmup):
         model.train_on_batch(*batch_at(k))
-    before = model.thor.counters()["cadence_points"] if optimizer == "thor" else 0
-    refreshes = (sum(s["refreshes"] for s in model.thor.layer_stats()) if optimizer == "thor"
+    before = model.thor.counters()["cadence_points"] if optimizer.startswith("thor") else 0
+    refreshes = (sum(s["refreshes"] for s in model.thor.layer_stats()) if optimizer.startswith("thor")
                  else 0)
     start = time.perf_counter()
     for k in range(warmup, warmup + steps):
         model.train_on_batch(*batch_at(k))
     out = {"long_run_step_s": (time.perf_counter() - start) / steps, "long_run_steps": steps,
            "long_run_warmup_steps": warmup}
-    if optimizer == "thor":
+    if optimizer.startswith("thor"):
         out["long_run_cadence_points"] = model.thor.counters()["cadence_points"] - before
         out["long_run_refreshes"] = sum(s["refreshes"] for s in model.thor.layer_stats()) - refreshes
     return out
@@ -216,11 +219,13 @@ def measure(args, model_name, optimizer):
 
 
 def ratios(results):
-    """Per model: THOR's figures over SGD's and Adam's (same run)."""
+    """Per model (and per THOR rule: ``model`` for the default rule, ``model/thor_inverse`` for
+    the inverse rule): THOR's figures over SGD's and Adam's (same run)."""
     table = {}
-    for model_name in {r["model"] for r in results}:
+    for model_name, variant in sorted({(r["model"], o) for r in results
+                                       for o in ("thor", "thor_inverse")}):
         by_opt = {r["optimizer"]: r for r in results if r["model"] == model_name}
-        thor = by_opt.get("thor")
+        thor = by_opt.get(variant)
         if thor is None:
             continue
         row = {}
@@ -237,7 +242,7 @@ def ratios(results):
             if thor.get("long_run_step_s") and ref.get("long_run_step_s"):
                 row[f"long_run_step_vs_{base}"] = thor["long_run_step_s"] / ref["long_run_step_s"]
         row["refresh_over_step"] = thor["refresh_over_step"]
-        table[model_name] = row
+        table[model_name if variant == "thor" else f"{model_name}/{variant}"] = row
     return table
 
 
@@ -367,7 +372,7 @@ def main(argv=None):
                   f"{result['trace_python_s'] or float('nan'):6.2f}s)  steady "
                   f"{result['steady_step_s'] * 1e3:8.1f}ms"
                   + (f"  cadence {result['cadence_step_s'] * 1e3:8.1f}ms  amortized "
-                     f"{result['amortized_step_s'] * 1e3:8.1f}ms" if optimizer == "thor" else "")
+                     f"{result['amortized_step_s'] * 1e3:8.1f}ms" if optimizer.startswith("thor") else "")
                   + (f"  long run {result['long_run_step_s'] * 1e3:8.1f}ms"
                      if "long_run_step_s" in result else "")
                   + f"  peak {result['peak_rss_mb']:7.0f} MB", flush=True)

@@ -9,6 +9,9 @@ import tensorflow as tf
 import thor_tf
 from reference import softmax_dense_kfac_step, block_diagonal_part, conv_patches, homogeneous, mean_outer, softmax
 
+# THOR's inverse rule (K-FAC step, KL clip, damping, momentum) is what these tests check.
+pytestmark = pytest.mark.update_rule("inverse")
+
 
 def _wrap(model, **options):
     options.setdefault("verbose", False)

@@ -22,6 +22,9 @@ from thor_tf import blocks
 from thor_tf.blocks.einsum_dense import analyze_equation
 from thor_tf.capture import Record
 
+# THOR's inverse rule (K-FAC step, KL clip, damping, momentum) is what these tests check.
+pytestmark = pytest.mark.update_rule("inverse")
+
 
 def _wrap(model, **options):
     options.setdefault("verbose", False)

@@ -15,6 +15,9 @@ import thor_tf
 from thor_tf import calibration
 from thor_tf.inverse import split_inverse
 
+# THOR's inverse rule (K-FAC step, KL clip, damping, momentum) is what these tests check.
+pytestmark = pytest.mark.update_rule("inverse")
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -21,6 +21,9 @@ import thor_tf
 from digits_models import digits
 from thor_tf.inverse import factor_dampings, pi_adjustment
 
+# THOR's inverse rule (K-FAC step, KL clip, damping, momentum) is what these tests check.
+pytestmark = pytest.mark.update_rule("inverse")
+
 LAMBDA = 0.03
 SPLIT = 64  # larger than every factor below: one exact block per factor
 

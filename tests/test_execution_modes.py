@@ -9,28 +9,36 @@ from digits_models import digits, small_cnn
 from thor_tf.callbacks import TraceRuleLogger
 
 
-def _train(callbacks=(), **compile_options):
+def _train(callbacks=(), update_rule=None, **compile_options):
     x, y = digits(256)
-    wrapped = thor_tf.wrap(small_cnn(0), frequency=2, verbose=False)
+    wrapped = thor_tf.wrap(small_cnn(0), frequency=2, verbose=False, update_rule=update_rule)
     wrapped.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"], **compile_options)
     history = wrapped.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
                           callbacks=list(callbacks))
     return wrapped, history.history
 
 
+@pytest.mark.parametrize("rule", ["inverse", "eigenbasis"])
 @pytest.mark.parametrize("options", [{"jit_compile": True}, {"steps_per_execution": 4}],
                          ids=["xla", "steps_per_execution"])
-def test_execution_mode_takes_the_plain_steps(options):
-    plain, plain_history = _train()
-    other, other_history = _train(**options)
+def test_execution_mode_takes_the_plain_steps(options, rule):
+    """The same losses, weights and factors. Under XLA the eigenbasis rule's weights agree to
+    5e-3 (of ~0.08 moved; measured 1.7e-3) and the factors to 3e-3: XLA's float64 ``eigh`` (a
+    Jacobi solver) and LAPACK's differ by ~1e-4 in eigenvectors whose eigenvalues are close, and
+    Adam's per-coordinate division does not forget which basis it was given; the epoch's
+    losses agree to 2e-3 (measured 8.6e-4)."""
+    plain, plain_history = _train(update_rule=rule)
+    other, other_history = _train(update_rule=rule, **options)
     assert int(other.optimizer.iterations) == int(plain.optimizer.iterations) == 8
     assert other.thor.counters()["cadence_points"] == plain.thor.counters()["cadence_points"] == 4
-    np.testing.assert_allclose(other_history["loss"], plain_history["loss"], rtol=1e-5)
+    loose = rule == "eigenbasis" and "jit_compile" in options
+    np.testing.assert_allclose(other_history["loss"], plain_history["loss"],
+                               rtol=2e-3 if loose else 1e-5)
     for a, b in zip(other.get_weights(), plain.get_weights()):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-3 if loose else 1e-6)
     for name in ("conv", "fc", "out"):
         np.testing.assert_allclose(other.thor.factors(name)["A"], plain.thor.factors(name)["A"],
-                                   rtol=1e-4, atol=1e-6)
+                                   rtol=3e-3 if loose else 1e-4, atol=1e-6)
 
 
 def test_trace_rule_logger_sees_every_cadence_point_under_steps_per_execution():

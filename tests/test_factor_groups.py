@@ -12,6 +12,9 @@ import thor_tf
 from reference import conv_patches, homogeneous, mean_outer
 from thor_tf import capture, engine, refresh
 
+# THOR's inverse rule (K-FAC step, KL clip, damping, momentum) is what these tests check.
+pytestmark = pytest.mark.update_rule("inverse")
+
 
 def _two_branch_model(n_filters=3, h=6, w=5, c=2):
     """Two inputs, each through its own 3x3 Conv2D of the same shape: one factor group."""

@@ -11,6 +11,9 @@ import thor_tf
 from reference import (DenseKfac, dense_backward, dense_forward, folded, homogeneous, mean_outer,
                        softmax)
 
+# THOR's inverse rule (K-FAC step, KL clip, damping, momentum) is what these tests check.
+pytestmark = pytest.mark.update_rule("inverse")
+
 
 def _data(n=64, shape=(8, 8, 1), classes=4, seed=0):
     rng = np.random.default_rng(seed)

@@ -27,6 +27,9 @@ from thor_tf import fisher, loss_terms
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lm_models import padding_weights, tiny_lm, token_data  # noqa: E402
 
+# THOR's inverse rule (K-FAC step, KL clip, damping, momentum) is what these tests check.
+pytestmark = pytest.mark.update_rule("inverse")
+
 DAMPING = 0.03
 OPTIONS = dict(learning_rate=1.0, momentum=0.0, damping=DAMPING, preset="thor_nt", frequency=1,
                split_dim=512, kl_clip=None, verbose=False)

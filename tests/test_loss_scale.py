@@ -11,6 +11,9 @@ import pytest
 
 import thor_tf
 
+# THOR's inverse rule (K-FAC step, KL clip, damping, momentum) is what these tests check.
+pytestmark = pytest.mark.update_rule("inverse")
+
 
 def _problem():
     rng = np.random.default_rng(0)

@@ -12,6 +12,9 @@ import thor_tf
 from digits_models import digits, small_cnn
 from reference import conv_patches, dense_kfac_steps, homogeneous, mean_outer
 
+# THOR's inverse rule (K-FAC step, KL clip, damping, momentum) is what these tests check.
+pytestmark = pytest.mark.update_rule("inverse")
+
 
 
 

@@ -16,6 +16,9 @@ import thor_tf
 from digits_models import digits, small_cnn
 from reference import softmax_dense_kfac_step, homogeneous, mean_outer, softmax
 
+# THOR's inverse rule (K-FAC step, KL clip, damping, momentum) is what these tests check.
+pytestmark = pytest.mark.update_rule("inverse")
+
 LOSS = "sparse_categorical_crossentropy"
 
 

@@ -12,6 +12,9 @@ from digits_models import digits, small_cnn
 from thor_tf import scheduler
 from thor_tf.callbacks import TraceRuleLogger
 
+# THOR's inverse rule (K-FAC step, KL clip, damping, momentum) is what these tests check.
+pytestmark = pytest.mark.update_rule("inverse")
+
 LAMBDA = 0.04
 
 

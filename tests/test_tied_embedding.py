@@ -22,8 +22,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lm_models import padding_weights, tiny_lm, token_data  # noqa: E402
 from test_lm_fisher import DAMPING, LOSS, OPTIONS, _kfac_step, _softmax  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not hasattr(keras.layers, "ReversibleEmbedding"),
-                                reason="keras.layers.ReversibleEmbedding needs Keras >= 3.11")
+# THOR's inverse rule (K-FAC step, KL clip, damping, momentum) is what these tests check.
+pytestmark = [pytest.mark.update_rule("inverse"),
+              pytest.mark.skipif(not hasattr(keras.layers, "ReversibleEmbedding"),
+                                 reason="keras.layers.ReversibleEmbedding needs Keras >= 3.11")]
 
 
 def _tied_reference(model, parts, x, y, w):

@@ -8,6 +8,9 @@ import tensorflow as tf
 import thor_tf
 from thor_tf.callbacks import TraceRuleLogger
 
+# THOR's inverse rule (K-FAC step, KL clip, damping, momentum) is what these tests check.
+pytestmark = pytest.mark.update_rule("inverse")
+
 
 def _linear_loss(y_true, y_pred):
     # dℓ_n/dz = y_n / K whatever the weights: loss and gradients stay finite for huge inputs.

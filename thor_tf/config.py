@@ -126,13 +126,14 @@ class ThorConfig:
     loss_reduction: str = "auto"
     damping_split: str = "sqrt"
     max_block_age: Optional[int] = DEFAULT_MAX_BLOCK_AGE
-    update_rule: Any = rules.DEFAULT_RULE
+    update_rule: Any = None  # None: rules.DEFAULT_RULE
 
     def __post_init__(self):
         def set_(name, value):
             object.__setattr__(self, name, value)
 
-        set_("update_rule", rules.resolve(self.update_rule))
+        set_("update_rule", rules.resolve(
+            rules.DEFAULT_RULE if self.update_rule is None else self.update_rule))
 
         check_positive_or_schedule("damping", self.damping)
         m = self.momentum

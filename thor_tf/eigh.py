@@ -10,8 +10,12 @@ eigenvalue of the PSD block) before ``eigh``, so that ``eigh``'s ascending order
 eigenvectors first and the padding's last, never mixed with a zero eigenvalue of the true block;
 the stored basis is then exactly block-diagonal: the true part top-left, identity on the padding.
 
-Robustness (as :mod:`thor_tf.inverse`): a block whose float32 ``eigh`` gives a non-finite basis is
-retried in float64; a block that still fails keeps the basis it had.
+The stored eigenvalues are those of the block plus the tie-breaking ramp of
+:func:`_padded_for_eigh` (at most 10 % of the mean eigenvalue).
+
+Precision and robustness: ``eigh`` runs in float64 (the factors stay float32): float32
+eigenvectors of clustered eigenvalues are accurate to ~1e-3 only (see :func:`eigh_blocks`); a
+block whose decomposition is not finite keeps the basis it had.
 """
 
 from __future__ import annotations
@@ -24,12 +28,32 @@ __all__ = ["eigh_blocks", "eigh_selected", "basis_change", "rotate_first_moment"
            "rotate_second_moment"]
 
 
-def _padded_for_eigh(blocks, mask):
-    """``blocks`` with ``tr + 1`` on each padding diagonal entry (``mask`` 0 there)."""
-    trace = tf.reduce_sum(tf.linalg.diag_part(blocks) * mask, axis=-1)  # [B]
+#: The diagonal ramp that breaks ties (see :func:`_padded_for_eigh`), relative to the block's mean
+#: eigenvalue: entry k of the d true entries of a block gets ``TIE_BREAK·(tr/d)·k/d``.
+TIE_BREAK = 0.1
+
+
+def _padded_for_eigh(blocks, mask, tie_break=TIE_BREAK):
+    """``blocks`` with ``tr + 1`` on each padding diagonal entry (``mask`` 0 there), and a small
+    increasing ramp on the true diagonal.
+
+    The ramp (at most 10 % of the block's mean eigenvalue) makes the basis of a (nearly)
+    degenerate eigenspace — A's null space when a batch has fewer rows than A has dimensions — the
+    coordinate axes, the same on every device and replica count, instead of whatever float32
+    round-off picks: Adam's per-coordinate division is not invariant to rotations inside such a
+    space. Eigenvectors of well-separated eigenvalues move by ~10 % of the mean over the gap.
+    Measured (digits CNN of tests/scripts, 12 steps, inputs perturbed by 1e-7): the weights
+    moved apart by 9e-3 of the step with a 1 % ramp, 3e-5 with 10 %, 4e-7 under the inverse rule."""
+    diagonal = tf.linalg.diag_part(blocks) * mask
+    size = int(blocks.shape[-1])
+    trace = tf.reduce_sum(diagonal, axis=-1)  # [B]
+    count = tf.maximum(tf.reduce_sum(mask, axis=-1), 1.0)
+    # The true entries come first in a padded block: entry k of the d true ones gets mean·k/d.
+    ramp = (tie_break * (trace / count ** 2)[:, None]
+            * tf.range(size, dtype=tf.float32)[None])
     return tf.linalg.set_diag(blocks * mask[:, :, None] * mask[:, None, :],
-                              tf.linalg.diag_part(blocks) * mask
-                              + (1.0 - mask) * (tf.abs(trace) + 1.0)[:, None])
+                              (diagonal + ramp) * mask
+                              + (1.0 - mask) * (tf.abs(trace) * (1.0 + tie_break) + 1.0)[:, None])
 
 
 def _clean(q, w, mask):
@@ -39,7 +63,7 @@ def _clean(q, w, mask):
     return q * outer + eye * (1.0 - mask)[:, :, None], w * mask
 
 
-def eigh_blocks(blocks, mask, previous_q=None, previous_w=None):
+def eigh_blocks(blocks, mask, previous_q=None, previous_w=None, tie_break=TIE_BREAK):
     """``(Q [B, d, d], w [B, d])``: eigendecomposition of each block (see the module docstring).
 
     Args:
@@ -47,6 +71,7 @@ def eigh_blocks(blocks, mask, previous_q=None, previous_w=None):
       mask: ``[B, d]`` 1 on each block's true entries, 0 on padding.
       previous_q, previous_w: the basis in use, kept for a block whose decomposition fails
         (identity and zeros when None).
+      tie_break: the ramp of :func:`_padded_for_eigh`, relative to the mean eigenvalue.
     """
     blocks = tf.convert_to_tensor(blocks, tf.float32)
     mask = tf.convert_to_tensor(mask, tf.float32)
@@ -60,28 +85,20 @@ def eigh_blocks(blocks, mask, previous_q=None, previous_w=None):
         ok = tf.math.is_finite(w[:, 0])
         return (tf.where(ok[:, None, None], tf.ones_like(blocks), previous_q),
                 tf.where(ok[:, None], w, previous_w))
-    padded = _padded_for_eigh(blocks, mask)
-    w, q = tf.linalg.eigh(padded)
-
-    def finite(q, w):
-        return tf.logical_and(tf.reduce_all(tf.math.is_finite(q), axis=[1, 2]),
-                              tf.reduce_all(tf.math.is_finite(w), axis=1))
-
-    ok = finite(q, w)
-
-    def retry():
-        w64, q64 = tf.linalg.eigh(tf.cast(padded, tf.float64))
-        return tf.cast(w64, tf.float32), tf.cast(q64, tf.float32)
-
-    w2, q2 = tf.cond(tf.reduce_all(ok), lambda: (w, q), retry)
-    q = tf.where(ok[:, None, None], q, q2)
-    w = tf.where(ok[:, None], w, w2)
-    ok = finite(q, w)
+    padded = _padded_for_eigh(blocks, mask, tie_break)
+    # float64: float32 eigenvectors of clustered eigenvalues (a null space under the ramp) are
+    # accurate to ~1e-3 only, and Adam's division turns that leakage into full-size steps that
+    # differ between LAPACK and XLA, or 1 and 2 replicas. Same cost on CPU for d <= 256
+    # (docs/bench_eigh.json); refreshes are rare.
+    w64, q64 = tf.linalg.eigh(tf.cast(padded, tf.float64))
+    w, q = tf.cast(w64, tf.float32), tf.cast(q64, tf.float32)
+    ok = tf.logical_and(tf.reduce_all(tf.math.is_finite(q), axis=[1, 2]),
+                        tf.reduce_all(tf.math.is_finite(w), axis=1))
     q, w = _clean(q, w, mask)
     return (tf.where(ok[:, None, None], q, previous_q), tf.where(ok[:, None], w, previous_w))
 
 
-def eigh_selected(blocks, mask, q_in_use, w_in_use, selected):
+def eigh_selected(blocks, mask, q_in_use, w_in_use, selected, tie_break=TIE_BREAK):
     """``(Q, w)`` in use with the ``selected`` blocks replaced by their new decomposition.
 
     Only the selected blocks are decomposed (gathered into one batch); under XLA (static shapes)
@@ -90,13 +107,13 @@ def eigh_selected(blocks, mask, q_in_use, w_in_use, selected):
     """
     if _keras_compat.in_xla_context():
         def all_blocks():
-            q, w = eigh_blocks(blocks, mask, q_in_use, w_in_use)
+            q, w = eigh_blocks(blocks, mask, q_in_use, w_in_use, tie_break)
             return (tf.where(selected[:, None, None], q, q_in_use),
                     tf.where(selected[:, None], w, w_in_use))
         return tf.cond(tf.reduce_any(selected), all_blocks, lambda: (q_in_use, w_in_use))
     due = tf.where(selected)  # [K, 1]
     q, w = eigh_blocks(tf.gather_nd(blocks, due), tf.gather_nd(tf.convert_to_tensor(mask), due),
-                       tf.gather_nd(q_in_use, due), tf.gather_nd(w_in_use, due))
+                       tf.gather_nd(q_in_use, due), tf.gather_nd(w_in_use, due), tie_break)
     return (tf.tensor_scatter_nd_update(q_in_use, due, q),
             tf.tensor_scatter_nd_update(w_in_use, due, w))
 

@@ -25,7 +25,6 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from thor_tf.rules import DEFAULT_RULE
 from thor_tf.config import (DEFAULT_FREQUENCY, DEFAULT_KL_CLIP, DEFAULT_MAX_BLOCK_AGE,
                             DEFAULT_TRACE_FILTER, REFUSED_KERAS_ARGUMENTS, split_options)
 
@@ -38,7 +37,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
       learning_rate: float or ``LearningRateSchedule`` (see :mod:`thor_tf.schedules`); None
         (default): the update rule's rate (eigenbasis 0.01, inverse 0.05), also the peak of a
         ``WarmupCosine`` given without one.
-      update_rule: ``"eigenbasis"`` (default), ``"inverse"`` (THOR's damped inverses, KL clip and
+      update_rule: ``"eigenbasis"`` (default; None means it), ``"inverse"`` (THOR's damped inverses, KL clip and
         momentum) or a :class:`thor_tf.rules.UpdateRule` instance such as
         ``thor_tf.rules.Eigenbasis(beta_2=0.99)``. ``momentum``, ``damping``, ``damping_split``,
         ``kl_clip`` and ``inverse_assignment`` act under the inverse rule only (the eigenbasis
@@ -120,7 +119,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         loss_reduction="auto",
         damping_split="sqrt",
         max_block_age=DEFAULT_MAX_BLOCK_AGE,
-        update_rule=DEFAULT_RULE,
+        update_rule=None,
         name="thor",
         **kwargs,
     ):

@@ -1,6 +1,7 @@
 """R replicas (MirroredStrategy over logical CPUs) against one device on the same global batches.
 
-argv: replicas, inverse_assignment. Reports, per model, the largest weight difference relative
+argv: replicas, inverse_assignment, models (comma list), update rule (default: thor_tf's).
+Reports, per model, the largest weight difference relative
 to the run's largest weight change, the KL-clip ν of both runs, the decisions (refreshes, reuses,
 frozen per layer), factor/inverse differences to the one-device run, and whether every optimizer
 variable (momentum, factors, inverses, trace state, counters) is identical on all replicas.
@@ -20,6 +21,19 @@ which = sys.argv[3].split(",") if len(sys.argv) > 3 else list(keras_models)
 
 
 options = {} if assignment == "all" else {"inverse_assignment": assignment}  # "all": default
+if len(sys.argv) > 4:
+    options["update_rule"] = sys.argv[4]
+
+
+def products(model, name):
+    """The update rule's per-block arrays: split inverses, or eigenvalues and second moments (the
+    bases and the first moment are compared through the weights: an eigenvector's sign, and with
+    it its coordinate of m, may flip between two runs; v does not see a sign)."""
+    try:
+        found = model.thor.inverses(name)
+    except ValueError:
+        found = {k: v for k, v in model.thor.bases(name).items() if k in ("w_A", "w_G", "v")}
+    return [found[k] for k in sorted(found)]
 
 
 def train(build, data, strategy):
@@ -47,9 +61,9 @@ for name in which:
     factor_diff = 0.0
     for block in one.thor.blocks:
         f1, f2 = one.thor.factors(block.name), many.thor.factors(block.name)
-        i1, i2 = one.thor.inverses(block.name), many.thor.inverses(block.name)
-        for a, b in [(f1["A"], f2["A"]), (f1["G"], f2["G"]), (i1["A_inv"], i2["A_inv"]),
-                     (i1["G_inv"], i2["G_inv"])]:
+        pairs = [(f1["A"], f2["A"]), (f1["G"], f2["G"])]
+        pairs += list(zip(products(one, block.name), products(many, block.name)))
+        for a, b in pairs:
             factor_diff = max(factor_diff, float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30)))
     identical = all(all(np.array_equal(copies[0], c) for c in copies[1:])
                     for copies in map(common.replica_values, many.optimizer.variables))

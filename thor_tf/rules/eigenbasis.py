@@ -29,7 +29,8 @@ import tensorflow as tf
 from keras import ops
 
 from thor_tf.algebra import BlockDiagonal
-from thor_tf.eigh import basis_change, eigh_selected, rotate_first_moment, rotate_second_moment
+from thor_tf.eigh import (TIE_BREAK, basis_change, eigh_selected, rotate_first_moment,
+                          rotate_second_moment)
 from thor_tf.inverse import batched_layout, pad_blocks, size_buckets
 from thor_tf.rules.base import UpdateRule, keras_serializable
 from thor_tf.rules.inverse import identity_blocks
@@ -66,21 +67,36 @@ class Eigenbasis(UpdateRule):
       beta_1: first-moment decay, in [0, 1).
       beta_2: second-moment decay, in [0, 1) (0.95: SOAP's and the measured default).
       epsilon: added to ``√v̂``, > 0.
+      relative_epsilon: also added to ``√v̂``, times the block's RMS ``√mean(v̂)`` (>= 0): a
+        rotated direction whose gradient is below 1e-4 of the block's RMS is round-off, not a
+        direction to take a full step in.
+      tie_break: a ramp ``tie_break·(tr/d)·k/d`` on the diagonal of each d-block before ``eigh``
+        (>= 0; :func:`thor_tf.eigh._padded_for_eigh`): fixes the basis of a degenerate eigenspace
+        (A's null space under a small batch) to the coordinate axes, the same on every replica
+        count and device. 0: exactly rotation-equivariant, and that basis is round-off's choice.
     """
 
     name = "eigenbasis"
     default_learning_rate = 0.01
 
-    def __init__(self, beta_1=0.9, beta_2=0.95, epsilon=1e-8):
+    def __init__(self, beta_1=0.9, beta_2=0.95, epsilon=1e-8, relative_epsilon=1e-4,
+                 tie_break=TIE_BREAK):
         for name, value in (("beta_1", beta_1), ("beta_2", beta_2)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
                 raise ValueError(f"`{name}` must be a float in [0, 1); got {value!r}.")
         if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0:
             raise ValueError(f"`epsilon` must be a float > 0; got {epsilon!r}.")
+        if (isinstance(relative_epsilon, bool) or not isinstance(relative_epsilon, (int, float))
+                or not relative_epsilon >= 0):
+            raise ValueError(f"`relative_epsilon` must be a float >= 0; got {relative_epsilon!r}.")
         self.beta_1, self.beta_2, self.epsilon = float(beta_1), float(beta_2), float(epsilon)
+        if isinstance(tie_break, bool) or not isinstance(tie_break, (int, float)) or not tie_break >= 0:
+            raise ValueError(f"`tie_break` must be a float >= 0; got {tie_break!r}.")
+        self.relative_epsilon, self.tie_break = float(relative_epsilon), float(tie_break)
 
     def get_config(self):
-        return {"beta_1": self.beta_1, "beta_2": self.beta_2, "epsilon": self.epsilon}
+        return {"beta_1": self.beta_1, "beta_2": self.beta_2, "epsilon": self.epsilon,
+                "relative_epsilon": self.relative_epsilon, "tie_break": self.tie_break}
 
     # -- state -------------------------------------------------------------------------------------
     def create_layer_state(self, optimizer, block, prefix, layout_a, layout_g):
@@ -129,7 +145,8 @@ class Eigenbasis(UpdateRule):
             w_in_use = tf.concat([tf.pad(tf.convert_to_tensor(e[4]),
                                          [[0, 0], [0, size - int(e[4].shape[-1])]])
                                   for e in group], axis=0)
-            q, w = eigh_selected(blocks, mask, q_in_use, w_in_use, tf.gather(flags, owner))
+            q, w = eigh_selected(blocks, mask, q_in_use, w_in_use, tf.gather(flags, owner),
+                                 self.tie_break)
             for n, q_part, w_part in zip(members, tf.split(q, counts), tf.split(w, counts)):
                 d = sizes[n]
                 new[entries[n][0]][n % 2] = ((q_part[:, :d, :d], w_part[:, :d]) if d < size
@@ -180,7 +197,13 @@ class Eigenbasis(UpdateRule):
             v = self.beta_2 * held.v + (1.0 - self.beta_2) * tf.square(rotated)
             held.m.assign(tf.where(ok, m, held.m))
             held.v.assign(tf.where(ok, v, held.v))
-            step = (m / correction_1) / (tf.sqrt(v / correction_2) + self.epsilon)
+            # ε relative to the block's RMS rotated gradient as well: a direction without gradient
+            # (a softmax's all-ones logit direction, A's null space at its own batch) gets float32
+            # round-off of the rotation (~1e-6 of the RMS) that Adam's division would blow up
+            # to a full-size step, different on every device and replica count.
+            v_hat = v / correction_2
+            floor = self.epsilon + self.relative_epsilon * tf.sqrt(tf.reduce_mean(v_hat))
+            step = (m / correction_1) / (tf.sqrt(v_hat) + floor)
             update = q_g_t.rmatmul(q_a.matmul(step))  # Q_A Δ' Q_Gᵀ
             kernel_update, bias_update = b.from_matrix(update)
             kernel_update = tf.cast(kernel_update, grads[k].dtype)
@@ -217,9 +240,11 @@ class Eigenbasis(UpdateRule):
                 + ops.cast(self.epsilon, variable.dtype))
         if config.weight_decay and optimizer._use_weight_decay(variable):
             update = update + ops.cast(config.weight_decay, variable.dtype) * variable
+        step = lr * update
         if ok is not None:
-            lr = tf.where(ok, lr, tf.zeros_like(lr))
-        optimizer.assign_sub(variable, lr * update)
+            # A skipped step's update may be NaN: select, never multiply by a zero rate.
+            step = tf.where(ok, step, tf.zeros_like(step))
+        optimizer.assign_sub(variable, step)
 
 
 def _clip(gradient, clip_norm):
