@@ -161,7 +161,11 @@ def _unique_names(blocks):
         return
     for block in blocks:
         if names.count(block.name) > 1:
-            block.name = getattr(block.layer, "path", None) or block.name
+            # A second block's suffix ("/reverse", "/lora_b") stays after the path.
+            base = block.layer.name
+            suffix = block.name[len(base):] if block.name.startswith(base) else ""
+            path = getattr(block.layer, "path", None)
+            block.name = path + suffix if path else block.name
     names = [b.name for b in blocks]
     for i, block in enumerate(blocks):
         if names.count(block.name) > 1:
