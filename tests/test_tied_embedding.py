@@ -107,3 +107,41 @@ def test_with_one_use_removed_the_step_is_that_uses_block(kind):
     for a, b in zip(plain.weights, rev_model.weights):
         b = b.numpy().T if a.shape != b.shape else b.numpy()
         np.testing.assert_allclose(a.numpy(), b, rtol=1e-5, atol=1e-6, err_msg=a.name)
+
+
+class _TiedInside(keras.layers.Layer):
+    """A layer that holds a tied ReversibleEmbedding and uses it both ways inside its own
+    ``call``: the model's graph has no node for the embedding (only discovery's symbolic forward
+    pass sees the ``reverse=True`` call)."""
+
+    def __init__(self, v, d, **kwargs):
+        super().__init__(**kwargs)
+        self.tok = keras.layers.ReversibleEmbedding(v, d, name="tok")
+        self.mix = keras.layers.Dense(d, activation="tanh", name="mix")
+
+    def build(self, shape):
+        self.tok.build(shape)
+        self.mix.build(tuple(shape) + (self.tok.output_dim,))
+
+    def call(self, tokens):
+        return self.tok(self.mix(self.tok(tokens)), reverse=True)
+
+
+def test_a_tied_embedding_used_both_ways_inside_a_layer_keeps_its_head_block():
+    keras.utils.set_random_seed(3)
+    v, t = 9, 5
+    inputs = keras.Input((t,), dtype="int32")
+    model = keras.Model(inputs, _TiedInside(v, 4, name="inside")(inputs))
+    rng = np.random.default_rng(4)
+    x, y = rng.integers(0, v, size=(16, t)).astype("int32"), rng.integers(0, v, size=(16, t))
+    weights = [w.numpy() for w in model.weights]
+    wrapped = thor_tf.wrap(model, frequency=1, verbose=False)
+    # discovery's symbolic forward pass changed nothing
+    for w, before in zip(model.weights, weights):
+        np.testing.assert_array_equal(w.numpy(), before)
+    assert {b.name: b.kind for b in wrapped.thor.blocks} == {
+        "tok": "embedding", "tok/reverse": "tied head", "mix": "dense"}
+    wrapped.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    for _ in range(3):
+        wrapped.train_on_batch(x, y)
+    assert all(s["refreshes"] >= 1 for s in wrapped.thor.layer_stats())

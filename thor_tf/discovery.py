@@ -141,15 +141,57 @@ def find_candidates(model, exclude=()):
                 reason = probe_reason(block)
         if reason is None:
             candidates.append(block)
-            # A tied embedding's output projection: a second block on the same variable.
+            # A tied embedding's output projection, a LoRA layer's B side: a second block.
             candidates.extend(c for c in block.companion_blocks()
                               if type(c).unsupported_reason(layer) is None)
         else:
             structural.append((layer, reason))
+    unsure = [b for b in candidates if getattr(b, "needs_call_check", False)]
+    if unsure:
+        called = blocks_called(model, candidates)
+        if called is not None:
+            candidates = [b for b in candidates if b not in unsure or b.name in called]
     weight_index = {id(v): i for i, v in enumerate(model.weights)}
     candidates.sort(key=lambda b: weight_index[id(b.kernel)])
     _unique_names(candidates)
     return candidates, structural
+
+
+def blocks_called(model, blocks):
+    """The names of ``blocks`` that one forward pass of ``model`` calls (the layers' own ``call``
+    code routes each call to a block, :mod:`thor_tf.capture`), or None if that cannot be seen.
+
+    The pass is symbolic (placeholders in a scratch graph: nothing computed, no variable
+    changed), on the Functional model's inputs, in inference mode. It sees calls that the
+    model's graph does not record: a layer called inside another layer's ``call``, e.g. the
+    ``ReversibleEmbedding`` inside ``keras_hub.layers.TokenAndPositionEmbedding``, which the
+    keras-io miniature GPT never calls with ``reverse=True`` (its head is a Dense)."""
+    by_layer = {}
+    for block in blocks:
+        by_layer.setdefault(id(block.layer), []).append(block)
+    store = capture.CaptureStore()
+    seen = set()
+
+    def forward(inputs):
+        with store.step():
+            model(inputs, training=False)
+            seen.update(store.take([b.name for b in blocks]))
+
+    installed = []
+    try:
+        for group in by_layer.values():
+            if capture.is_installed(group[0].layer):
+                return None
+            capture.install(group, store)
+            installed.append(group[0].layer)
+        if not _keras_compat.symbolic_forward(model, forward):
+            return None
+    except Exception:  # noqa: BLE001 - a model that cannot run on placeholders: no answer
+        return None
+    finally:
+        for layer in installed:
+            capture.uninstall(layer)
+    return seen
 
 
 def _unique_names(blocks):

@@ -59,18 +59,31 @@ class TiedLookupBlock(EmbeddingBlock):
     def accepts_call(self, args, kwargs):
         return not _is_reverse(args, kwargs)
 
+    def reverse_in_graph(self):
+        """Whether the model's graph (Functional) calls the layer with ``reverse=True``: True or
+        False from its nodes, None when they do not say (no nodes: the layer is called inside
+        another layer's ``call``, as in ``keras_hub.layers.TokenAndPositionEmbedding``, or the
+        model is subclassed)."""
+        nodes = getattr(self.layer, "_inbound_nodes", None) or []
+        calls = [getattr(node, "arguments", None) for node in nodes]
+        if not calls or any(c is None for c in calls):
+            return None
+        return any(_is_reverse(c.args, c.kwargs) for c in calls)
+
     def companion_blocks(self):
         """The tied head, unless the weights are untied or the model's graph (Functional) never
-        calls the layer with ``reverse=True`` (BERT's token embedding: a lookup only)."""
+        calls the layer with ``reverse=True`` (BERT's token embedding: a lookup only). When the
+        graph does not say, the head is kept subject to discovery's check of one symbolic forward
+        pass (:attr:`TiedHeadBlock.needs_call_check`)."""
         layer = self.layer
         if not getattr(layer, "tie_weights", False):
             return []
-        nodes = getattr(layer, "_inbound_nodes", None) or []
-        calls = [getattr(node, "arguments", None) for node in nodes]
-        if calls and all(c is not None for c in calls) and not any(
-                _is_reverse(c.args, c.kwargs) for c in calls):
+        in_graph = self.reverse_in_graph()
+        if in_graph is False:
             return []
-        return [TiedHeadBlock(f"{self.name}/reverse", layer, lookup=self)]
+        head = TiedHeadBlock(f"{self.name}/reverse", layer, lookup=self)
+        head.needs_call_check = in_graph is None
+        return [head]
 
     def tied_head(self, blocks):
         """The :class:`TiedHeadBlock` of the same layer among ``blocks``, or None."""
@@ -97,6 +110,9 @@ class TiedHeadBlock(KroneckerBlock):
     kind = "tied head"
     kernel_attribute = "embeddings"
     observe = "output"
+    #: Whether discovery must check, on a symbolic forward pass, that the model calls the layer
+    #: with ``reverse=True`` at all (the graph did not say; :func:`thor_tf.discovery.find_candidates`).
+    needs_call_check = False
 
     def __init__(self, name, layer, lookup=None):
         super().__init__(name, layer)
