@@ -14,6 +14,9 @@ reason. :func:`registration_table` is the one table ``wrap`` prints.
 
 from __future__ import annotations
 
+import abc
+import re
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -22,11 +25,27 @@ from thor_tf import _keras_compat, capture
 from thor_tf.blocks import block_class_for, registered_layer_class
 from thor_tf.inverse import split_layout
 
+class NormalizationByName(abc.ABC):
+    """``isinstance(layer, NormalizationByName)``: a Keras layer whose class (or a base class) is
+    named like a normalization — ``RMSNormalization``, KerasHub's ``LlamaLayerNorm``,
+    ``MistralLayerNormalization``, ``QwenLayerNorm``, ``Phi3LayerNorm``, ``GemmaRMSNorm``... —
+    which subclass ``keras.layers.Layer``, not ``LayerNormalization``."""
+
+    _PATTERN = re.compile(r"(RMS|Layer|Group|Batch|Instance)Norm(alization)?$")
+
+    @classmethod
+    def __subclasshook__(cls, klass):
+        if not issubclass(klass, keras.layers.Layer):
+            return NotImplemented
+        return any(cls._PATTERN.search(base.__name__) for base in klass.__mro__) or NotImplemented
+
+
 #: Layers whose parameters are first order by design (no warning at wrap).
 EXPECTED_FIRST_ORDER = (
     keras.layers.BatchNormalization,
     keras.layers.LayerNormalization,
     keras.layers.GroupNormalization,
+    NormalizationByName,
 )
 
 

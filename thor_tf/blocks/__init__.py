@@ -24,7 +24,8 @@ from thor_tf.blocks.dense import DenseBlock
 from thor_tf.blocks.einsum_dense import EinsumDenseBlock
 from thor_tf.blocks.embedding import EmbeddingBlock
 from thor_tf.blocks.lora import LoraABlock, LoraBBlock
-from thor_tf.blocks.reversible_embedding import TiedHeadBlock, TiedLookupBlock
+from thor_tf.blocks.reversible_embedding import (TiedHeadBlock, TiedLookupBlock,
+                                                 UntiedHeadBlock)
 
 _REGISTRY: dict = {}
 
@@ -88,6 +89,7 @@ if hasattr(keras.layers, "ReversibleEmbedding"):  # Keras >= 3.11 (KerasHub's su
     register_block(keras.layers.ReversibleEmbedding, TiedLookupBlock)
 
 __all__ = ["KroneckerBlock", "DenseBlock", "Conv2DBlock", "Conv1DBlock", "EinsumDenseBlock",
-           "EmbeddingBlock", "TiedLookupBlock", "TiedHeadBlock", "LoraABlock", "LoraBBlock",
+           "EmbeddingBlock", "TiedLookupBlock", "TiedHeadBlock", "UntiedHeadBlock", "LoraABlock",
+           "LoraBBlock",
            "block_gram", "register_block", "registered_blocks", "block_class_for",
            "registered_layer_class"]
