@@ -294,6 +294,7 @@ def registration_table(blocks, first_order, frozen_layers, split_dim):
         lines.append("  first order: none")
     if frozen_layers:
         # trainable=False, or another optimizer's (a GAN's generator under the d_optimizer).
-        lines.append("  not trained by this optimizer: "
-                     + ", ".join(layer.name for layer in frozen_layers))
+        # One name per layer (a layer with two blocks, e.g. a tied embedding, is listed once).
+        names = list(dict.fromkeys(layer.name for layer in frozen_layers))
+        lines.append("  not trained by this optimizer: " + ", ".join(names))
     return "\n".join(lines)
