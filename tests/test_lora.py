@@ -362,3 +362,15 @@ def test_lora_save_load_round_trip(tmp_path):
     assert [b.name for b in loaded.thor.blocks] == [b.name for b in wrapped.thor.blocks]
     for a, b in zip(wrapped.optimizer.variables, loaded.optimizer.variables):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_lora_enabled_after_wrap_is_named_first_order_with_the_fix():
+    keras.utils.set_random_seed(0)
+    layer = keras.layers.Dense(3, name="ff")
+    model = keras.Sequential([keras.Input((4,)), layer])
+    wrapped = thor_tf.wrap(model, verbose=False)
+    layer.enable_lora(2)
+    wrapped.compile(loss="mse")
+    assert wrapped.thor.blocks == []
+    assert [(l.name, r) for l, r in wrapped.thor.first_order] == [
+        ("ff", "LoRA enabled after wrap: wrap the model after enable_lora")]

@@ -241,6 +241,15 @@ def first_order_layers(model, candidates, structural, trainable_variables):
     trained = {id(v) for v in trainable_variables}
     block_layers = {id(b.layer) for b in candidates}
     structural_reason = {id(layer): reason for layer, reason in structural}
+    # A layer whose blocks' kernels are all untrained but that trains other variables: LoRA
+    # enabled after wrap (the adapters came after discovery), or a kernel frozen alone.
+    trained_blocks = {id(b.layer) for b in candidates if id(b.kernel) in trained}
+    for block in candidates:
+        layer = block.layer
+        if id(layer) not in trained_blocks and id(layer) not in structural_reason:
+            structural_reason[id(layer)] = (
+                "LoRA enabled after wrap: wrap the model after enable_lora"
+                if getattr(layer, "lora_enabled", False) else "its kernel is not trained")
     holders = block_layers | set(structural_reason)
     out, seen = [], set()
 
