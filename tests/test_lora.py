@@ -374,3 +374,21 @@ def test_lora_enabled_after_wrap_is_named_first_order_with_the_fix():
     assert wrapped.thor.blocks == []
     assert [(l.name, r) for l, r in wrapped.thor.first_order] == [
         ("ff", "LoRA enabled after wrap: wrap the model after enable_lora")]
+
+
+def test_lora_blocks_on_two_replicas_take_the_single_device_step():
+    """MirroredStrategy over 2 logical CPUs against one device (tests/scripts/replicas_vs_one.py,
+    model "lora": a Dense and a heads EinsumDense with LoRA, everything else frozen): weights,
+    decisions, ν, factors and inverses as on one device, replicas identical."""
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_distribute import _run_file
+
+    r = _run_file("replicas_vs_one.py", 2, "all", "lora")["lora"]
+    assert r["replicas"] == 2 and r["copies"] == 2, r
+    assert r["relative_weight_diff"] < 1e-4, r
+    assert r["decisions_many"] == r["decisions_one"] and len(r["decisions_one"]) == 4, r
+    assert all(d[0] >= 1 for d in r["decisions_one"]), r
+    assert abs(r["nu_many"] - r["nu_one"]) <= 1e-5 * abs(r["nu_one"]), r
+    assert r["factor_inverse_diff"] < 1e-4, r
+    assert r["replicas_identical"], r
