@@ -35,7 +35,7 @@ CASES = {
 }
 
 
-def _build(case, seed=3):
+def _build(case, seed=3, quantize=None):
     equation, output_shape, bias_axes, input_shape = CASES[case]
     keras.utils.set_random_seed(seed)
     if case == "dense":
@@ -43,6 +43,8 @@ def _build(case, seed=3):
     else:
         layer = keras.layers.EinsumDense(equation, output_shape, bias_axes=bias_axes, name="blk")
     model = keras.Sequential([keras.Input(input_shape), layer, keras.layers.Flatten()])
+    if quantize:
+        layer.quantize(quantize)
     layer.enable_lora(RANK, lora_alpha=ALPHA)
     rng = np.random.default_rng(seed)
     # Keras starts B at zero (A's G would be 0): random adapters, and a bias that is not zero.
@@ -392,3 +394,36 @@ def test_lora_blocks_on_two_replicas_take_the_single_device_step():
     assert abs(r["nu_many"] - r["nu_one"]) <= 1e-5 * abs(r["nu_one"]), r
     assert r["factor_inverse_diff"] < 1e-4, r
     assert r["replicas_identical"], r
+
+
+
+@pytest.mark.parametrize("case", ["dense", "einsum_heads"])
+def test_qlora_int8_adapters_have_their_blocks(case):
+    """QLoRA: ``quantize("int8")`` then ``enable_lora``. Keras runs such a layer through
+    ``quantized_call`` (the hooks observe it too); the adapters' rows do not involve the kernel,
+    so the factors are the float path's formulas on the layer's own output ``z`` (Keras' forward:
+    the int8 product is not re-derived here). The int8 kernel and its scale do not move."""
+    model, layer, x = _build(case, quantize="int8")
+    assert layer.quantization_mode == "int8"
+    _, a, b, _ = _params(layer)
+    params = (None, a, b, None)
+    z = model(x).numpy().astype(np.float64).reshape((len(x),) + tuple(
+        layer.compute_output_shape((None,) + x.shape[1:])[1:]))
+    n, k = len(x), int(np.prod(z.shape[1:]))
+    y = np.random.default_rng(7).normal(size=(n, k))
+    g = (2.0 * (z.reshape(n, -1) - y) / k).reshape(z.shape)
+    a_a, g_a, a_b, g_b = _rows(case, x.astype(np.float64), g, params)
+    a_b = homogeneous(a_b, _b_folded(case))
+    frozen = [(v, v.numpy()) for v in layer.non_trainable_variables]
+    wrapped = thor_tf.wrap(model, learning_rate=0.1, momentum=0.0, damping=0.1, verbose=False)
+    assert [bl.name for bl in wrapped.thor.blocks] == ["blk/lora_a", "blk/lora_b"]
+    wrapped.compile(loss="mse")
+    wrapped.train_on_batch(x, y.astype("float32"))
+    got_a, got_b = wrapped.thor.factors("blk/lora_a"), wrapped.thor.factors("blk/lora_b")
+    np.testing.assert_allclose(got_a["A"], mean_outer(a_a), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(got_a["G"], mean_outer(g_a), rtol=1e-4, atol=1e-9)
+    np.testing.assert_allclose(got_b["A"], mean_outer(a_b), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(got_b["G"], mean_outer(g_b), rtol=1e-4, atol=1e-9)
+    for v, before in frozen:
+        np.testing.assert_array_equal(v.numpy(), before)
+    assert not np.array_equal(layer.lora_kernel_b.numpy(), b.astype("float32"))

@@ -189,6 +189,9 @@ def install(block, store: CaptureStore) -> None:
         return next((b for b in routed if b.accepts_call(args, kwargs)), routed[0])
 
     def call(*args, **kwargs):
+        return observing_call(own_call, args, kwargs)
+
+    def observing_call(own_call, args, kwargs):
         if not store.observing:
             return own_call(*args, **kwargs)
         chosen = route(args, kwargs)
@@ -216,7 +219,20 @@ def install(block, store: CaptureStore) -> None:
 
     # object.__setattr__ keeps the closure out of Keras attribute tracking.
     object.__setattr__(layer, "call", call)
-    object.__setattr__(layer, "_thor_hooked", (previous,))
+    # A quantized layer is run through ``quantized_call`` (Keras' Operation.__call__), not
+    # ``call``: observed the same way (its int8/int4 calls pass z to ``self.activation`` too).
+    # Only blocks that accept quantized layers (a QLoRA layer's adapters) see such calls.
+    previous_quantized = layer.__dict__.get("quantized_call")
+    if getattr(layer, "quantization_mode", None) is not None and hasattr(layer, "quantized_call"):
+        own_quantized = layer.quantized_call
+
+        def quantized_call(*args, **kwargs):
+            return observing_call(own_quantized, args, kwargs)
+
+        object.__setattr__(layer, "quantized_call", quantized_call)
+        object.__setattr__(layer, "_thor_hooked", (previous, previous_quantized, True))
+    else:
+        object.__setattr__(layer, "_thor_hooked", (previous, None, False))
 
 
 def is_installed(layer) -> bool:
@@ -228,8 +244,13 @@ def uninstall(layer) -> None:
     hooked = layer.__dict__.pop("_thor_hooked", None)
     if hooked is None:
         return
-    (previous,) = hooked
+    previous, previous_quantized, quantized = hooked
     if previous is None:
         layer.__dict__.pop("call", None)
     else:
         object.__setattr__(layer, "call", previous)
+    if quantized:
+        if previous_quantized is None:
+            layer.__dict__.pop("quantized_call", None)
+        else:
+            object.__setattr__(layer, "quantized_call", previous_quantized)

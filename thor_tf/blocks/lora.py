@@ -37,9 +37,11 @@ when the layer's bias spans exactly ``e`` and there is no ``o'`` (else it is fir
 
 Both blocks observe the layer's one ``z`` (its activation's argument, as the Dense block does):
 the B side reads the A side's records (:attr:`~thor_tf.blocks.KroneckerBlock.shares_records_of`),
-so a call is recorded once. Not covered: an equation whose kernel's last axis is contracted,
-LoRA on a quantized layer and ``Embedding.enable_lora`` (those stay first order, with the reason in
-the registration table).
+so a call is recorded once. QLoRA (``quantize("int8"/"int4")`` then ``enable_lora``) is covered:
+Keras' quantized calls add ``s·(x·A)·B`` before the bias and the activation as the float call
+does, the hooks observe ``quantized_call`` too, and neither block reads the kernel. Not covered:
+an equation whose kernel's last axis is contracted, the float8/GPTQ/AWQ modes and
+``Embedding.enable_lora`` (those stay first order, with the reason in the registration table).
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ from thor_tf.blocks.base import KroneckerBlock, joined_row_weights, positions_pe
 from thor_tf.blocks.einsum_dense import analyze_equation
 
 
+#: Quantization modes whose call adds ``s·(x·A)·B`` to the quantized product before the bias and
+#: the activation, as the float call does (QLoRA): the adapters' blocks never read the kernel.
+QUANTIZED_CALLS_CHECKED = (None, "int8", "int4")
+
+
 def lora_scale(layer):
     """``s = lora_alpha / lora_rank``: the factor Keras applies to ``A·B``."""
     return float(layer.lora_alpha) / float(layer.lora_rank)
@@ -63,9 +70,9 @@ def lora_reason(layer):
     """Why a LoRA-enabled layer's adapters cannot have blocks (a short phrase), or None."""
     if not getattr(layer, "built", True) or getattr(layer, "lora_kernel_a", None) is None:
         return "not built"
-    policy = getattr(layer, "dtype_policy", None)
-    if getattr(policy, "quantization_mode", None):
-        return "LoRA on a quantized layer"
+    mode = getattr(getattr(layer, "dtype_policy", None), "quantization_mode", None)
+    if mode not in QUANTIZED_CALLS_CHECKED:
+        return f"LoRA on a {mode}-quantized layer"
     if isinstance(layer, keras.layers.EinsumDense):
         plan, reason = analyze_equation(layer.equation)
         if plan is None:
