@@ -170,7 +170,7 @@ FAMILIES = {
 #: Why each allowed first-order layer class is first order (the registration table's reason).
 REASONS = {"PositionEmbedding": "no block type", "RelativeEmbedding": "no block type",
            "ViTPatchingAndEmbedding": "no block type"}
-SAVE_LOAD = ("gemma", "llama", "vit")
+SAVE_LOAD = ("gemma", "llama", "roberta", "vit", "resnet")
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
