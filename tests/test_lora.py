@@ -20,7 +20,8 @@ import pytest
 import tensorflow as tf
 
 import thor_tf
-from reference import einsum_rows, homogeneous, kfac_direction, mean_outer
+from reference import (block_diagonal_part, einsum_rows, homogeneous, kfac_direction,
+                       mean_outer)
 from thor_tf.capture import Record
 
 RANK, ALPHA = 2, 6.0  # s = alpha / rank = 3: a wrong scale is off by 3x
@@ -172,8 +173,11 @@ def _grad_matrices(case, x64, y, params):
     return mat_a, mat_b
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_lora_blocks_factors_traces_and_update_match_first_principles(case):
+@pytest.mark.parametrize("case,split", [(c, 64) for c in sorted(CASES)]
+                         + [("dense", 2), ("einsum_heads", 2)])
+def test_lora_blocks_factors_traces_and_update_match_first_principles(case, split):
+    """``split`` 2: every factor larger than 2 is stored and inverted as its 2×2 diagonal blocks
+    (the split inverse), as for any block."""
     model, layer, x, x64, y, g, params = _setup(case)
     n = len(x)
     a_a, g_a, a_b, g_b = _rows(case, x64, g, params)
@@ -187,23 +191,27 @@ def test_lora_blocks_factors_traces_and_update_match_first_principles(case):
     p_a, p_b = len(a_a) // n, len(a_b) // n                 # rows per example of each block
     w0, a0, b0, bias0 = params
     wrapped = thor_tf.wrap(model, learning_rate=1.0, momentum=0.0, damping=lam, kl_clip=None,
-                           split_dim=64, verbose=False)
+                           split_dim=split, verbose=False)
     names = [b.name for b in wrapped.thor.blocks]
     assert names == ["blk/lora_a", "blk/lora_b"]
     wrapped.compile(loss="mse")
     wrapped.train_on_batch(x, y.astype("float32"))
 
     got_a, got_b = wrapped.thor.factors("blk/lora_a"), wrapped.thor.factors("blk/lora_b")
-    np.testing.assert_allclose(got_a["A"], mean_outer(a_a), rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(got_a["G"], mean_outer(g_a), rtol=1e-4, atol=1e-9)
-    np.testing.assert_allclose(got_b["A"], mean_outer(a_b), rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(got_b["G"], mean_outer(g_b), rtol=1e-4, atol=1e-9)
+    np.testing.assert_allclose(got_a["A"], block_diagonal_part(mean_outer(a_a), split),
+                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(got_a["G"], block_diagonal_part(mean_outer(g_a), split),
+                               rtol=1e-4, atol=1e-9)
+    np.testing.assert_allclose(got_b["A"], block_diagonal_part(mean_outer(a_b), split),
+                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(got_b["G"], block_diagonal_part(mean_outer(g_b), split),
+                               rtol=1e-4, atol=1e-9)
 
     # The update of each adapter: (1/P)(A + dI)⁻¹ ∇ (G + dI)⁻¹ of the mean loss's gradient.
     w1, a1, b1, bias1 = _params(layer)
     np.testing.assert_array_equal(w1, w0)                   # the frozen kernel: untouched
-    step_a = kfac_direction(a_a, g_a, mat_a.mean(axis=0), lam, positions=p_a)
-    step_b = kfac_direction(a_b, g_b, mat_b.mean(axis=0), lam, positions=p_b)
+    step_a = kfac_direction(a_a, g_a, mat_a.mean(axis=0), lam, positions=p_a, split_dim=split)
+    step_b = kfac_direction(a_b, g_b, mat_b.mean(axis=0), lam, positions=p_b, split_dim=split)
     moved_a = _a_matrix(case, a0 - a1).reshape(step_a.shape)
     np.testing.assert_allclose(moved_a, step_a, rtol=2e-3, atol=1e-6)
     moved_b = b0 - b1
