@@ -197,7 +197,7 @@ def test_family_trains_with_thor_and_every_block_refreshes(family, tmp_path):
             np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
-# -- LoRA on a KerasHub backbone --------------------------------------------------------------------
+# -- LoRA on a KerasHub backbone ------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["gemma", "roberta"])
 def test_backbone_lora_gets_adapter_blocks_and_keeps_frozen_kernels(family, tmp_path):
     """``backbone.enable_lora(4)`` (query and value projections): before, ``wrap`` registered no

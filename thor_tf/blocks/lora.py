@@ -28,8 +28,8 @@ factors the kernel as a matrix ``[c·o', e]``, so ``A`` is ``[c, o', r]`` and ``
 
     u[p, o', k] = Σ_c x[p, c]·A[c, o', k]          (the A side: an EinsumDense from c to (o', k))
     z[p, o', e] = Σ_k s·u[p, o', k]·B[k, e] + ...
-    A side: rows p (positions),       a = x[p, c]             g_A = s·Σ_e g[p, o', e]·B[k, e] over (o', k)
-    B side: rows (p, o') (positions × o'), a = s·u[p, o', :]  g_B = g[p, o', :]              over e
+    A side: rows p,        a = x[p, c]         over c,  g_A = s·Σ_e g[p, o', e]·B[k, e]  over (o', k)
+    B side: rows (p, o'),  a = s·u[p, o', :]   over r,  g_B = g[p, o', :]                over e
 
 The B side's rows run over the positions and the other output axes (``P_B = P·|o'|``: B is
 shared by every head as a Dense kernel is shared by every position). Its bias is folded only

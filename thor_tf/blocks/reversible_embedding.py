@@ -131,7 +131,8 @@ class TiedHeadBlock(KroneckerBlock):
     kernel_attribute = "embeddings"
     observe = "output"
     #: Whether discovery must check, on a symbolic forward pass, that the model calls the layer
-    #: with ``reverse=True`` at all (the graph did not say; :func:`thor_tf.discovery.find_candidates`).
+    #: with ``reverse=True`` at all (the graph did not say;
+    #: :func:`thor_tf.discovery.find_candidates`).
     needs_call_check = False
 
     def __init__(self, name, layer, lookup=None):
