@@ -109,3 +109,78 @@ def test_with_one_use_removed_the_step_is_that_uses_block(kind):
     for a, b in zip(plain.weights, rev_model.weights):
         b = b.numpy().T if a.shape != b.shape else b.numpy()
         np.testing.assert_allclose(a.numpy(), b, rtol=1e-5, atol=1e-6, err_msg=a.name)
+
+
+class _TiedInside(keras.layers.Layer):
+    """A layer that holds a tied ReversibleEmbedding and uses it both ways inside its own
+    ``call``: the model's graph has no node for the embedding (only discovery's symbolic forward
+    pass sees the ``reverse=True`` call)."""
+
+    def __init__(self, v, d, **kwargs):
+        super().__init__(**kwargs)
+        self.tok = keras.layers.ReversibleEmbedding(v, d, name="tok")
+        self.mix = keras.layers.Dense(d, activation="tanh", name="mix")
+
+    def build(self, shape):
+        self.tok.build(shape)
+        self.mix.build(tuple(shape) + (self.tok.output_dim,))
+
+    def call(self, tokens):
+        return self.tok(self.mix(self.tok(tokens)), reverse=True)
+
+
+def test_a_tied_embedding_used_both_ways_inside_a_layer_keeps_its_head_block():
+    keras.utils.set_random_seed(3)
+    v, t = 9, 5
+    inputs = keras.Input((t,), dtype="int32")
+    model = keras.Model(inputs, _TiedInside(v, 4, name="inside")(inputs))
+    rng = np.random.default_rng(4)
+    x, y = rng.integers(0, v, size=(16, t)).astype("int32"), rng.integers(0, v, size=(16, t))
+    weights = [w.numpy() for w in model.weights]
+    wrapped = thor_tf.wrap(model, frequency=1, verbose=False)
+    # discovery's symbolic forward pass changed nothing
+    for w, before in zip(model.weights, weights):
+        np.testing.assert_array_equal(w.numpy(), before)
+    assert {b.name: b.kind for b in wrapped.thor.blocks} == {
+        "tok": "embedding", "tok/reverse": "tied head", "mix": "dense"}
+    wrapped.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    for _ in range(3):
+        wrapped.train_on_batch(x, y)
+    assert all(s["refreshes"] >= 1 for s in wrapped.thor.layer_stats())
+
+
+def test_untied_reversible_embedding_has_a_lookup_and_a_head_block_on_its_two_matrices():
+    """``tie_weights=False`` (KerasHub's Llama, Mistral, Phi-3): the lookup on ``E [V, D]`` and the
+    head on ``R = reverse_embeddings [D, V]`` are two variables, each with its block; factors and
+    the head's step against float64 rows built by hand (per-token terms: g = softmax − onehot)."""
+    vocab, length, width, n = 9, 5, 4, 6
+    keras.utils.set_random_seed(2)
+    tokens = keras.Input((length,), dtype="int32")
+    rev = keras.layers.ReversibleEmbedding(vocab, width, tie_weights=False, name="rev")
+    mix = keras.layers.Dense(width, activation="tanh", name="mix")
+    model = keras.Model(tokens, rev(mix(rev(tokens)), reverse=True))
+    rng = np.random.default_rng(8)
+    x, y = rng.integers(0, vocab, size=(n, length)), rng.integers(0, vocab, size=(n, length))
+    E, W, b = (v.numpy().astype(np.float64) for v in (rev.embeddings, mix.kernel, mix.bias))
+    R = rev.reverse_embeddings.numpy().astype(np.float64)
+
+    e = E[x.reshape(-1)]                                        # lookup rows [N·T, D]
+    h = np.tanh(e @ W + b)                                      # the head's input rows
+    g_head = _softmax(h @ R) - np.eye(vocab)[y.reshape(-1)]     # dℓ_t/dlogits per token term
+    g_lookup = ((g_head @ R.T) * (1 - h ** 2)) @ W.T            # dℓ_t/de, chain rule by hand
+    valid = np.ones(n * length, bool)
+    A_h, G_h, step_h = _kfac_step(h, g_head, valid, h.T @ g_head / (n * length), DAMPING)
+    counts = np.bincount(x.reshape(-1), minlength=vocab) / (n * length)
+
+    wrapped = thor_tf.wrap(model, **OPTIONS)
+    assert {bl.name: bl.kind for bl in wrapped.thor.blocks} == {
+        "rev": "embedding", "rev/reverse": "untied head", "mix": "dense"}
+    wrapped.compile(loss=LOSS)
+    wrapped.train_on_batch(x.astype("int32"), y)
+    head, lookup = wrapped.thor.factors("rev/reverse"), wrapped.thor.factors("rev")
+    np.testing.assert_allclose(head["A"], A_h, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(head["G"], G_h, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(lookup["A"], counts, rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(lookup["G"], g_lookup.T @ g_lookup / (n * length), rtol=1e-4,
+                               atol=1e-7)
+    np.testing.assert_allclose(R - rev.reverse_embeddings.numpy(), step_h, rtol=2e-3, atol=1e-6)

@@ -32,6 +32,12 @@ this is the one module to adapt.
   shapes (``inverse.invert_selected`` then inverts a fixed batch of blocks instead of gathering
   the refreshing ones).
 
+* :func:`symbolic_forward` - ``keras.src.backend.compute_output_spec`` and
+  ``Functional._inputs_struct``: one forward pass of a Functional model on placeholders (a
+  scratch graph: no numbers computed, no variable changed), for discovery to see which calls the
+  layers' own ``call`` code makes (a layer called inside another layer's ``call`` has no node in
+  the model's graph).
+
 * :func:`tape_could_record` - TensorFlow's ``record.could_possibly_record``: whether a
   ``GradientTape`` is active in this thread (the layer hooks record only then, so inference
   observes nothing). Present from TF 2.16 (the floor) to 2.21.
@@ -84,6 +90,19 @@ def first_local_batch(epoch_iterator, strategy):
             lambda v: strategy.experimental_local_results(v)[0]
             if isinstance(v, tf.distribute.DistributedValues) else v, batch)
     return None
+
+
+def symbolic_forward(model, fn):
+    """``fn(inputs)`` traced once on placeholders of the Functional ``model``'s inputs (a scratch
+    graph: nothing is computed or assigned). Returns False when the model has no symbolic inputs
+    (a subclassed model), else True."""
+    inputs = getattr(model, "_inputs_struct", None)
+    if inputs is None:
+        return False
+    from keras.src import backend as keras_backend
+
+    keras_backend.compute_output_spec(fn, inputs)
+    return True
 
 
 def symbolic_build(model, data_batch):

@@ -132,14 +132,16 @@ class CaptureStore:
         finally:
             self._local.forced = previous
 
-    def add(self, key: str, inputs) -> Record:
-        """A new record of one call of ``key`` (see the module docstring for stale records)."""
+    def add(self, key: str, inputs, record=None) -> Record:
+        """A new record of one call of ``key`` (see the module docstring for stale records);
+        ``record``: an existing record to file under ``key`` too (a block that reads another
+        block's records: both keys hold the same object, so ``z`` and ``dL/dz`` are shared)."""
         records = self._records().setdefault(key, [])
         if records and all(r.grad is not None for r in records):
             records.clear()  # a finished forward and backward that no step took
         if len(records) >= MAX_RECORDS_PER_LAYER:
             del records[0]
-        record = Record(inputs)
+        record = Record(inputs) if record is None else record
         records.append(record)
         return record
 
@@ -170,25 +172,34 @@ def install(block, store: CaptureStore) -> None:
     swapped only for the duration of the call, under a per-layer lock (replica threads of a
     strategy may call the same layer at once). ``block`` may be a list of blocks on one layer (a
     tied embedding's lookup and head): each call is recorded for the first block that
-    :meth:`~thor_tf.blocks.KroneckerBlock.accepts_call` it (the first block if none does).
+    :meth:`~thor_tf.blocks.KroneckerBlock.accepts_call` it (the first block if none does), and
+    filed too under every block whose ``shares_records_of`` is that block (one record, two keys).
     """
     blocks = list(block) if isinstance(block, (list, tuple)) else [block]
     layer = blocks[0].layer
     own_call = layer.call  # bound: the class's call, or an instance attribute the user set
     previous = layer.__dict__.get("call")
     lock = threading.RLock()
+    # Blocks that read another block's records (a LoRA layer's B side) get no calls routed.
+    routed = [b for b in blocks if getattr(b, "shares_records_of", None) is None] or blocks
 
     def route(args, kwargs):
-        if len(blocks) == 1:
-            return blocks[0]
-        return next((b for b in blocks if b.accepts_call(args, kwargs)), blocks[0])
+        if len(routed) == 1:
+            return routed[0]
+        return next((b for b in routed if b.accepts_call(args, kwargs)), routed[0])
 
     def call(*args, **kwargs):
+        return observing_call(own_call, args, kwargs)
+
+    def observing_call(own_call, args, kwargs):
         if not store.observing:
             return own_call(*args, **kwargs)
         chosen = route(args, kwargs)
         key, observe = chosen.name, chosen.observe_point()
         record = store.add(key, _first_input(args, kwargs))
+        for reader in blocks:
+            if getattr(reader, "shares_records_of", None) is chosen:
+                store.add(reader.name, record.inputs, record=record)  # the same Record object
         hook = not store.in_step
         if observe == "output":
             return record.observe(own_call(*args, **kwargs), hook)
@@ -208,7 +219,20 @@ def install(block, store: CaptureStore) -> None:
 
     # object.__setattr__ keeps the closure out of Keras attribute tracking.
     object.__setattr__(layer, "call", call)
-    object.__setattr__(layer, "_thor_hooked", (previous,))
+    # A quantized layer is run through ``quantized_call`` (Keras' Operation.__call__), not
+    # ``call``: observed the same way (its int8/int4 calls pass z to ``self.activation`` too).
+    # Only blocks that accept quantized layers (a QLoRA layer's adapters) see such calls.
+    previous_quantized = layer.__dict__.get("quantized_call")
+    if getattr(layer, "quantization_mode", None) is not None and hasattr(layer, "quantized_call"):
+        own_quantized = layer.quantized_call
+
+        def quantized_call(*args, **kwargs):
+            return observing_call(own_quantized, args, kwargs)
+
+        object.__setattr__(layer, "quantized_call", quantized_call)
+        object.__setattr__(layer, "_thor_hooked", (previous, previous_quantized, True))
+    else:
+        object.__setattr__(layer, "_thor_hooked", (previous, None, False))
 
 
 def is_installed(layer) -> bool:
@@ -220,8 +244,13 @@ def uninstall(layer) -> None:
     hooked = layer.__dict__.pop("_thor_hooked", None)
     if hooked is None:
         return
-    (previous,) = hooked
+    previous, previous_quantized, quantized = hooked
     if previous is None:
         layer.__dict__.pop("call", None)
     else:
         object.__setattr__(layer, "call", previous)
+    if quantized:
+        if previous_quantized is None:
+            layer.__dict__.pop("quantized_call", None)
+        else:
+            object.__setattr__(layer, "quantized_call", previous_quantized)

@@ -14,6 +14,9 @@ reason. :func:`registration_table` is the one table ``wrap`` prints.
 
 from __future__ import annotations
 
+import abc
+import re
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -22,11 +25,27 @@ from thor_tf import _keras_compat, capture
 from thor_tf.blocks import block_class_for, registered_layer_class
 from thor_tf.inverse import split_layout
 
+class NormalizationByName(abc.ABC):
+    """``isinstance(layer, NormalizationByName)``: a Keras layer whose class (or a base class) is
+    named like a normalization — ``RMSNormalization``, KerasHub's ``LlamaLayerNorm``,
+    ``MistralLayerNormalization``, ``QwenLayerNorm``, ``Phi3LayerNorm``, ``GemmaRMSNorm``... —
+    which subclass ``keras.layers.Layer``, not ``LayerNormalization``."""
+
+    _PATTERN = re.compile(r"(RMS|Layer|Group|Batch|Instance)Norm(alization)?$")
+
+    @classmethod
+    def __subclasshook__(cls, klass):
+        if not issubclass(klass, keras.layers.Layer):
+            return NotImplemented
+        return any(cls._PATTERN.search(base.__name__) for base in klass.__mro__) or NotImplemented
+
+
 #: Layers whose parameters are first order by design (no warning at wrap).
 EXPECTED_FIRST_ORDER = (
     keras.layers.BatchNormalization,
     keras.layers.LayerNormalization,
     keras.layers.GroupNormalization,
+    NormalizationByName,
 )
 
 
@@ -141,15 +160,57 @@ def find_candidates(model, exclude=()):
                 reason = probe_reason(block)
         if reason is None:
             candidates.append(block)
-            # A tied embedding's output projection: a second block on the same variable.
+            # A tied embedding's output projection, a LoRA layer's B side: a second block.
             candidates.extend(c for c in block.companion_blocks()
                               if type(c).unsupported_reason(layer) is None)
         else:
             structural.append((layer, reason))
+    unsure = [b for b in candidates if getattr(b, "needs_call_check", False)]
+    if unsure:
+        called = blocks_called(model, candidates)
+        if called is not None:
+            candidates = [b for b in candidates if b not in unsure or b.name in called]
     weight_index = {id(v): i for i, v in enumerate(model.weights)}
     candidates.sort(key=lambda b: weight_index[id(b.kernel)])
     _unique_names(candidates)
     return candidates, structural
+
+
+def blocks_called(model, blocks):
+    """The names of ``blocks`` that one forward pass of ``model`` calls (the layers' own ``call``
+    code routes each call to a block, :mod:`thor_tf.capture`), or None if that cannot be seen.
+
+    The pass is symbolic (placeholders in a scratch graph: nothing computed, no variable
+    changed), on the Functional model's inputs, in inference mode. It sees calls that the
+    model's graph does not record: a layer called inside another layer's ``call``, e.g. the
+    ``ReversibleEmbedding`` inside ``keras_hub.layers.TokenAndPositionEmbedding``, which the
+    keras-io miniature GPT never calls with ``reverse=True`` (its head is a Dense)."""
+    by_layer = {}
+    for block in blocks:
+        by_layer.setdefault(id(block.layer), []).append(block)
+    store = capture.CaptureStore()
+    seen = set()
+
+    def forward(inputs):
+        with store.step():
+            model(inputs, training=False)
+            seen.update(store.take([b.name for b in blocks]))
+
+    installed = []
+    try:
+        for group in by_layer.values():
+            if capture.is_installed(group[0].layer):
+                return None
+            capture.install(group, store)
+            installed.append(group[0].layer)
+        if not _keras_compat.symbolic_forward(model, forward):
+            return None
+    except Exception:  # noqa: BLE001 - a model that cannot run on placeholders: no answer
+        return None
+    finally:
+        for layer in installed:
+            capture.uninstall(layer)
+    return seen
 
 
 def _unique_names(blocks):
@@ -161,7 +222,11 @@ def _unique_names(blocks):
         return
     for block in blocks:
         if names.count(block.name) > 1:
-            block.name = getattr(block.layer, "path", None) or block.name
+            # A second block's suffix ("/reverse", "/lora_b") stays after the path.
+            base = block.layer.name
+            suffix = block.name[len(base):] if block.name.startswith(base) else ""
+            path = getattr(block.layer, "path", None)
+            block.name = path + suffix if path else block.name
     names = [b.name for b in blocks]
     for i, block in enumerate(blocks):
         if names.count(block.name) > 1:
@@ -176,6 +241,15 @@ def first_order_layers(model, candidates, structural, trainable_variables):
     trained = {id(v) for v in trainable_variables}
     block_layers = {id(b.layer) for b in candidates}
     structural_reason = {id(layer): reason for layer, reason in structural}
+    # A layer whose blocks' kernels are all untrained but that trains other variables: LoRA
+    # enabled after wrap (the adapters came after discovery), or a kernel frozen alone.
+    trained_blocks = {id(b.layer) for b in candidates if id(b.kernel) in trained}
+    for block in candidates:
+        layer = block.layer
+        if id(layer) not in trained_blocks and id(layer) not in structural_reason:
+            structural_reason[id(layer)] = (
+                "LoRA enabled after wrap: wrap the model after enable_lora"
+                if getattr(layer, "lora_enabled", False) else "its kernel is not trained")
     holders = block_layers | set(structural_reason)
     out, seen = [], set()
 
@@ -229,6 +303,7 @@ def registration_table(blocks, first_order, frozen_layers, split_dim):
         lines.append("  first order: none")
     if frozen_layers:
         # trainable=False, or another optimizer's (a GAN's generator under the d_optimizer).
-        lines.append("  not trained by this optimizer: "
-                     + ", ".join(layer.name for layer in frozen_layers))
+        # One name per layer (a layer with two blocks, e.g. a tied embedding, is listed once).
+        names = list(dict.fromkeys(layer.name for layer in frozen_layers))
+        lines.append("  not trained by this optimizer: " + ", ".join(names))
     return "\n".join(lines)

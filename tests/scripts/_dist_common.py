@@ -75,6 +75,33 @@ def token_model(**options):
     return w
 
 
+def lora_model(**options):
+    """Tokens → frozen Embedding → Dense and an attention-like EinsumDense with LoRA (kernels
+    frozen, adapters with random B) → pooling → a frozen Dense head: only LoRA blocks train."""
+    import keras
+    import numpy as np
+    import thor_tf
+
+    keras.utils.set_random_seed(0)
+    ff = keras.layers.Dense(8, activation="relu", name="ff")
+    heads = keras.layers.EinsumDense("abc,cde->abde", (12, 2, 4), bias_axes="e", name="heads")
+    m = keras.Sequential([keras.Input((12,), dtype="int64"),
+                          keras.layers.Embedding(30, 8, name="embed", trainable=False), ff, heads,
+                          keras.layers.Reshape((12, 8)), keras.layers.GlobalAveragePooling1D(),
+                          keras.layers.Dense(10, activation="softmax", name="out",
+                                             trainable=False)])
+    ff.enable_lora(2, lora_alpha=4)
+    heads.enable_lora(3)
+    rng = np.random.default_rng(1)
+    for layer in (ff, heads):
+        layer.lora_kernel_b.assign(0.3 * rng.normal(size=layer.lora_kernel_b.shape))
+    options = {"learning_rate": 0.1, "frequency": 2, "split_dim": 8, "verbose": False,
+               "trace_filter": "none", **options}
+    w = thor_tf.wrap(m, **options)
+    w.compile(loss="sparse_categorical_crossentropy")
+    return w
+
+
 def replica_values(variable):
     """The per-replica copies of a (Keras) variable as NumPy arrays (one entry off a strategy)."""
     value = getattr(variable, "value", variable)

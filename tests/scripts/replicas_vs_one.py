@@ -16,8 +16,9 @@ tf = common.setup(replicas)
 import numpy as np  # noqa: E402
 
 keras_models = {"conv": (common.conv_model, common.digits()),
-                "tokens": (common.token_model, common.tokens())}
-which = sys.argv[3].split(",") if len(sys.argv) > 3 else list(keras_models)
+                "tokens": (common.token_model, common.tokens()),
+                "lora": (common.lora_model, common.tokens())}
+which = sys.argv[3].split(",") if len(sys.argv) > 3 else ["conv", "tokens"]
 
 
 options = {} if assignment == "all" else {"inverse_assignment": assignment}  # "all": default

@@ -23,7 +23,9 @@ from thor_tf.blocks.conv2d import Conv2DBlock
 from thor_tf.blocks.dense import DenseBlock
 from thor_tf.blocks.einsum_dense import EinsumDenseBlock
 from thor_tf.blocks.embedding import EmbeddingBlock
-from thor_tf.blocks.reversible_embedding import TiedHeadBlock, TiedLookupBlock
+from thor_tf.blocks.lora import LoraABlock, LoraBBlock
+from thor_tf.blocks.reversible_embedding import (TiedHeadBlock, TiedLookupBlock,
+                                                 UntiedHeadBlock)
 
 _REGISTRY: dict = {}
 
@@ -60,10 +62,22 @@ def registered_layer_class(layer):
     return None
 
 
+#: Block classes whose layers, once LoRA-enabled (``layer.enable_lora(rank)``: kernel frozen,
+#: adapters trainable), get the adapters' blocks instead (:mod:`thor_tf.blocks.lora`).
+_LORA_VARIANTS = {DenseBlock: LoraABlock, EinsumDenseBlock: LoraABlock}
+
+
 def block_class_for(layer):
-    """The block class for ``layer`` (nearest registered class in its MRO), or None."""
+    """The block class for ``layer`` (nearest registered class in its MRO), or None. A
+    LoRA-enabled Dense or EinsumDense with the library's block gets :class:`LoraABlock` (which
+    brings its B side along as a companion)."""
     cls = registered_layer_class(layer)
-    return None if cls is None else _REGISTRY[cls]
+    if cls is None:
+        return None
+    block_class = _REGISTRY[cls]
+    if getattr(layer, "lora_enabled", False) and block_class in _LORA_VARIANTS:
+        return _LORA_VARIANTS[block_class]
+    return block_class
 
 
 register_block(keras.layers.Dense, DenseBlock)
@@ -75,5 +89,7 @@ if hasattr(keras.layers, "ReversibleEmbedding"):  # Keras >= 3.11 (KerasHub's su
     register_block(keras.layers.ReversibleEmbedding, TiedLookupBlock)
 
 __all__ = ["KroneckerBlock", "DenseBlock", "Conv2DBlock", "Conv1DBlock", "EinsumDenseBlock",
-           "EmbeddingBlock", "TiedLookupBlock", "TiedHeadBlock", "block_gram", "register_block",
-           "registered_blocks", "block_class_for", "registered_layer_class"]
+           "EmbeddingBlock", "TiedLookupBlock", "TiedHeadBlock", "UntiedHeadBlock", "LoraABlock",
+           "LoraBBlock",
+           "block_gram", "register_block", "registered_blocks", "block_class_for",
+           "registered_layer_class"]

@@ -160,8 +160,14 @@ class KroneckerBlock:
         return True
 
     def companion_blocks(self):
-        """Further blocks on the same layer (default none): a tied embedding's head."""
+        """Further blocks on the same layer (default none): a tied embedding's head, a LoRA
+        layer's B side."""
         return []
+
+    #: Another block on the same layer whose records this block reads (default None: the layer's
+    #: calls are routed to it by :meth:`accepts_call`). A LoRA layer's B side reads its A side's:
+    #: both see every call, the same input, ``z`` and ``dL/dz`` (:mod:`thor_tf.capture`).
+    shares_records_of = None
 
     def matches(self, record):
         """Whether one observed call has the block's structure (static shapes only): ``z`` ends

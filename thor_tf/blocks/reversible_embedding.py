@@ -50,6 +50,21 @@ def _is_reverse(args, kwargs):
     return len(args) > 1 and bool(args[1])
 
 
+def _head_reason(layer):
+    """Why a ``ReversibleEmbedding``'s ``reverse=True`` call cannot have a block, or None."""
+    if getattr(layer, "logit_soft_cap", None) is not None:
+        return "soft-capped logits (z is not the call's output)"
+    if getattr(layer, "reverse_dtype", None) is not None:
+        return "reverse_dtype set"
+    return None
+
+
+def _same_rank(record):
+    """A head call maps ``[..., D]`` to ``[..., V]``: ``z`` has the input's rank."""
+    rank_in, rank_z = record.inputs.shape.rank, record.z.shape.rank
+    return rank_in is None or rank_z is None or rank_z == rank_in
+
+
 class TiedLookupBlock(EmbeddingBlock):
     """The lookup use of a ``ReversibleEmbedding`` (an :class:`EmbeddingBlock`); it brings its
     tied head (:class:`TiedHeadBlock`) along as a companion when the weights are tied."""
@@ -59,18 +74,36 @@ class TiedLookupBlock(EmbeddingBlock):
     def accepts_call(self, args, kwargs):
         return not _is_reverse(args, kwargs)
 
-    def companion_blocks(self):
-        """The tied head, unless the weights are untied or the model's graph (Functional) never
-        calls the layer with ``reverse=True`` (BERT's token embedding: a lookup only)."""
-        layer = self.layer
-        if not getattr(layer, "tie_weights", False):
-            return []
-        nodes = getattr(layer, "_inbound_nodes", None) or []
+    def reverse_in_graph(self):
+        """Whether the model's graph (Functional) calls the layer with ``reverse=True``: True or
+        False from its nodes, None when they do not say (no nodes: the layer is called inside
+        another layer's ``call``, as in ``keras_hub.layers.TokenAndPositionEmbedding``, or the
+        model is subclassed)."""
+        nodes = getattr(self.layer, "_inbound_nodes", None) or []
         calls = [getattr(node, "arguments", None) for node in nodes]
-        if calls and all(c is not None for c in calls) and not any(
-                _is_reverse(c.args, c.kwargs) for c in calls):
+        if not calls or any(c is None for c in calls):
+            return None
+        return any(_is_reverse(c.args, c.kwargs) for c in calls)
+
+    def companion_blocks(self):
+        """The head: tied (:class:`TiedHeadBlock`, on the one matrix) or untied
+        (:class:`UntiedHeadBlock`, on ``reverse_embeddings``: Llama, Mistral, Phi-3), unless the
+        model's graph (Functional) never calls the layer with ``reverse=True`` (BERT's token
+        embedding: a lookup only). When the
+        graph does not say, the head is kept subject to discovery's check of one symbolic forward
+        pass (:attr:`TiedHeadBlock.needs_call_check`)."""
+        layer = self.layer
+        in_graph = self.reverse_in_graph()
+        if in_graph is False:
             return []
-        return [TiedHeadBlock(f"{self.name}/reverse", layer, lookup=self)]
+        if getattr(layer, "tie_weights", False):
+            head = TiedHeadBlock(f"{self.name}/reverse", layer, lookup=self)
+        elif getattr(layer, "reverse_embeddings", None) is not None:
+            head = UntiedHeadBlock(f"{self.name}/reverse", layer)
+        else:
+            return []
+        head.needs_call_check = in_graph is None
+        return [head]
 
     def tied_head(self, blocks):
         """The :class:`TiedHeadBlock` of the same layer among ``blocks``, or None."""
@@ -97,6 +130,10 @@ class TiedHeadBlock(KroneckerBlock):
     kind = "tied head"
     kernel_attribute = "embeddings"
     observe = "output"
+    #: Whether discovery must check, on a symbolic forward pass, that the model calls the layer
+    #: with ``reverse=True`` at all (the graph did not say;
+    #: :func:`thor_tf.discovery.find_candidates`).
+    needs_call_check = False
 
     def __init__(self, name, layer, lookup=None):
         super().__init__(name, layer)
@@ -109,12 +146,7 @@ class TiedHeadBlock(KroneckerBlock):
 
     @classmethod
     def unsupported_reason(cls, layer):
-        reason = super().unsupported_reason(layer)
-        if reason is None and getattr(layer, "logit_soft_cap", None) is not None:
-            return "soft-capped logits (z is not the call's output)"
-        if reason is None and getattr(layer, "reverse_dtype", None) is not None:
-            return "reverse_dtype set"
-        return reason
+        return super().unsupported_reason(layer) or _head_reason(layer)
 
     def accepts_call(self, args, kwargs):
         return _is_reverse(args, kwargs)
@@ -123,9 +155,7 @@ class TiedHeadBlock(KroneckerBlock):
         return ops.matmul(inputs, ops.transpose(self.layer.embeddings))
 
     def matches(self, record):
-        rank_in, rank_z = record.inputs.shape.rank, record.z.shape.rank
-        shaped = rank_in is None or rank_z is None or rank_z == rank_in
-        return shaped and super().matches(record)
+        return _same_rank(record) and super().matches(record)
 
     def to_matrix(self, kernel_value, bias_value=None):
         if isinstance(kernel_value, tf.IndexedSlices):
@@ -134,6 +164,45 @@ class TiedHeadBlock(KroneckerBlock):
 
     def from_matrix(self, matrix):
         return tf.transpose(matrix), None
+
+    def input_rows(self, inputs):
+        return tf.reshape(tf.cast(inputs, tf.float32), [-1, self.in_dim])
+
+    def input_sq_norm_sum(self, inputs):
+        x = tf.cast(inputs, tf.float32)
+        return tf.reduce_sum(tf.square(x)), tf.cast(tf.size(x) // self.in_dim, tf.float32)
+
+
+class UntiedHeadBlock(KroneckerBlock):
+    """The output projection of an *untied* ``ReversibleEmbedding`` (``tie_weights=False``):
+    ``z = h @ R`` with its own variable ``R = reverse_embeddings`` ``[D, V]`` — a bias-free Dense
+    (``a = h`` over D, ``g = dℓ/dz`` over the V logits), a block of its own beside the lookup's
+    (two variables: no split of a gradient, unlike the tied head). Without it every step saw the
+    ``reverse=True`` call on the lookup block, which does not match it, and left the whole layer
+    first order (KerasHub's Llama, Mistral and Phi-3 token embeddings never refreshed)."""
+
+    kind = "untied head"
+    kernel_attribute = "reverse_embeddings"
+    observe = "output"
+    needs_call_check = False
+
+    def __init__(self, name, layer):
+        super().__init__(name, layer)
+        self.bias = None
+        self.a_dim = self.in_dim
+
+    @classmethod
+    def unsupported_reason(cls, layer):
+        return super().unsupported_reason(layer) or _head_reason(layer)
+
+    def accepts_call(self, args, kwargs):
+        return _is_reverse(args, kwargs)
+
+    def pre_activation(self, inputs):
+        return ops.matmul(inputs, self.layer.reverse_embeddings)
+
+    def matches(self, record):
+        return _same_rank(record) and super().matches(record)
 
     def input_rows(self, inputs):
         return tf.reshape(tf.cast(inputs, tf.float32), [-1, self.in_dim])
