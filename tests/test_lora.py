@@ -173,6 +173,7 @@ def _grad_matrices(case, x64, y, params):
     return mat_a, mat_b
 
 
+@pytest.mark.update_rule("inverse")  # the update checked is THOR's inverse (natural-gradient) step
 @pytest.mark.parametrize("case,split", [(c, 64) for c in sorted(CASES)]
                          + [("dense", 2), ("einsum_heads", 2)])
 def test_lora_blocks_factors_traces_and_update_match_first_principles(case, split):
@@ -435,3 +436,35 @@ def test_qlora_int8_adapters_have_their_blocks(case):
     for v, before in frozen:
         np.testing.assert_array_equal(v.numpy(), before)
     assert not np.array_equal(layer.lora_kernel_b.numpy(), b.astype("float32"))
+
+
+def test_padded_tokens_count_in_neither_adapter_factor():
+    """A per-token loss with padding (sample weight 0): the A side's ``A = mean x xᵀ`` and the B
+    side's ``A = mean [s·x·A, 1][s·x·A, 1]ᵀ`` are over the valid tokens only (float64, explicit
+    rows). Before the engine read the block's ``mask_width`` (z's features per token), the A
+    side's G over the rank did not divide z per token, the mask was dropped and the padded rows
+    counted."""
+    keras.utils.set_random_seed(0)
+    layer = keras.layers.Dense(6, name="blk")
+    model = keras.Sequential([keras.Input((5, 4)), layer])
+    layer.enable_lora(RANK, lora_alpha=ALPHA)
+    rng = np.random.default_rng(0)
+    layer.lora_kernel_b.assign(rng.normal(size=layer.lora_kernel_b.shape).astype("float32"))
+    x = rng.normal(size=(4, 5, 4)).astype("float32")
+    y = rng.integers(0, 6, size=(4, 5))
+    w = np.ones((4, 5), "float32")
+    w[:, 3:] = 0.0  # the last two tokens of every sequence are padding
+    a = layer.lora_kernel_a.numpy().astype(np.float64)
+    wrapped = thor_tf.wrap(model, preset="thor_nt", frequency=1, verbose=False)
+    wrapped.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    wrapped.train_on_batch(x, y, sample_weight=w)
+    def factors(rows):
+        u = np.concatenate([SCALE * rows @ a, np.ones((len(rows), 1))], axis=1)
+        return {"blk/lora_a": rows.T @ rows / len(rows), "blk/lora_b": u.T @ u / len(u)}
+
+    every = x.reshape(-1, 4).astype(np.float64)
+    expected, unmasked = factors(every[w.reshape(-1) > 0]), factors(every)
+    for name, want in expected.items():
+        got = wrapped.thor.factors(name)["A"]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+        assert not np.allclose(got, unmasked[name], rtol=1e-3)

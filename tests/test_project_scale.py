@@ -75,8 +75,9 @@ out = {}
 for assignment in ("all", "balanced"):
     issued.clear()
     with strategy.scope():
-        model = thor_tf.wrap(live_model(), split_dim=8, preset="thor_nt", trace_filter="none",
-                             frequency=1, inverse_assignment=assignment, verbose=False)
+        model = thor_tf.wrap(live_model(), update_rule="inverse", split_dim=8, preset="thor_nt",
+                             trace_filter="none", frequency=1, inverse_assignment=assignment,
+                             verbose=False)
         model.compile(loss="sparse_categorical_crossentropy")
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # one step: every block refreshes
     refreshes = [s["refreshes"] for s in model.thor.layer_stats()]
@@ -113,7 +114,8 @@ def live_model():
 
 def test_bytes_equal_bench_distributed_recorded(ps):
     """A live 2-replica run (MirroredStrategy over 2 logical CPUs, one step at which every block
-    refreshes, each inverse assignment): every collective the replicas issue, counted at
+    refreshes, each inverse assignment; the inverse rule, whose state bench_distributed recorded):
+    every collective the replicas issue, counted at
     ``ReplicaContext.all_reduce``, is one of the model's stages with exactly its bytes (nothing
     else is exchanged; inverses only with "balanced")."""
     import subprocess

@@ -614,23 +614,25 @@ class ThorEngine(Introspection):
 
 
 def _rows_per_example(block, record):
-    """Static rows per example of one call (``z``'s size past the batch over ``g_dim``)."""
-    return record.z.shape[1:].num_elements() // block.g_dim
+    """Static mask rows per example of one call (``z``'s size past the batch over the block's
+    ``mask_width``: ``g_dim`` but for a LoRA A side)."""
+    return record.z.shape[1:].num_elements() // block.mask_width
 
 
 def _row_masks(block, records, terms):
     """Per record of ``block`` its row mask (:func:`thor_tf.loss_terms.row_mask`), or None when
     no record has one (every row counts: the unmasked code path)."""
-    masks = [loss_terms.row_mask(terms, r.z, block.g_dim) for r in records]
+    masks = [loss_terms.row_mask(terms, r.z, block.mask_width) for r in records]
     return None if all(m is None for m in masks) else masks
 
 
 def _valid_rows(block, records, masks):
-    """float32 number of valid rows of ``block``'s calls: Σ mask, or all rows of a call without
-    one."""
-    return tf.add_n([tf.reduce_sum(m) if m is not None
-                     else tf.cast(tf.size(r.z), tf.float32) / float(block.g_dim)
-                     for m, r in zip(masks, records)])
+    """float32 number of valid rows of ``block``'s calls: Σ mask (times ``mask_repeats``: a LoRA
+    B side's rows are positions × heads), or all rows of a call without one."""
+    return float(block.mask_repeats) * tf.add_n(
+        [tf.reduce_sum(m) if m is not None
+         else tf.cast(tf.size(r.z), tf.float32) / float(block.mask_width)
+         for m, r in zip(masks, records)])
 
 
 def _traces(layer):

@@ -220,6 +220,16 @@ class KroneckerBlock:
         width = g.shape[-1] if g.shape[-1] is not None else tf.shape(g)[-1]
         return tf.reshape(tf.cast(g, tf.float32), [-1, width])
 
+    @property
+    def mask_width(self):
+        """Features of ``z`` per row of a loss mask (the engine's row masks have one weight per
+        ``z.size / mask_width`` rows of a call): ``g_dim``, unless the block's G is not over
+        ``z``'s last axis (a LoRA A side: G over the rank)."""
+        return self.g_dim
+
+    #: The block's rows per row of a loss mask (a LoRA B side under heads: positions × heads).
+    mask_repeats = 1
+
     def positions(self, records):
         """Rows per example ``P`` (float32 scalar): ``Ho·Wo`` for Conv2D, 1 for plain Dense.
 

@@ -200,6 +200,11 @@ class _LoraBlock(KroneckerBlock):
     def matches(self, record):
         return self.geometry.matches(record.z)
 
+    @property
+    def mask_width(self):
+        # A loss mask has one weight per position of z (its rows are z's size over z_width).
+        return self.geometry.z_width
+
     def positions(self, records):
         # Rows per example of this block: z's size over the features of one of its rows.
         return positions_per_example(records, self._row_width)
@@ -277,6 +282,7 @@ class LoraBBlock(_LoraBlock):
         self.a_dim = geometry.rank + (1 if self.bias is not None else 0)
         self.g_dim = geometry.e
         self._row_width = geometry.e  # one row per position and other output axis
+        self.mask_repeats = geometry.n_other  # a position's mask weight, per other output axis
 
     def to_matrix(self, kernel_value, bias_value=None):
         m = tf.cast(kernel_value, tf.float32)
