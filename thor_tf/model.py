@@ -69,6 +69,8 @@ class _EpochTracker(keras.callbacks.Callback):
         engine = self._engine
         if getattr(engine, "_scale_checked", False) or engine._state is None:
             return
+        if not engine.config.rule.uses_damping:
+            return  # the eigenbasis rule has no damping to swamp G: it does not see the scale
         ratios = engine.curvature_to_damping()
         if not ratios:
             return

@@ -32,6 +32,8 @@ class UpdateRule:
 
     name = None
     default_learning_rate = None
+    #: Whether the rule's step depends on ``damping`` (the "G below the damping" warning).
+    uses_damping = False
 
     # -- state -------------------------------------------------------------------------------------
     def create_layer_state(self, optimizer, block, prefix, layout_a, layout_g):

@@ -50,6 +50,7 @@ class Inverse(UpdateRule):
 
     name = "inverse"
     default_learning_rate = 0.05
+    uses_damping = True
 
     def create_layer_state(self, optimizer, block, prefix, layout_a, layout_g):
         made = {}
