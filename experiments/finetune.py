@@ -92,7 +92,7 @@ from thor_tf_experiments import cli, lm, reports, text  # noqa: E402
 
 OPTIMIZERS = ("thor", "adamw", "muon", "riemannian")
 BASELINES = ("adamw", "muon", "riemannian")
-LR_GRID = {name: (3e-3, 1e-2, 3e-2) for name in BASELINES}
+LR_GRID = {name: (1e-2, 3e-2, 1e-1) for name in BASELINES}
 QUICK_LR_GRID = {name: (3e-3,) for name in BASELINES}
 #: The held-out plays of the fine-tuning (four comedies); pretraining reads every other text.
 FINETUNE_PLAYS = ("as_you_like_it", "much_ado_about_nothing", "twelfth_night",
@@ -557,7 +557,7 @@ def parse_args(argv=None):
     r.add_argument("--eval-batch", type=int, default=64)
     r.add_argument("--lr-grid", action="append", default=None, metavar="NAME=LR,...",
                    help="baseline rates, e.g. 'adamw=1e-3,3e-3;riemannian=1e-2' (default "
-                        "3e-3,1e-2,3e-2 each; --quick 3e-3)")
+                        "1e-2,3e-2,1e-1 each; --quick 3e-3)")
     r.add_argument("--out", default="runs/finetune", help="output directory")
     r.add_argument("--quick", action="store_true",
                    help="smoke run: 1 layer, hidden 32, block 32, batch 8, 40 pretraining and 20 "
