@@ -220,9 +220,10 @@ def pretrained_weights(args, corpus, out):
                       args.pretrain_seed, corpus["info"]["name"], corpus["info"]["pretrain_chars"]],
                      sort_keys=True)
     path = out / f"pretrained_{hashlib.sha1(key.encode()).hexdigest()[:10]}.weights.h5"
+    record = path.with_suffix("").with_suffix(".json")
     if path.exists():
         print(f"pretrained weights: reusing {path}", flush=True)
-        return path, None
+        return path, json.loads(record.read_text()) if record.exists() else None
     keras.backend.clear_session()
     keras.utils.set_random_seed(args.pretrain_seed)
     model = build_lm(config)
@@ -241,6 +242,7 @@ def pretrained_weights(args, corpus, out):
     model.backbone.save_weights(path)  # the weights, not the optimizer state
     result = {"steps": args.pretrain_steps, "seconds": round(seconds, 2),
               "final_train_loss": float(history.history["loss"][-1])}
+    record.write_text(json.dumps(result, indent=2) + "\n")
     print(f"pretrained in {seconds:.1f}s (train loss {result['final_train_loss']:.4f}); saved "
           f"{path}", flush=True)
     return path, result
@@ -425,8 +427,17 @@ def summarize_rank(runs, rank):
         grid = [{"lr": clr, "final_val_loss": reports.median_or_none([r.final_loss for r in cr]),
                  "final_val_loss_per_seed": [r.final_loss for r in sorted(cr, key=lambda r: r.seed)]}
                 for (cname, clr), cr in sorted(reports.by_config(runs).items()) if cname == name]
-        entry = {"lr": lr, "final_val_loss": loss, "per_seed": per_seed, "grid": grid}
-        for key in ("steps_to_target", "seconds_to_target", "total_steps", "total_seconds"):
+        # Times to the target on the median curve (per evaluation, the median over seeds of the
+        # val loss and of the cumulative seconds): the best baseline reaches its own median final
+        # at its last evaluation by construction (per seed, with an even number of seeds, one
+        # seed in two may never reach the median).
+        curve = lm.median_curve(group)
+        step, seconds = lm.steps_to_target(curve["step"], curve["val_loss"],
+                                           curve["cumulative_seconds"], target)
+        entry = {"lr": lr, "final_val_loss": loss, "steps_to_target": step,
+                 "seconds_to_target": seconds, "per_seed": per_seed, "grid": grid,
+                 "median_curve": curve}
+        for key in ("total_steps", "total_seconds"):
             entry[key] = reports.median_or_none([s[key] for s in per_seed])
         rates = sorted(g["lr"] for g in grid)
         if name != "thor" and len(rates) > 1 and lr in (rates[0], rates[-1]):
@@ -456,8 +467,9 @@ def markdown(summary):
         lines += [f"### LoRA rank {entry['rank']}", "",
                   f"Target: {_fmt(target, '.4f', 'none')} (median final val loss of the best "
                   f"baseline, {entry['best_baseline']}).", "",
-                  "| optimizer | lr | final val loss, median (per seed) | steps to target "
-                  "(per seed) | seconds to target (per seed) | train s |",
+                  "| optimizer | lr | final val loss, median (per seed) | steps to target: "
+                  "median curve (per seed) | seconds to target: median curve (per seed) | "
+                  "train s (median) |",
                   "|---|---|---|---|---|---|"]
         for name, e in entry["optimizers"].items():
             s = e["per_seed"]
@@ -563,6 +575,9 @@ def parse_args(argv=None):
                    help="smoke run: 1 layer, hidden 32, block 32, batch 8, 40 pretraining and 20 "
                         "fine-tuning steps, rank 4, 1 seed, one rate per baseline")
     r.add_argument("--verbose", action="store_true")
+    r.add_argument("--report-only", action="store_true",
+                   help="no training: rebuild summary.json, results.md and val_loss.png from "
+                        "--out/metrics.csv (the other settings as in the run)")
     args = parser.parse_args(argv)
     if args.quick:
         parser.set_defaults(layers=1, hidden=32, head_dim=16, intermediate=64, block=32, batch=8,
@@ -596,6 +611,24 @@ def parse_lr_grid(specs, base):
     return grid
 
 
+def load_runs(path):
+    """The runs of a ``metrics.csv`` (``--report-only``)."""
+    import csv
+
+    runs = {}
+    with open(path, newline="") as handle:
+        for row in csv.DictReader(handle):
+            parsed = {k: (v if k == "optimizer" else None if v in ("", "None") else
+                          int(float(v)) if k in ("rank", "seed", "step", "refreshes") else
+                          float(v)) for k, v in row.items()}
+            key = (parsed["optimizer"], parsed["lr"], parsed["rank"], parsed["seed"])
+            if key not in runs:
+                runs[key] = lm.Run(key[0], key[1], key[3])
+                runs[key].rank = key[2]
+            runs[key].rows.append(parsed)
+    return list(runs.values())
+
+
 def main(argv=None):
     args = parse_args(argv)
     try:
@@ -624,17 +657,23 @@ def main(argv=None):
     print(f"fine-tuning: ranks {args.ranks} x seeds {args.seeds} x {len(grid)} configurations, "
           f"{args.steps} steps of {args.batch} x {args.block}, val loss on {len(val_y)} windows "
           f"every {args.eval_every} steps; output in {out}", flush=True)
-    csv_log = reports.CsvLog(out / "metrics.csv", CSV_FIELDS)
-    runs = []
     started = time.perf_counter()
-    try:
-        for seed in args.seeds:
-            for rank in args.ranks:
-                for name, lr in grid:
-                    runs.append(train_run(name, lr, rank, seed, corpus, args, config, weights,
-                                          val, csv_log))
-    finally:
-        csv_log.close()
+    if args.report_only:
+        runs = load_runs(out / "metrics.csv")
+        previous = out / "summary.json"
+        wall = json.loads(previous.read_text()).get("wall_seconds") if previous.exists() else None
+    else:
+        csv_log = reports.CsvLog(out / "metrics.csv", CSV_FIELDS)
+        runs = []
+        try:
+            for seed in args.seeds:
+                for rank in args.ranks:
+                    for name, lr in grid:
+                        runs.append(train_run(name, lr, rank, seed, corpus, args, config,
+                                              weights, val, csv_log))
+        finally:
+            csv_log.close()
+        wall = round(time.perf_counter() - started, 1)
     summary = {
         "ranks": [summarize_rank(runs, rank) for rank in args.ranks],
         "model": {"name": "GemmaCausalLM", **config}, "corpus": info,
@@ -643,7 +682,7 @@ def main(argv=None):
                 "compile()",
         "baselines": {"schedule": "5 % warmup + cosine to 0", "weight_decay": WEIGHT_DECAY,
                       "riemannian_delta": RIEMANNIAN_DELTA, "lr_grid": args.lr_grid},
-        "wall_seconds": round(time.perf_counter() - started, 1),
+        "wall_seconds": wall,
         "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **reports.environment_info(),
     }
