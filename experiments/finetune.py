@@ -19,8 +19,9 @@ characters of the whole text.
 
 1. Pretraining (once, seed ``--pretrain-seed``): the whole model, AdamW (``--pretrain-lr``, 5 %
    warmup + cosine to 0, weight decay 0.01 except biases and norm scales), ``--pretrain-steps``
-   steps of ``--batch`` windows. The weights are saved in ``--out`` (``pretrained_<config>.weights.h5``,
-   the name holds every setting that changes them) and reused when present.
+   steps of ``--batch`` windows. The backbone's weights are saved in ``--out``
+   (``pretrained_<hash>.weights.h5``, the hash of every setting that changes them; the pretraining
+   record next to it, ``.json``) and reused when present.
 2. Fine-tuning, per seed and rank (``--ranks``): the pretrained weights, then
    ``keras.utils.set_random_seed(seed)`` and ``backbone.enable_lora(rank)`` (query and value
    projections; everything else frozen), so every optimizer starts from the same adapters and
@@ -46,9 +47,11 @@ training seconds (Keras ``fit`` epochs between evaluations, graph tracing of the
 Outputs in ``--out`` (default ``runs/finetune``): ``metrics.csv`` (one row per evaluation),
 ``summary.json``, ``results.md`` (per rank: each optimizer at its best rate = lowest median final
 val loss over seeds; the target = the best baseline's median final val loss; steps and seconds to
-the target = the first evaluation at or below it, median over seeds; THOR / best-baseline ratios
+the target = the first evaluation at or below it on the median curve (per evaluation, the
+median over seeds of the val loss and of the seconds); THOR / best-baseline ratios
 and whether THOR reaches the target in <= 0.75x its steps and <= 1.0x its seconds) and
 ``val_loss.png`` (val loss against steps and seconds, median over seeds, per rank).
+``--report-only`` rebuilds the last three from ``metrics.csv`` without training.
 """
 
 from __future__ import annotations
@@ -425,7 +428,8 @@ def summarize_rank(runs, rank):
                              "total_steps": r.rows[-1]["step"],
                              "total_seconds": r.rows[-1]["cumulative_seconds"]})
         grid = [{"lr": clr, "final_val_loss": reports.median_or_none([r.final_loss for r in cr]),
-                 "final_val_loss_per_seed": [r.final_loss for r in sorted(cr, key=lambda r: r.seed)]}
+                 "final_val_loss_per_seed": [r.final_loss
+                                             for r in sorted(cr, key=lambda r: r.seed)]}
                 for (cname, clr), cr in sorted(reports.by_config(runs).items()) if cname == name]
         # Times to the target on the median curve (per evaluation, the median over seeds of the
         # val loss and of the cumulative seconds): the best baseline reaches its own median final
