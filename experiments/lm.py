@@ -31,12 +31,14 @@ final validation loss over the seeds):
   projections (3-D EinsumDense kernels) get its AdamW step too. Same grid.
 * ``thor``: ``thor_tf.wrap(model, learning_rate=..., damping=..., fisher=..., damping_split=...,
   [kl_clip=..., frequency=..., max_block_age=...])`` and thor_tf's defaults for everything else
-  (momentum 0.9, preset "thor", split_dim 128, trace filter "mean", κ 0.001, no weight decay);
-  learning rate ``--thor-lr`` (default: thor_tf's, 0.05) under ``--thor-schedule`` (default
-  ``cosine``: the baselines' warmup + cosine to lr/10; ``poly``: THOR's polynomial decay sized to
-  the run, ``ThorPolynomialDecay(lr, 1.25·steps, 4.9687)`` per step), ``--damping-split``
-  (default ``pi``, not thor_tf's ``sqrt``: docs/lm.md says why), damping ``--thor-damping``
-  (constant; default thor_tf's, 0.03). The settings in force are printed and stored in the
+  (the eigenbasis update rule: Adam in the eigenbasis of the factors, β 0.9/0.95; preset "thor",
+  split_dim 128, no weight decay; damping, its split and κ act under ``--thor-option
+  update_rule=inverse`` only); peak learning rate ``--thor-lr`` (default 3e-3, the baselines'
+  best rate here) under ``--thor-schedule`` (default ``cosine``: the baselines' warmup + cosine
+  to lr/10; ``poly``: THOR's polynomial decay sized to the run, ``ThorPolynomialDecay(lr,
+  1.25·steps, 4.9687)`` per step), ``--damping-split`` (default ``pi`` for the inverse rule:
+  docs/lm.md says why), damping ``--thor-damping`` (constant; default thor_tf's, 0.03). The
+  settings in force are printed and stored in the
   summary (``thor_settings``); docs/lm.md has the measurement made with these defaults.
 
 Fairness: for a seed, every optimizer starts from the same initial weights
@@ -90,6 +92,8 @@ WEIGHT_DECAY = 0.1
 CLIP_NORM = 1.0
 WARMUP_FRACTION = 0.05
 MIN_LR_FRACTION = 0.1  # cosine decay to lr/10
+#: THOR's peak here (the eigenbasis rule): the baselines' best rate on this model.
+THOR_LR = 3e-3
 #: The output layer's name (Muon gives it its AdamW step).
 HEAD = "lm_head"
 CSV_FIELDS = ("optimizer", "lr", "seed", "step", "val_loss", "train_loss", "seconds",
@@ -626,8 +630,10 @@ def parse_args(argv=None):
     b.add_argument("--clip", type=float, default=CLIP_NORM,
                    help=f"global gradient-norm clip (default {CLIP_NORM})")
     t = parser.add_argument_group("THOR (thor_tf's defaults unless given)")
-    t.add_argument("--thor-lr", type=cli.parse_floats, default=[defaults["learning_rate"]],
-                   help=f"learning rate(s), comma list (default {defaults['learning_rate']:g})")
+    t.add_argument("--thor-lr", type=cli.parse_floats, default=[THOR_LR],
+                   help=f"peak learning rate(s), comma list (default {THOR_LR:g}, the rate AdamW "
+                        f"and Muon get here; thor_tf's own default is "
+                        f"{defaults['learning_rate']:g}: docs/lm.md)")
     t.add_argument("--thor-damping", type=float, default=defaults["damping"],
                    help=f"damping λ, constant (default {defaults['damping']:g})")
     t.add_argument("--kl-clip", type=cli._kl_clip, default=None,

@@ -618,7 +618,9 @@ def wrap(model, **options):
     Args:
       model: a built ``keras.Model`` (Sequential, Functional or subclassed).
       **options: every ``ThorOptimizer`` argument (defaults in the README's option table):
-        ``learning_rate`` (float or schedule), ``momentum``, ``damping`` (float or schedule),
+        ``update_rule`` (``"eigenbasis"``, the default, ``"inverse"`` or a
+        :class:`thor_tf.rules.UpdateRule`), ``learning_rate`` (float or schedule; default the
+        rule's rate), ``momentum``, ``damping`` (float or schedule),
         ``weight_decay``, ``weight_decay_exclude``, ``clip_norm``, ``frequency`` (int,
         ``"adaptive"``, list of ``(epoch, interval)`` pairs or callable), ``preset``
         (``"thor"``, ``"thor_stop"``, ``"thor_nt"``), ``omega1``, ``omega2``, ``split_dim`` (int

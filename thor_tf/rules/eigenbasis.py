@@ -5,13 +5,14 @@ Per block with gradient matrix ``M`` (``[a_dim, g_dim]``, bias row folded in; se
 :mod:`thor_tf.blocks.base`) and split factors ``A = ⊕_i A_i``, ``G = ⊕_j G_j``:
 
 * at a refresh (the trace rule, or ``max_block_age``): ``A_i = Q_A,i Λ_A,i Q_A,iᵀ`` and
-  ``G_j = Q_G,j Λ_G,j Q_G,jᵀ`` for every diagonal block (:mod:`thor_tf.eigh`, batched per size
-  bucket, float64 retry); the moments are carried into the new bases with ``R = Q_oldᵀ Q_new``
-  per block: ``m ← R_Aᵀ m R_G`` (exact), ``v ← (R_A∘R_A)ᵀ v (R_G∘R_G)`` (the diagonal of
+  ``G_j = Q_G,j Λ_G,j Q_G,jᵀ`` for every diagonal block (:mod:`thor_tf.eigh`: batched per size
+  bucket, float64, a tie-breaking diagonal ramp); the moments are carried into the new bases
+  with ``R = Q_oldᵀ Q_new`` per block: ``m ← R_Aᵀ m R_G`` (exact), ``v ← (R_A∘R_A)ᵀ v (R_G∘R_G)`` (the diagonal of
   ``Rᵀ diag(v) R`` on each side). Keeping ``v`` as it was across a basis change diverged on the
   digits CNN (DESIGN.md §9).
 * every step: ``M' = Q_Aᵀ M Q_G``; ``m ← β1 m + (1−β1) M'``, ``v ← β2 v + (1−β2) M'²``;
-  ``Δ' = m̂ / (√v̂ + ε)`` (bias-corrected with the optimizer's step ``t``); ``Δ = Q_A Δ' Q_Gᵀ``.
+  ``Δ' = m̂ / (√v̂ + ε + ε_r·√mean(v̂))`` (bias-corrected with the optimizer's step ``t``; the
+  mean over the block); ``Δ = Q_A Δ' Q_Gᵀ``.
 * the optimizer: ``w ← w − lr·(Δ + wd·w)`` (decoupled weight decay, ``weight_decay_exclude``
   chooses the variables); every variable without a block (or a block without a record in a step)
   takes AdamW with the same β1, β2, ε.
