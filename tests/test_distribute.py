@@ -145,12 +145,21 @@ def test_mirrored_skipped_batches_keep_moving_statistics_and_loss_scale_rule():
     assert mixed["scale"] == 2.0 ** 15 / 2 ** mixed["skipped"], mixed
 
 
+#: How far (relative to how far the weights moved) R replicas may land from one device on the same
+#: global batches. The inverse rule: float32 round-off of all-reduced sums (measured ≤ 4e-7).
+#: The eigenbasis rule (the default, which the checkpoint and multi-worker scripts run): the
+#: same round-off moves eigenvectors of close eigenvalues and Adam's per-coordinate division
+#: keeps the difference (measured < 1e-4 on TF 2.21, 1.7e-3 on TF 2.16's LAPACK; state that is
+#: not shared or not restored shows as O(1)).
+SAME_STEP = {"inverse": 1e-4, "eigenbasis": 5e-3}
+
+
 @pytest.mark.parametrize("replicas,assignment,rule", [(2, "all", "eigenbasis"),
                                                       (2, "all", "inverse"),
                                                       (4, "balanced", "inverse")])
 def test_replicas_take_the_single_device_step(replicas, assignment, rule):
     """3 epochs of 4 steps, cadence every 2 steps (refreshes and reuses both happen): weights
-    within 1e-4 of the step size of the one-device run, the same decisions, ν, factors and
+    within SAME_STEP of the step size of the one-device run, the same decisions, ν, factors and
     inverses, and every optimizer variable bit-identical on all replicas. Before this was built
     (each replica preconditioned its local gradient with its local factors) the conv model's
     weights differed by 84 % of the step size, ν was 0.352 instead of 0.137 and the replicas'
@@ -160,7 +169,7 @@ def test_replicas_take_the_single_device_step(replicas, assignment, rule):
     result = _run_file("replicas_vs_one.py", replicas, assignment, models, rule)
     for name, r in result.items():
         assert r["replicas"] == replicas and r["copies"] == replicas, (name, r)
-        assert r["relative_weight_diff"] < 1e-4, (name, r)
+        assert r["relative_weight_diff"] < SAME_STEP[rule], (name, r)
         assert r["decisions_many"] == r["decisions_one"], (name, r)
         refreshes, reuses = zip(*[(d[0], d[1]) for d in r["decisions_one"]])
         assert max(refreshes) >= 2 and max(reuses) >= 1, (name, r)  # both paths exercised
@@ -172,13 +181,13 @@ def test_replicas_take_the_single_device_step(replicas, assignment, rule):
 def test_checkpoint_of_a_two_replica_run_resumes_exactly_on_one_and_two_replicas():
     """model.save/load_model onto 1 and 2 replicas, tf.train.Checkpoint and BackupAndRestore
     (preempted in epoch 2) onto 1 device: epoch 2 ends where the uninterrupted one-device run
-    ends (weights within 1e-4 of the step size, the same counters and decisions)."""
+    ends (weights within SAME_STEP of the step size, the same counters and decisions)."""
     result = _run_file("checkpoint_replicas.py")
     assert set(result) == {"keras_save_onto_1", "keras_save_onto_2", "checkpoint_onto_1",
                            "backup_onto_1"}, result
     for how, r in result.items():
         assert r["iterations"] == 8, (how, r)
-        assert r["relative_weight_diff"] < 1e-4, (how, r)
+        assert r["relative_weight_diff"] < SAME_STEP["eigenbasis"], (how, r)
         assert r["counters_equal"] and r["decisions_equal"], (how, r)
 
 
@@ -234,7 +243,7 @@ def test_two_worker_processes_match_one_process():
         for k in range(count):
             assert np.array_equal(w0[f"{run}_{k}"], w1[f"{run}_{k}"]), (run, k)
             diff = np.abs(w0[f"{run}_{k}"] - w0[f"alone_{k}"]).max()
-            assert diff < 1e-4 * moved, (run, k, diff, moved)
+            assert diff < SAME_STEP["eigenbasis"] * moved, (run, k, diff, moved)
     if tuple(int(v) for v in results[0]["keras"].split(".")[:2]) >= (3, 15):
         # The logged loss too (Keras 3.8 aggregates the loss metric across workers otherwise:
         # weights exact, History's loss within 3 %; README "Distributed training").

@@ -479,7 +479,10 @@ class ThorModel(keras.Model):
         config = dict(config)
         model = keras.saving.deserialize_keras_object(config.pop("model"),
                                                       custom_objects=custom_objects)
-        options = _constructor_options(dict(config.pop("thor_options") or {}), custom_objects)
+        options = dict(config.pop("thor_options") or {})
+        # Saved before update rules existed: THOR's inverse rule was the only one.
+        options.setdefault("update_rule", "inverse")
+        options = _constructor_options(options, custom_objects)
         return cls(model, thor_options=options, verbose=False, **config)
 
     def _options_config(self):

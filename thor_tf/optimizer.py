@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import keras
 import tensorflow as tf
-from keras import ops
 
 from thor_tf.config import (DEFAULT_FREQUENCY, DEFAULT_KL_CLIP, DEFAULT_MAX_BLOCK_AGE,
                             DEFAULT_TRACE_FILTER, REFUSED_KERAS_ARGUMENTS, split_options)
@@ -31,14 +30,15 @@ from thor_tf.config import (DEFAULT_FREQUENCY, DEFAULT_KL_CLIP, DEFAULT_MAX_BLOC
 
 @keras.saving.register_keras_serializable(package="thor_tf")
 class ThorOptimizer(keras.optimizers.Optimizer):
-    """Kronecker-factored natural gradient with THOR's trace rule and split inverses.
+    """Kronecker-factored curvature with THOR's trace rule: Adam in the eigenbasis of the split
+    factors (the default update rule) or THOR's split inverses (``update_rule="inverse"``).
 
     Args:
       learning_rate: float or ``LearningRateSchedule`` (see :mod:`thor_tf.schedules`); None
         (default): the update rule's rate (eigenbasis 0.01, inverse 0.05), also the peak of a
         ``WarmupCosine`` given without one.
-      update_rule: ``"eigenbasis"`` (default; None means it), ``"inverse"`` (THOR's damped inverses, KL clip and
-        momentum) or a :class:`thor_tf.rules.UpdateRule` instance such as
+      update_rule: ``"eigenbasis"`` (default; None means it), ``"inverse"`` (THOR's damped
+        inverses, KL clip and momentum) or a :class:`thor_tf.rules.UpdateRule` instance such as
         ``thor_tf.rules.Eigenbasis(beta_2=0.99)``. ``momentum``, ``damping``, ``damping_split``,
         ``kl_clip`` and ``inverse_assignment`` act under the inverse rule only (the eigenbasis
         rule has β1/β2/ε of its own and needs no damping); ``weight_decay`` is coupled (added to
@@ -139,8 +139,9 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         self.engine = None
         self._gradients_reduced = False
         self._step_ok = None
-        #: Keys (``_var_key``) of the variables whose gradient in the step being traced is a block's step (set by
-        #: the update rule's ``precondition``; the eigenbasis rule applies those as they are).
+        #: Keys (``_var_key``) of the variables whose gradient in the step being traced is a
+        #: block's step (set by the update rule's ``precondition``; the eigenbasis rule applies
+        #: those as they are).
         self.preconditioned = frozenset()
 
     # THOR's options, read-only views of ``config`` (what users and older code read).

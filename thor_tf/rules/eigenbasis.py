@@ -154,13 +154,19 @@ class Eigenbasis(UpdateRule):
                                              else (q_part, w_part))
         for layer, flag, ((q_a, w_a), (q_g, w_g)) in zip(layers, refresh, new):
             held = s.layers[layer.index]
-            a_dim, g_dim = layer.block.a_dim, layer.block.g_dim
-            r_a = basis_change(held.Q_A, q_a)
-            r_g = basis_change(held.Q_G, q_g)
-            m = rotate_first_moment(tf.convert_to_tensor(held.m), r_a, r_g, a_dim, g_dim)
-            v = rotate_second_moment(tf.convert_to_tensor(held.v), r_a, r_g, a_dim, g_dim)
-            held.m.assign(tf.where(flag, m, held.m))
-            held.v.assign(tf.where(flag, v, held.v))
+
+            def carried(held=held, q_a=q_a, q_g=q_g, block=layer.block):
+                # The moments in the new bases: four block products, only where a basis changed.
+                r_a, r_g = basis_change(held.Q_A, q_a), basis_change(held.Q_G, q_g)
+                m = tf.convert_to_tensor(held.m)
+                v = tf.convert_to_tensor(held.v)
+                return (rotate_first_moment(m, r_a, r_g, block.a_dim, block.g_dim),
+                        rotate_second_moment(v, r_a, r_g, block.a_dim, block.g_dim))
+
+            m, v = tf.cond(flag, carried, lambda held=held: (tf.identity(held.m),
+                                                             tf.identity(held.v)))
+            held.m.assign(m)
+            held.v.assign(v)
             held.Q_A.assign(q_a)
             held.Q_G.assign(q_g)
             held.w_A.assign(w_a)
