@@ -227,7 +227,7 @@ with strategy.scope():
                           keras.layers.Dense(12, activation="tanh", name="fc"),
                           keras.layers.Dense(10, activation="softmax", name="out")])
     w = thor_tf.wrap(m, learning_rate=0.05, damping=0.03, split_dim=64, damping_split="pi",
-                     inverse_assignment="balanced", verbose=False)
+                     inverse_assignment="balanced", update_rule="inverse", verbose=False)
     w.compile(loss="sparse_categorical_crossentropy")
 w.fit(x, y, batch_size=64, epochs=1, verbose=0)
 out = {}

@@ -548,7 +548,7 @@ def build():
                               keras.layers.Conv2D(4, 3, activation="relu", name="conv"),
                               keras.layers.Flatten(),
                               keras.layers.Dense(4, activation="softmax", name="out")])
-    wrapped = thor_tf.wrap(model, frequency=2, verbose=False)
+    wrapped = thor_tf.wrap(model, frequency=2, update_rule="inverse", verbose=False)
     wrapped.compile()
     return wrapped
 

@@ -237,7 +237,7 @@ x, y = token_data(n=8)
 w = padding_weights(n=8)
 w[:4, 3:] = 0  # the first replica's half has far fewer valid tokens than the second's
 opts = dict(learning_rate=1.0, momentum=0.0, damping=0.03, preset="thor_nt", frequency=1,
-            split_dim=512, kl_clip=None, verbose=False)
+            split_dim=512, kl_clip=None, verbose=False, update_rule="inverse")
 loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 def run(strategy):
