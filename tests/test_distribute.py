@@ -174,7 +174,9 @@ def test_replicas_take_the_single_device_step(replicas, assignment, rule):
         refreshes, reuses = zip(*[(d[0], d[1]) for d in r["decisions_one"]])
         assert max(refreshes) >= 2 and max(reuses) >= 1, (name, r)  # both paths exercised
         assert abs(r["nu_many"] - r["nu_one"]) <= 1e-5 * abs(r["nu_one"]), (name, r)
-        assert r["factor_inverse_diff"] < 1e-4, (name, r)
+        # Factors, and the rule's products: inverses, or eigenvalues and second moments (those
+        # carry the same sensitivity as the weights: 3e-4 measured on TF 2.16).
+        assert r["factor_inverse_diff"] < SAME_STEP[rule], (name, r)
         assert r["replicas_identical"], (name, r)
 
 
