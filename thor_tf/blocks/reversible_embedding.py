@@ -119,7 +119,22 @@ class TiedLookupBlock(EmbeddingBlock):
         return tf.math.unsorted_segment_sum(rows, tokens, self.vocabulary)
 
 
-class TiedHeadBlock(KroneckerBlock):
+class _HeadUse:
+    """What both head blocks share: the layer's ``reverse=True`` calls, on vectors (``z`` of the
+    input's rank), where the layer can have a head block at all."""
+
+    @classmethod
+    def unsupported_reason(cls, layer):
+        return super().unsupported_reason(layer) or _head_reason(layer)
+
+    def accepts_call(self, args, kwargs):
+        return _is_reverse(args, kwargs)
+
+    def matches(self, record):
+        return _same_rank(record) and super().matches(record)
+
+
+class TiedHeadBlock(_HeadUse, KroneckerBlock):
     """The output-projection use of a tied ``ReversibleEmbedding``: ``z = h @ Eᵀ``.
 
     A Dense head without bias whose kernel is ``Eᵀ`` ``[D, V]``: ``a = h`` (``a_dim = D``),
@@ -144,18 +159,10 @@ class TiedHeadBlock(KroneckerBlock):
         self.g_dim = vocabulary
         self.lookup = lookup
 
-    @classmethod
-    def unsupported_reason(cls, layer):
-        return super().unsupported_reason(layer) or _head_reason(layer)
-
-    def accepts_call(self, args, kwargs):
-        return _is_reverse(args, kwargs)
 
     def pre_activation(self, inputs):
         return ops.matmul(inputs, ops.transpose(self.layer.embeddings))
 
-    def matches(self, record):
-        return _same_rank(record) and super().matches(record)
 
     def to_matrix(self, kernel_value, bias_value=None):
         if isinstance(kernel_value, tf.IndexedSlices):
@@ -173,7 +180,7 @@ class TiedHeadBlock(KroneckerBlock):
         return tf.reduce_sum(tf.square(x)), tf.cast(tf.size(x) // self.in_dim, tf.float32)
 
 
-class UntiedHeadBlock(KroneckerBlock):
+class UntiedHeadBlock(_HeadUse, KroneckerBlock):
     """The output projection of an *untied* ``ReversibleEmbedding`` (``tie_weights=False``):
     ``z = h @ R`` with its own variable ``R = reverse_embeddings`` ``[D, V]`` — a bias-free Dense
     (``a = h`` over D, ``g = dℓ/dz`` over the V logits), a block of its own beside the lookup's
@@ -191,18 +198,10 @@ class UntiedHeadBlock(KroneckerBlock):
         self.bias = None
         self.a_dim = self.in_dim
 
-    @classmethod
-    def unsupported_reason(cls, layer):
-        return super().unsupported_reason(layer) or _head_reason(layer)
-
-    def accepts_call(self, args, kwargs):
-        return _is_reverse(args, kwargs)
 
     def pre_activation(self, inputs):
         return ops.matmul(inputs, self.layer.reverse_embeddings)
 
-    def matches(self, record):
-        return _same_rank(record) and super().matches(record)
 
     def input_rows(self, inputs):
         return tf.reshape(tf.cast(inputs, tf.float32), [-1, self.in_dim])
