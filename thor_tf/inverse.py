@@ -21,7 +21,7 @@ from thor_tf.algebra import diagonal_blocks, split_layout
 
 __all__ = ["DAMPING_SPLITS", "batched_layout", "damped_diagonal", "factor_dampings",
            "invert_blocks", "invert_damped", "invert_owned", "invert_selected", "pi_adjustment",
-           "pad_blocks", "size_buckets", "split_inverse", "split_layout"]  # split_layout: from algebra
+           "pad_blocks", "per_size_bucket", "size_buckets", "split_inverse", "split_layout"]  # split_layout: from algebra
 
 
 #: How a block's damping λ_b (λ/P) is shared between its two factors (``damping_split``).
@@ -212,6 +212,47 @@ def pad_blocks(blocks, size):
     blocks = tf.convert_to_tensor(blocks)
     pad = size - int(blocks.shape[-1])
     return tf.pad(blocks, [[0, 0], [0, pad], [0, pad]]) if pad else blocks
+
+
+def _pad_to(tensor, size):
+    """``[nb, d, d]`` or ``[nb, d]`` zero-padded to ``size`` on its block axes."""
+    tensor = tf.convert_to_tensor(tensor)
+    pad = size - int(tensor.shape[1])
+    if not pad:
+        return tensor
+    return tf.pad(tensor, [[0, 0]] + [[0, pad]] * (tensor.shape.rank - 1))
+
+
+def per_size_bucket(factors, dims, held, fn):
+    """Run ``fn`` once per bucket of block sizes (:func:`size_buckets`) over the diagonal blocks
+    of several factors, and hand each factor its part back.
+
+    Args:
+      factors: per factor its blocks ``[nb, d, d]``; dims: per factor its true dimension.
+      held: per factor a tuple of tensors in use with the same leading ``[nb, d]`` axes (inverses
+        ``[nb, d, d]``, eigenvalues ``[nb, d]``), padded alongside the blocks.
+      fn: ``fn(blocks [B, S, S], mask [B, S], owner [B], held)`` → a tuple of ``[B, S, ...]``
+        results, ``owner`` the factor of each block (see :func:`batched_layout`).
+
+    Returns:
+      Per factor the tuple of its results, sliced back to its block size.
+    """
+    sizes = [int(f.shape[-1]) for f in factors]
+    out = [None] * len(factors)
+    for size, joined in sorted(size_buckets(sizes).items()):
+        members = [n for n, d in enumerate(sizes) if d in joined]
+        owner, mask, counts = batched_layout(
+            [(n, int(factors[n].shape[0]), sizes[n], dims[n]) for n in members], size)
+        blocks = tf.concat([pad_blocks(factors[n], size) for n in members], axis=0)
+        padded = tuple(tf.concat([_pad_to(held[n][i], size) for n in members], axis=0)
+                       for i in range(len(held[members[0]])))
+        results = fn(blocks, mask, owner, padded)
+        parts = [tf.split(r, counts) for r in results]
+        for k, n in enumerate(members):
+            d = sizes[n]
+            out[n] = tuple(p[k][:, :d, :d] if p[k].shape.rank == 3 else p[k][:, :d]
+                           for p in parts)
+    return out
 
 
 def invert_selected(blocks, in_use, mask, damping, selected):

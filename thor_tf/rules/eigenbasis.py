@@ -32,7 +32,7 @@ from keras import ops
 from thor_tf.algebra import BlockDiagonal
 from thor_tf.eigh import (TIE_BREAK, basis_change, eigh_selected, rotate_first_moment,
                           rotate_second_moment)
-from thor_tf.inverse import batched_layout, pad_blocks, size_buckets
+from thor_tf.inverse import per_size_bucket
 from thor_tf.rules.base import UpdateRule, keras_serializable
 from thor_tf.rules.inverse import identity_blocks
 
@@ -127,31 +127,20 @@ class Eigenbasis(UpdateRule):
         """New bases for the refreshing layers (one batched ``eigh`` per bucket of block sizes,
         :func:`thor_tf.inverse.size_buckets`), their moments carried into them."""
         s = refresher.state
-        entries = []  # (layer position, factor [nb, d, d], true dim, Q in use, w in use)
-        for k, (layer, (fa, fg)) in enumerate(zip(layers, factors)):
-            held = s.layers[layer.index]
-            entries.append((k, fa, layer.block.a_dim, held.Q_A, held.w_A))
-            entries.append((k, fg, layer.block.g_dim, held.Q_G, held.w_G))
+        factors_flat, dims, held = [], [], []  # per factor: A, G, A, G, ...
+        for layer, (fa, fg) in zip(layers, factors):
+            state = s.layers[layer.index]
+            factors_flat += [fa, fg]
+            dims += [layer.block.a_dim, layer.block.g_dim]
+            held += [(state.Q_A, state.w_A), (state.Q_G, state.w_G)]
         flags = tf.repeat(tf.stack(refresh), 2)
-        sizes = [int(e[1].shape[-1]) for e in entries]
-        new = [[None, None] for _ in layers]
-        for size, joined in sorted(size_buckets(sizes).items()):
-            members = [n for n, d in enumerate(sizes) if d in joined]
-            group = [entries[n] for n in members]
-            owner, mask, counts = batched_layout(
-                [(n, int(f.shape[0]), int(f.shape[-1]), dim)
-                 for n, (_, f, dim, _, _) in zip(members, group)], size)
-            blocks = tf.concat([pad_blocks(e[1], size) for e in group], axis=0)
-            q_in_use = tf.concat([pad_blocks(e[3], size) for e in group], axis=0)
-            w_in_use = tf.concat([tf.pad(tf.convert_to_tensor(e[4]),
-                                         [[0, 0], [0, size - int(e[4].shape[-1])]])
-                                  for e in group], axis=0)
-            q, w = eigh_selected(blocks, mask, q_in_use, w_in_use, tf.gather(flags, owner),
+
+        def decompose(blocks, mask, owner, in_use):
+            return eigh_selected(blocks, mask, in_use[0], in_use[1], tf.gather(flags, owner),
                                  self.tie_break)
-            for n, q_part, w_part in zip(members, tf.split(q, counts), tf.split(w, counts)):
-                d = sizes[n]
-                new[entries[n][0]][n % 2] = ((q_part[:, :d, :d], w_part[:, :d]) if d < size
-                                             else (q_part, w_part))
+
+        out = per_size_bucket(factors_flat, dims, held, decompose)
+        new = [(out[2 * k], out[2 * k + 1]) for k in range(len(layers))]
         for layer, flag, ((q_a, w_a), (q_g, w_g)) in zip(layers, refresh, new):
             held = s.layers[layer.index]
 

@@ -16,8 +16,7 @@ import tensorflow as tf
 from keras import ops
 
 from thor_tf import distributed, precondition
-from thor_tf.inverse import (batched_layout, factor_dampings, invert_owned, invert_selected,
-                             pad_blocks, size_buckets)
+from thor_tf.inverse import factor_dampings, invert_owned, invert_selected, per_size_bucket
 from thor_tf.rules.base import UpdateRule, keras_serializable
 
 
@@ -97,31 +96,22 @@ class Inverse(UpdateRule):
         layers, the ones in use for the others.
         """
         s = refresher.state
-        entries = []  # (layer position, factor [nb, d, d], true dim, inverse in use): A, G, A, ...
-        per_factor = []  # entry n's damping (A: 2k, G: 2k + 1)
-        for k, (layer, (fa, fg)) in enumerate(zip(layers, factors)):
-            held = s.layers[layer.index]
-            entries.append((k, fa, layer.block.a_dim, held.A_inv))
-            entries.append((k, fg, layer.block.g_dim, held.G_inv))
+        factors_flat, dims, held, per_factor = [], [], [], []  # per factor: A, G, A, G, ...
+        for layer, (fa, fg) in zip(layers, factors):
+            state = s.layers[layer.index]
+            factors_flat += [fa, fg]
+            dims += [layer.block.a_dim, layer.block.g_dim]
+            held += [(state.A_inv,), (state.G_inv,)]
             per_factor.extend(self._factor_dampings(refresher.config, layer, fa, fg, damping))
         per_factor = tf.stack(per_factor)
-        flags = tf.repeat(tf.stack(refresh), 2)  # per entry
-        sizes = [int(factor.shape[-1]) for _, factor, _, _ in entries]
-        pairs = [[None, None] for _ in layers]
-        for size, joined in sorted(size_buckets(sizes).items()):
-            members = [n for n, d in enumerate(sizes) if d in joined]
-            group = [entries[n] for n in members]
-            owner, mask, counts = batched_layout(  # owner: the entry (factor) of each block
-                [(n, int(f.shape[0]), int(f.shape[-1]), dim)
-                 for n, (_, f, dim, _) in zip(members, group)], size)
-            blocks = tf.concat([pad_blocks(f, size) for _, f, _, _ in group], axis=0)  # [B, S, S]
-            in_use = tf.concat([pad_blocks(inv, size) for _, _, _, inv in group], axis=0)
-            out = invert_selected(blocks, in_use, mask, tf.gather(per_factor, owner),
-                                  tf.gather(flags, owner))
-            for n, part in zip(members, tf.split(out, counts)):
-                d = sizes[n]
-                pairs[entries[n][0]][n % 2] = part[:, :d, :d] if d < size else part
-        return [tuple(pair) for pair in pairs]
+        flags = tf.repeat(tf.stack(refresh), 2)  # per factor
+
+        def invert(blocks, mask, owner, in_use):
+            return (invert_selected(blocks, in_use[0], mask, tf.gather(per_factor, owner),
+                                    tf.gather(flags, owner)),)
+
+        out = per_size_bucket(factors_flat, dims, held, invert)
+        return [(out[2 * k][0], out[2 * k + 1][0]) for k in range(len(layers))]
 
     @staticmethod
     def _factor_dampings(config, layer, factor_a, factor_g, damping):
