@@ -38,7 +38,7 @@ from typing import NamedTuple
 import tensorflow as tf
 
 from thor_tf import (_keras_compat, capture, discovery, distributed, fisher, loss_terms,
-                     precondition, scheduler)
+                     scheduler)
 from thor_tf.blocks import TiedLookupBlock
 from thor_tf.introspection import Introspection
 from thor_tf.refresh import Refresher
