@@ -33,6 +33,7 @@ from thor_tf.algebra import BlockDiagonal
 from thor_tf.eigh import (TIE_BREAK, basis_change, eigh_selected, rotate_first_moment,
                           rotate_second_moment)
 from thor_tf.inverse import per_size_bucket
+from thor_tf.orthogonalize import newton_schulz
 from thor_tf.rules.base import UpdateRule, keras_serializable
 from thor_tf.rules.inverse import identity_blocks
 
@@ -80,8 +81,11 @@ class Eigenbasis(UpdateRule):
     name = "eigenbasis"
     default_learning_rate = 0.01
 
+    STEPS = ("adam", "orthogonal")
+    SCALES = ("graft", "rms")
+
     def __init__(self, beta_1=0.9, beta_2=0.95, epsilon=1e-8, relative_epsilon=1e-4,
-                 tie_break=TIE_BREAK):
+                 tie_break=TIE_BREAK, step="adam", scale="graft", rms=0.2, adam_kinds=()):
         for name, value in (("beta_1", beta_1), ("beta_2", beta_2)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
                 raise ValueError(f"`{name}` must be a float in [0, 1); got {value!r}.")
@@ -94,10 +98,20 @@ class Eigenbasis(UpdateRule):
         if isinstance(tie_break, bool) or not isinstance(tie_break, (int, float)) or not tie_break >= 0:
             raise ValueError(f"`tie_break` must be a float >= 0; got {tie_break!r}.")
         self.relative_epsilon, self.tie_break = float(relative_epsilon), float(tie_break)
+        if step not in self.STEPS:
+            raise ValueError(f"`step` must be one of {self.STEPS}; got {step!r}.")
+        if scale not in self.SCALES:
+            raise ValueError(f"`scale` must be one of {self.SCALES}; got {scale!r}.")
+        if isinstance(rms, bool) or not isinstance(rms, (int, float)) or not rms > 0:
+            raise ValueError(f"`rms` must be a float > 0; got {rms!r}.")
+        self.step, self.scale, self.rms = step, scale, float(rms)
+        self.adam_kinds = tuple(sorted(adam_kinds))
 
     def get_config(self):
         return {"beta_1": self.beta_1, "beta_2": self.beta_2, "epsilon": self.epsilon,
-                "relative_epsilon": self.relative_epsilon, "tie_break": self.tie_break}
+                "relative_epsilon": self.relative_epsilon, "tie_break": self.tie_break,
+                "step": self.step, "scale": self.scale, "rms": self.rms,
+                "adam_kinds": list(self.adam_kinds)}
 
     # -- state -------------------------------------------------------------------------------------
     def create_layer_state(self, optimizer, block, prefix, layout_a, layout_g):
@@ -172,7 +186,7 @@ class Eigenbasis(UpdateRule):
         t = tf.cast(opt.iterations + 1, tf.float32)
         correction_1 = 1.0 - tf.pow(self.beta_1, t)
         correction_2 = 1.0 - tf.pow(self.beta_2, t)
-        out, written = list(grads), set()
+        out, written, steps = list(grads), set(), []
         for b in active:
             k = index[id(b.kernel)]
             if grads[k] is None:
@@ -200,7 +214,12 @@ class Eigenbasis(UpdateRule):
             v_hat = v / correction_2
             floor = self.epsilon + self.relative_epsilon * tf.sqrt(tf.reduce_mean(v_hat))
             step = (m / correction_1) / (tf.sqrt(v_hat) + floor)
-            update = q_g_t.rmatmul(q_a.matmul(step))  # Q_A Δ' Q_Gᵀ
+            steps.append((b, k, q_g_t.rmatmul(q_a.matmul(step))))  # Q_A Δ' Q_Gᵀ
+        if self.step == "orthogonal":
+            chosen = [n for n, (b, _, _) in enumerate(steps) if b.kind not in self.adam_kinds]
+            for n, u in zip(chosen, self._orthogonalized([steps[n][2] for n in chosen])):
+                steps[n] = steps[n][:2] + (u,)
+        for b, k, update in steps:
             kernel_update, bias_update = b.from_matrix(update)
             kernel_update = tf.cast(kernel_update, grads[k].dtype)
             out[k] = out[k] + kernel_update if k in written else kernel_update  # tied: summed
@@ -210,6 +229,28 @@ class Eigenbasis(UpdateRule):
                 written.add(index[id(b.bias)])
         # Keyed as Keras keys the optimizer's variables: update_step gets the backend variable.
         opt.preconditioned = frozenset(opt._var_key(variables[k]) for k in written)
+        return out
+
+    def _orthogonalized(self, updates):
+        """Each ``[a, g]`` update's Newton–Schulz orthogonal factor ``O`` (one batched iteration
+        per shape, :func:`thor_tf.orthogonalize.newton_schulz`), scaled to the update's Frobenius
+        norm (``scale="graft"``: the step's size stays Adam's, its singular values equal) or to
+        ``O·rms·√max(a, g)`` (``"rms"``: Muon's RMS, Moonlight's rule)."""
+        groups = {}
+        for n, u in enumerate(updates):
+            groups.setdefault(tuple(int(d) for d in u.shape), []).append(n)
+        out = [None] * len(updates)
+        for shape, members in groups.items():
+            stacked = tf.stack([updates[n] for n in members])
+            ortho = newton_schulz(stacked)
+            if self.scale == "graft":
+                norm = tf.sqrt(tf.reduce_sum(tf.square(stacked), axis=[1, 2], keepdims=True))
+                o_norm = tf.sqrt(tf.reduce_sum(tf.square(ortho), axis=[1, 2], keepdims=True))
+                ortho = ortho * (norm / (o_norm + 1e-30))
+            else:
+                ortho = ortho * (self.rms * max(shape) ** 0.5)
+            for n, o in zip(members, tf.unstack(ortho)):
+                out[n] = o
         return out
 
     # -- the optimizer's chain ---------------------------------------------------------------------
