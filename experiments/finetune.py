@@ -28,7 +28,7 @@ characters of the whole text.
    sees the same batches (drawn once from the seed). Optimizers (``--optimizers``):
 
    * ``thor``: ``thor_tf.wrap(lm, learning_rate=thor_tf.schedules.WarmupCosine(steps))`` and
-     ``compile()``: nothing else (the eigenbasis rule's peak rate 0.01).
+     ``compile()``: nothing else (the default rule's peak rate).
    * ``adamw``: the KerasHub guides' recipe, ``keras.optimizers.AdamW(weight_decay=0.01)`` without
      decay on biases / scales, here with 5 % warmup + cosine to 0 (THOR's schedule shape), over
      ``--lr-grid``.
@@ -94,6 +94,13 @@ _experiments_package()
 from thor_tf_experiments import cli, lm, reports, text  # noqa: E402
 
 OPTIMIZERS = ("thor", "adamw", "muon", "riemannian")
+
+
+def _thor_default_lr():
+    """The default update rule's peak rate (what ``WarmupCosine(steps)`` without a peak takes)."""
+    import thor_tf
+
+    return thor_tf.rules.resolve(thor_tf.rules.DEFAULT_RULE).default_learning_rate
 BASELINES = ("adamw", "muon", "riemannian")
 LR_GRID = {name: (1e-2, 3e-2, 1e-1) for name in BASELINES}
 QUICK_LR_GRID = {name: (3e-3,) for name in BASELINES}
@@ -481,7 +488,7 @@ def markdown(summary):
             finals = " / ".join(_fmt(p["final_val_loss"], ".4f", "nan") for p in s)
             steps = " / ".join(_fmt(p["steps_to_target"], "d") for p in s)
             secs = " / ".join(_fmt(p["seconds_to_target"], ".1f") for p in s)
-            lr = "0.01 (default)" if name == "thor" else f"{e['lr']:g}"
+            lr = f"{e['lr']:g} (default)" if name == "thor" else f"{e['lr']:g}"
             lines.append(f"| {name} | {lr} | {_fmt(e['final_val_loss'], '.4f', 'nan')} ({finals})"
                          f" | {_fmt(e['steps_to_target'], 'g')} ({steps}) | "
                          f"{_fmt(e['seconds_to_target'], '.1f')} ({secs}) | "
@@ -658,7 +665,7 @@ def main(argv=None):
     val_x, val_y = lm.val_windows(corpus["val"], args.val_windows, args.block)
     val = (lm_inputs(val_x), val_y)
     grid = [(n, float(lr)) for n in args.optimizers
-            for lr in ((0.01,) if n == "thor" else args.lr_grid[n])]
+            for lr in ((_thor_default_lr(),) if n == "thor" else args.lr_grid[n])]
     print(f"fine-tuning: ranks {args.ranks} x seeds {args.seeds} x {len(grid)} configurations, "
           f"{args.steps} steps of {args.batch} x {args.block}, val loss on {len(val_y)} windows "
           f"every {args.eval_every} steps; output in {out}", flush=True)

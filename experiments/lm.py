@@ -219,7 +219,7 @@ def thor_defaults():
     out = {k: params[k].default for k in ("learning_rate", "damping", "kl_clip", "frequency",
                                           "max_block_age", "fisher")}
     # learning_rate None: the default update rule's rate.
-    out["learning_rate"] = thor_tf.rules.RULES[thor_tf.rules.DEFAULT_RULE].default_learning_rate
+    out["learning_rate"] = thor_tf.rules.resolve(thor_tf.rules.DEFAULT_RULE).default_learning_rate
     return out
 
 

@@ -22,6 +22,10 @@ from thor_tf.rules import Eigenbasis, Inverse
 
 from reference import homogeneous, mean_outer
 
+#: The Adam step in the eigenbasis (the previous default; the orthogonalized step on top of it:
+#: test_orthogonal_step.py): the models below take ``update_rule="eigenbasis_adam"``.
+pytestmark = pytest.mark.update_rule("eigenbasis_adam")
+
 LR, B1, B2, EPS, REL_EPS, TIE_BREAK = 0.01, 0.9, 0.95, 1e-8, 1e-4, 0.1
 CE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 #: Refresh at every cadence point (THOR_NT, the published rule) every 2 steps: steps 0, 2, 4.
@@ -56,7 +60,8 @@ def block_diag(blocks):
 class NumpyEigenbasis:
     """Adam in the eigenbasis of ⊕A_i and ⊕G_j, float64 (DESIGN.md §9)."""
 
-    def __init__(self, a_dim, g_dim):
+    def __init__(self, a_dim, g_dim, rel_eps=REL_EPS):
+        self.rel_eps = rel_eps
         self.qa, self.qg = np.eye(a_dim), np.eye(g_dim)
         self.m, self.v = np.zeros((a_dim, g_dim)), np.zeros((a_dim, g_dim))
         self.t = 0
@@ -75,7 +80,7 @@ class NumpyEigenbasis:
         self.m = B1 * self.m + (1 - B1) * rotated
         self.v = B2 * self.v + (1 - B2) * rotated ** 2
         m_hat, v_hat = self.m / (1 - B1 ** self.t), self.v / (1 - B2 ** self.t)
-        floor = EPS + REL_EPS * np.sqrt(v_hat.mean())
+        floor = EPS + self.rel_eps * np.sqrt(v_hat.mean())
         return self.qa @ (m_hat / (np.sqrt(v_hat) + floor)) @ self.qg.T
 
 
@@ -213,7 +218,7 @@ class HeldBases(Eigenbasis):
     absolute ε alone (``relative_epsilon=0``)."""
 
     def __init__(self):
-        super().__init__(relative_epsilon=0.0)
+        super().__init__(relative_epsilon=0.0, step="adam")
 
     def refresh(self, refresher, layers, refresh, factors, damping):
         pass
@@ -279,10 +284,11 @@ def test_rotated_input_features_leave_the_eigenbasis_run_unchanged():
     rule's 6 losses agree to 1e-5 (A is one block: its eigenbasis rotates with O); with the
     default ramp (10 % of the mean eigenvalue on the coordinate axes) within 5e-3 (measured
     1.7e-3); AdamW's differ by > 1e-3 (measured 2.9e-3 on TF 2.16, more on 2.21)."""
-    exact = Eigenbasis(tie_break=0.0)
+    exact = Eigenbasis(tie_break=0.0, step="adam")
     plain, rotated = _rotation_run(exact, False), _rotation_run(exact, True)
     np.testing.assert_allclose(rotated, plain, atol=1e-5)
-    default = np.array(_rotation_run("eigenbasis", True)) - np.array(_rotation_run("eigenbasis", False))
+    default = np.array(_rotation_run("eigenbasis_adam", True)) - np.array(
+        _rotation_run("eigenbasis_adam", False))
     assert np.abs(default).max() < 5e-3
     adam_plain, adam_rotated = _rotation_run("adamw", False), _rotation_run("adamw", True)
     assert np.abs(np.array(adam_plain) - np.array(adam_rotated)).max() > 1e-3
@@ -310,7 +316,7 @@ def test_loss_times_1000_gives_the_same_steps():
         return [v.numpy() for v in model.trainable_variables]
 
     start = [v.numpy() for v in _plain_mlp().trainable_variables]
-    one, many = run(1.0, "eigenbasis"), run(1000.0, "eigenbasis")
+    one, many = run(1.0, "eigenbasis_adam"), run(1000.0, "eigenbasis_adam")
     moved = max(np.abs(a - s).max() for a, s in zip(one, start))
     assert max(np.abs(a - b).max() for a, b in zip(one, many)) < 1e-5 * moved / LR
     inv_one, inv_many = run(1.0, "inverse"), run(1000.0, "inverse")
@@ -342,7 +348,7 @@ def test_save_and_load_resume_the_same_run(tmp_path):
     moments and Adam slots are optimizer state); the loaded optimizer is the eigenbasis rule with
     its options."""
     x, y = _regression()
-    rule = Eigenbasis(beta_2=0.99)
+    rule = Eigenbasis(beta_2=0.99, step="adam")
 
     def fresh():
         model = thor_tf.wrap(_mlp(), learning_rate=LR, update_rule=rule, verbose=False,

@@ -19,7 +19,8 @@ from thor_tf.orthogonalize import NS_COEFFICIENTS, newton_schulz
 from thor_tf.rules import Eigenbasis
 
 from reference import homogeneous, mean_outer
-from test_eigenbasis import EVERY_2, LR, NumpyEigenbasis, _linear_targets, _softmax_data
+from test_eigenbasis import (EVERY_2, LR, NumpyEigenbasis, _linear_targets, _plain_mlp,
+                             _regression, _rotation_run, _softmax_data)
 
 
 def np_newton_schulz(x, steps=5):
@@ -88,7 +89,7 @@ def test_dense_orthogonal_steps_match_float64_first_principles(scale, split_dim)
     wrapped.compile(loss="mse")
     weights = np.concatenate([kernel0, bias0[None]], axis=0)  # [a_dim, g_dim]
     plain, other = weights.copy(), weights.copy()
-    ref = NumpyEigenbasis(7, 5)
+    ref = NumpyEigenbasis(7, 5, rel_eps=rule.relative_epsilon)
     other_scale = "rms" if scale == "graft" else "graft"
     for step in range(5):
         rows = slice(16 * step, 16 * (step + 1))
@@ -118,3 +119,48 @@ def test_options_are_checked():
             Eigenbasis(**bad)
     rule = Eigenbasis(step="orthogonal", scale="rms", rms=0.3)
     assert Eigenbasis.from_config(rule.get_config()) == rule
+
+
+def test_the_default_rule_is_the_orthogonalized_step():
+    """``wrap(model)``: the eigenbasis rule with the orthogonalized step at the Adam step's norm,
+    peak 3e-2; ``"eigenbasis_adam"`` is the previous default (Adam's step, 1e-2)."""
+    default = thor_tf.rules.resolve(thor_tf.rules.DEFAULT_RULE)
+    assert default == Eigenbasis(step="orthogonal", beta_1=0.9, scale="graft",
+                                 relative_epsilon=1e-2)
+    assert default.default_learning_rate == pytest.approx(0.03)
+    previous = thor_tf.rules.resolve("eigenbasis_adam")
+    assert (previous.step, previous.beta_1, previous.relative_epsilon,
+            previous.default_learning_rate) == ("adam", 0.9, 1e-4, 0.01)
+    # A config saved when "eigenbasis" meant the Adam step loads as it was saved.
+    assert thor_tf.rules.resolve(thor_tf.rules.from_saved("eigenbasis")) == previous
+    assert thor_tf.rules.resolve(thor_tf.rules.serialize(default)) == default
+
+
+def test_rotated_input_features_leave_the_orthogonal_run_unchanged():
+    """The orthogonal factor is equivariant (``orth(OΔ) = O·orth(Δ)``) and the graft keeps the
+    norm: rotated inputs give the same 6 losses to 2e-4 (no tie-breaking ramp; measured 6e-5, the
+    float32 iteration's round-off), AdamW's differ by more than 1e-3."""
+    exact = Eigenbasis(tie_break=0.0)
+    plain, rotated = _rotation_run(exact, False), _rotation_run(exact, True)
+    np.testing.assert_allclose(rotated, plain, atol=2e-4)
+    adam_plain, adam_rotated = _rotation_run("adamw", False), _rotation_run("adamw", True)
+    assert np.abs(np.array(adam_plain) - np.array(adam_rotated)).max() > 1e-3
+
+
+def test_loss_times_1000_gives_the_same_orthogonal_steps():
+    """The loss ×1000: the same weights after 6 steps to 1e-5 of the step (Adam's division and
+    the graft to its norm do not see the loss's units; Newton–Schulz starts from ‖Δ‖_F = 1)."""
+    x, y = _regression()
+
+    def run(scale):
+        model = thor_tf.wrap(_plain_mlp(), learning_rate=LR, verbose=False, **EVERY_2)
+        model.compile(loss=lambda t, p: scale * keras.losses.mean_squared_error(t, p))
+        for s in range(6):
+            model.train_on_batch(x[16 * s:16 * (s + 1)], y[16 * s:16 * (s + 1)])
+        return [v.numpy() for v in model.trainable_variables]
+
+    start = [v.numpy() for v in _plain_mlp().trainable_variables]
+    one, many = run(1.0), run(1000.0)
+    moved = max(np.abs(a - s).max() for a, s in zip(one, start))
+    assert moved > 10 * LR * 1e-2
+    assert max(np.abs(a - b).max() for a, b in zip(one, many)) < 1e-5 * moved / LR

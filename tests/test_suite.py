@@ -118,7 +118,7 @@ def test_thor_in_the_suite_is_wrap_with_thor_tf_defaults_and_warmup_cosine():
     assert isinstance(opt._learning_rate, thor_tf.schedules.WarmupCosine)
     # WarmupCosine(77) without a peak: wrap gives it the default rule's rate.
     assert opt._learning_rate.get_config() == thor_tf.schedules.WarmupCosine(
-        77, peak=thor_tf.rules.Eigenbasis.default_learning_rate).get_config()
+        77, peak=thor_tf.rules.Eigenbasis().default_learning_rate).get_config()
 
 
 def test_autoencoder_loss_is_sigmoid_cross_entropy_summed_over_pixels():

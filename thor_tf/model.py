@@ -26,7 +26,7 @@ import warnings
 
 import keras
 import tensorflow as tf
-from thor_tf import _keras_compat, fisher, loss_terms
+from thor_tf import _keras_compat, fisher, loss_terms, rules
 from thor_tf.engine import ThorEngine
 from thor_tf.config import is_schedule, split_options
 from thor_tf.optimizer import ThorOptimizer
@@ -482,6 +482,7 @@ class ThorModel(keras.Model):
         options = dict(config.pop("thor_options") or {})
         # Saved before update rules existed: THOR's inverse rule was the only one.
         options.setdefault("update_rule", "inverse")
+        options["update_rule"] = rules.from_saved(options["update_rule"])
         options = _constructor_options(options, custom_objects)
         return cls(model, thor_options=options, verbose=False, **config)
 

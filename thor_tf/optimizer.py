@@ -24,6 +24,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from thor_tf import rules
 from thor_tf.config import (DEFAULT_FREQUENCY, DEFAULT_KL_CLIP, DEFAULT_MAX_BLOCK_AGE,
                             DEFAULT_TRACE_FILTER, REFUSED_KERAS_ARGUMENTS, split_options)
 
@@ -279,6 +280,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
             config["frequency"] = [tuple(p) for p in config["frequency"]]
         # Saved before update rules existed: THOR's inverse rule was the only one.
         config.setdefault("update_rule", "inverse")
+        config["update_rule"] = rules.from_saved(config["update_rule"])
         return super().from_config(config, custom_objects=custom_objects)
 
 

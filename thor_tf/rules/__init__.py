@@ -1,7 +1,10 @@
 """Update rules: how a block's factors become its step (:class:`UpdateRule`).
 
 * ``"eigenbasis"`` (:class:`Eigenbasis`, the default): Adam in the eigenbasis of each split
-  factor block, bases renewed when THOR's trace rule refreshes the block.
+  factor block, bases renewed when THOR's trace rule refreshes the block, the step then
+  orthogonalized by Newton–Schulz at its own norm (``step="orthogonal"``).
+* ``"eigenbasis_adam"``: the same without the orthogonalization (``Eigenbasis(step="adam")``,
+  the default of the previous release).
 * ``"inverse"`` (:class:`Inverse`): THOR's damped split inverses, KL clip, momentum.
 
 ``thor_tf.wrap(model, update_rule="inverse")`` or ``update_rule=thor_tf.rules.Eigenbasis(
@@ -10,17 +13,23 @@ beta_2=0.99)``. A new rule: one file with an :class:`UpdateRule` subclass, added
 
 from __future__ import annotations
 
+import functools
+
 import keras
 
 from thor_tf.rules.base import UpdateRule
 from thor_tf.rules.eigenbasis import Eigenbasis
 from thor_tf.rules.inverse import Inverse
 
-#: The rules by name (``update_rule="..."``).
-RULES = {"eigenbasis": Eigenbasis, "inverse": Inverse}
+#: The rules by name (``update_rule="..."``): a factory of the rule with those settings.
+RULES = {"eigenbasis": Eigenbasis, "eigenbasis_adam": functools.partial(Eigenbasis, step="adam"),
+         "inverse": Inverse}
 DEFAULT_RULE = "eigenbasis"
+#: What a name meant in configs saved by earlier releases, where it differs from today's.
+_SAVED_NAMES = {"eigenbasis": "eigenbasis_adam"}  # before step="orthogonal" was the default
 
-__all__ = ["UpdateRule", "Eigenbasis", "Inverse", "RULES", "DEFAULT_RULE", "resolve", "serialize"]
+__all__ = ["UpdateRule", "Eigenbasis", "Inverse", "RULES", "DEFAULT_RULE", "resolve", "serialize",
+           "from_saved"]
 
 
 def resolve(rule):
@@ -38,7 +47,15 @@ def resolve(rule):
 
 
 def serialize(rule):
-    """The rule's name when it has its class's default options, else Keras' serialized dict."""
-    if type(rule) in RULES.values() and rule == type(rule)():
-        return rule.name
+    """The rule's name when it is a named rule whose name has meant the same settings in every
+    release (``"inverse"``), else Keras' serialized dict (all its options)."""
+    for name, make in RULES.items():
+        if name not in _SAVED_NAMES and rule == make():
+            return name
     return keras.saving.serialize_keras_object(rule)
+
+
+def from_saved(rule):
+    """``update_rule`` as a saved config holds it → what :func:`resolve` takes: a bare name
+    saved when it meant other settings (``"eigenbasis"``: the Adam step) is mapped to them."""
+    return _SAVED_NAMES.get(rule, rule) if isinstance(rule, str) else rule

@@ -13,13 +13,21 @@ Per block with gradient matrix ``M`` (``[a_dim, g_dim]``, bias row folded in; se
 * every step: ``M' = Q_Aᵀ M Q_G``; ``m ← β1 m + (1−β1) M'``, ``v ← β2 v + (1−β2) M'²``;
   ``Δ' = m̂ / (√v̂ + ε + ε_r·√mean(v̂))`` (bias-corrected with the optimizer's step ``t``; the
   mean over the block); ``Δ = Q_A Δ' Q_Gᵀ``.
+* ``step="orthogonal"`` (the default; SOAP-Muon): ``Δ ← NS(Δ)·‖Δ‖_F/‖NS(Δ)‖_F``, the Newton–Schulz
+  orthogonal factor of the whole ``[a_dim, g_dim]`` step (:mod:`thor_tf.orthogonalize`, one
+  batched iteration per shape) at the Adam step's Frobenius norm (``scale="graft"``; ``"rms"``:
+  Muon's ``0.2·√max(a_dim, g_dim)`` instead). Adam's division in the eigenbasis chooses the
+  direction's weighting, the orthogonalization equalizes its singular values, the graft keeps
+  Adam's step size, so the rate stays on Adam's scale. ``step="adam"``: Δ as it is (the default
+  before; ``update_rule="eigenbasis_adam"``).
 * the optimizer: ``w ← w − lr·(Δ + wd·w)`` (decoupled weight decay, ``weight_decay_exclude``
   chooses the variables); every variable without a block (or a block without a record in a step)
   takes AdamW with the same β1, β2, ε.
 
-With ``Q = I`` the step is Adam's; the rule does not depend on the loss's scale (a loss ×1000 gives
-the same steps up to ε) and needs no damping (eigenvectors do not move with it). ``clip_norm``
-clips each gradient tensor by its norm before the moments (Keras' ``clipnorm``).
+With ``Q = I`` and ``step="adam"`` the step is Adam's. Either step does not depend on the loss's
+scale (a loss ×1000 gives the same steps up to ε) nor on an orthogonal change of the input
+features, and needs no damping (eigenvectors do not move with it). ``clip_norm`` clips each
+gradient tensor by its norm before the moments (Keras' ``clipnorm``).
 """
 
 from __future__ import annotations
@@ -70,22 +78,41 @@ class Eigenbasis(UpdateRule):
       beta_2: second-moment decay, in [0, 1) (0.95: SOAP's and the measured default).
       epsilon: added to ``√v̂``, > 0.
       relative_epsilon: also added to ``√v̂``, times the block's RMS ``√mean(v̂)`` (>= 0): a
-        rotated direction whose gradient is below 1e-4 of the block's RMS is round-off, not a
-        direction to take a full step in.
+        rotated direction whose gradient is far below the block's RMS is round-off, not a
+        direction to take a full step in. None: 1e-4 for ``step="adam"``, 1e-2 for
+        ``"orthogonal"`` (:attr:`DEFAULT_RELATIVE_EPSILON`).
       tie_break: a ramp ``tie_break·(tr/d)·k/d`` on the diagonal of each d-block before ``eigh``
         (>= 0; :func:`thor_tf.eigh._padded_for_eigh`): fixes the basis of a degenerate eigenspace
         (A's null space under a small batch) to the coordinate axes, the same on every replica
         count and device. 0: exactly rotation-equivariant, and that basis is round-off's choice.
+      step: ``"orthogonal"`` (the step's Newton–Schulz orthogonal factor, module docstring) or
+        ``"adam"`` (Adam's step in the eigenbasis as it is).
+      scale: the orthogonal step's size: ``"graft"`` (the Adam step's Frobenius norm) or
+        ``"rms"`` (``rms·√max(a_dim, g_dim)`` times the factor: RMS ≈ ``rms``, Muon's rule).
+      rms: the RMS of ``scale="rms"`` (> 0; Muon's 0.2).
+      adam_kinds: block kinds (``"conv2d"``, ``"embedding"``, ...) that keep the Adam step under
+        ``step="orthogonal"`` (none by default; measured in docs/suite.md).
     """
 
     name = "eigenbasis"
-    default_learning_rate = 0.01
+    #: The peak rate per ``step`` (the suite's best; docs/suite.md).
+    DEFAULT_LEARNING_RATES = {"adam": 0.01, "orthogonal": 0.03}
+    #: ``relative_epsilon`` per ``step`` when not given. Newton–Schulz multiplies a singular value
+    #: far below the step's norm by ~3.4⁵ ≈ 490, so a direction whose Adam step is round-off (a
+    #: softmax's all-ones logit direction: ~1e-3 of the RMS step under a 1e-4 floor) would get a
+    #: large step, different per device and replica count: measured, 2 replicas against one
+    #: device on the same batches, 9 % of the step apart (1e-4) against 2e-5 (1e-2).
+    DEFAULT_RELATIVE_EPSILON = {"adam": 1e-4, "orthogonal": 1e-2}
 
     STEPS = ("adam", "orthogonal")
     SCALES = ("graft", "rms")
 
-    def __init__(self, beta_1=0.9, beta_2=0.95, epsilon=1e-8, relative_epsilon=1e-4,
-                 tie_break=TIE_BREAK, step="adam", scale="graft", rms=0.2, adam_kinds=()):
+    def __init__(self, beta_1=0.9, beta_2=0.95, epsilon=1e-8, relative_epsilon=None,
+                 tie_break=TIE_BREAK, step="orthogonal", scale="graft", rms=0.2, adam_kinds=()):
+        if step not in self.STEPS:
+            raise ValueError(f"`step` must be one of {self.STEPS}; got {step!r}.")
+        if relative_epsilon is None:
+            relative_epsilon = self.DEFAULT_RELATIVE_EPSILON[step]
         for name, value in (("beta_1", beta_1), ("beta_2", beta_2)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
                 raise ValueError(f"`{name}` must be a float in [0, 1); got {value!r}.")
@@ -98,14 +125,16 @@ class Eigenbasis(UpdateRule):
         if isinstance(tie_break, bool) or not isinstance(tie_break, (int, float)) or not tie_break >= 0:
             raise ValueError(f"`tie_break` must be a float >= 0; got {tie_break!r}.")
         self.relative_epsilon, self.tie_break = float(relative_epsilon), float(tie_break)
-        if step not in self.STEPS:
-            raise ValueError(f"`step` must be one of {self.STEPS}; got {step!r}.")
         if scale not in self.SCALES:
             raise ValueError(f"`scale` must be one of {self.SCALES}; got {scale!r}.")
         if isinstance(rms, bool) or not isinstance(rms, (int, float)) or not rms > 0:
             raise ValueError(f"`rms` must be a float > 0; got {rms!r}.")
         self.step, self.scale, self.rms = step, scale, float(rms)
         self.adam_kinds = tuple(sorted(adam_kinds))
+
+    @property
+    def default_learning_rate(self):
+        return self.DEFAULT_LEARNING_RATES[self.step]
 
     def get_config(self):
         return {"beta_1": self.beta_1, "beta_2": self.beta_2, "epsilon": self.epsilon,
