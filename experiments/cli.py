@@ -185,13 +185,15 @@ def parse_frequency(text):
 
 def add_common_arguments(parser, *, out, epochs, batch_size, thor_lr, thor_damping, frequency,
                          kfac_frequency, lr_schedule, lr_grid_text, max_train=None, max_test=None,
-                         optimizers=("thor",), update_rule="eigenbasis"):
+                         optimizers=("thor",), update_rule="eigenbasis", seeds_text="0"):
     """The flags both scripts share (script-specific defaults passed in)."""
     g = parser.add_argument_group("comparison")
     g.add_argument("--optimizers", type=parse_optimizers, default=list(optimizers),
                    help=f"comma list from {','.join(OPTIMIZERS)} (default: {','.join(optimizers)})")
     g.add_argument("--seeds", type=parse_ints, default=[0],
-                   help="comma list of seeds; medians over seeds are reported (default: 0)")
+                   help="comma list of seeds; medians over seeds are reported; the optimizers "
+                        "of a seed run back to back, THOR first on every other seed (default: "
+                        f"{seeds_text})")
     g.add_argument("--epochs", type=int, default=epochs,
                    help=f"default {epochs if epochs is not None else 'the dataset’s'}")
     g.add_argument("--batch-size", type=int, default=batch_size,
