@@ -124,7 +124,8 @@ def test_verdict_needs_comparable_seconds(finetune):
 
     fair = verdict(0.05, 0.05)
     assert fair["comparable"] and fair["met"]
-    assert fair["steps_ratio"] == pytest.approx(1 / 3) and fair["seconds_ratio"] == pytest.approx(1 / 3)
+    assert fair["steps_ratio"] == pytest.approx(1 / 3)
+    assert fair["seconds_ratio"] == pytest.approx(1 / 3)
     for unfair in (verdict(0.35, 0.05), verdict(None, None)):
         assert not unfair["comparable"] and unfair["seconds_ratio"] is None and not unfair["met"]
         assert unfair["steps_ratio"] == pytest.approx(1 / 3)
