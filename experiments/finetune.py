@@ -43,6 +43,10 @@ characters of the whole text.
 Every run is measured with the validation loss on ``--val-windows`` fixed windows evenly spaced
 over the validation text, at step 0 and every ``--eval-every`` steps (not timed); ``seconds`` are
 training seconds (Keras ``fit`` epochs between evaluations, graph tracing of the first included).
+The runs of a seed train back to back, in ``--optimizers`` order on the 1st, 3rd, ... seed and
+reversed on the others; each records its first segment's seconds, steady seconds per step and the
+share of the CPU other processes used (``load``), and THOR's seconds are compared with the best
+baseline's only under comparable loads (``experiments/timing.py``, docs/timing.md).
 
 Outputs in ``--out`` (default ``runs/finetune``): ``metrics.csv`` (one row per evaluation),
 ``summary.json``, ``results.md`` (per rank: each optimizer at its best rate = lowest median final

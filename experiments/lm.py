@@ -47,11 +47,16 @@ of batches (``--batch`` random windows of ``--block + 1`` characters per step, d
 seed). The validation loss is measured at step 0 and every ``--eval-every`` steps on the same
 ``--val-windows`` windows, evenly spaced over the validation text, for every run; evaluation is
 not timed. ``seconds`` are training seconds (Keras ``fit`` epochs of ``--eval-every`` steps, graph
-tracing of the first included).
+tracing of the first included). The runs of a seed train back to back in this process, THOR first
+on the 1st, 3rd, ... seed and last on the others, and each records its first segment's seconds,
+its steady seconds per step and the share of the CPU other processes used during it (``load``);
+THOR's seconds are compared with a baseline's only when those loads left both about the same CPU
+(``experiments/timing.py``, docs/timing.md), else "not comparable" and why.
 
 Outputs in ``--out`` (default ``runs/lm``): ``metrics.csv`` (one row per evaluation per run: the
 val loss, the train loss over the steps since the last evaluation, seconds, THOR's KL-clip scale ν
-of the last step and its block refreshes), ``summary.json`` (the grid, the best rate per
+of the last step and its block refreshes, the run's ``first_seconds``, ``steady_seconds_per_step``
+and ``load`` so far), ``summary.json`` (the grid, the best rate per
 optimizer, the target = the best baseline's median final val loss, per seed the steps and seconds
 to the target (the first evaluation at or below it) and the ratios THOR/baseline), ``val_loss.png``
 (val loss against steps and seconds, median over seeds, each optimizer at its best rate) and

@@ -38,7 +38,15 @@ reports, per optimizer, the learning rate with the best median (over seeds) fina
 ``metrics.csv`` columns: optimizer, lr (initial lr under a schedule), seed, epoch (from 1),
 train_loss (Keras' mean over the epoch's batches), test_loss, test_acc, epoch_seconds (training
 only), cumulative_seconds, refreshes (Kronecker-block refreshes so far, summed over layers; 0 for
-SGD/Adam). The ``--max-train``/``--max-test`` subsets do not depend on the seed.
+SGD/Adam), first_seconds, steady_seconds_per_step, load (below). The ``--max-train``/``--max-test``
+subsets do not depend on the seed.
+
+Seconds (``experiments/timing.py``, docs/timing.md): the runs of a seed train back to back in
+this process, in ``--optimizers`` order (THOR first) on the 1st, 3rd, ... seed and reversed on
+the others; ``metrics.csv`` also holds each run's ``first_seconds`` (its first epoch: tracing),
+``steady_seconds_per_step`` and ``load`` (the share of the CPU other processes used) so far, and
+the summary THOR's seconds against the best baseline's only when those loads left both about the
+same CPU (``thor_vs_best``; else "not comparable" and why).
 
 Time-to-target (:func:`time_to_target`): the first epoch whose test accuracy is ``>= target`` and
 the cumulative *training* wall time at the end of that epoch (evaluation excluded, graph tracing

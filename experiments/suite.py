@@ -28,13 +28,22 @@ from the seed; the last partial batch of an epoch is dropped so every step is a 
 test metric is measured at step 0 and at ``--evals`` evenly spaced steps (evaluation is not
 timed); seconds are training seconds (``fit``), the first graph tracing included.
 
+Seconds (``experiments/timing.py``, docs/timing.md): for a workload and seed every run trains back
+to back in this process, THOR first on the 1st, 3rd, ... seed and last on the others; each run's
+first segment (tracing) and steady seconds per step are kept apart, and the share of the CPU
+other processes used during it (``load``). THOR's seconds ratio is given only when those loads
+left THOR's and the best baseline's runs about the same CPU on every seed, else "not comparable"
+with the reason in the notes.
+
 Reported per workload: each optimizer's median final metric (at its best rate), and the steps and
 seconds to the **target**, the best baseline's median final metric: the first evaluation at or
 past it, median over seeds (a seed that never gets there counts as never; the median is "never"
 when half or more do). Ratios THOR / best baseline. Outputs in ``--out`` (default
-``runs/suite``): ``metrics.csv`` (every evaluation of every run), ``suite.json``, ``suite.md``
+``runs/suite``): ``metrics.csv`` (every evaluation of every run, with the run's
+``first_seconds``, ``steady_seconds_per_step`` and ``load`` so far), ``suite.json``, ``suite.md``
 (the table, also printed) and ``suite.png`` (median curves, one panel per workload).
-``--combine DIR...`` joins the ``metrics.csv`` of runs made in separate processes.
+``--combine DIR...`` joins the ``metrics.csv`` of runs made in separate processes (older ones,
+without the timing columns, join with their seconds "not comparable").
 """
 
 from __future__ import annotations
