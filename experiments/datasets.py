@@ -18,11 +18,14 @@ name               shape       where it is looked for, in order
 ``cifar10``        32x32x3     Keras cache ``cifar-10-batches-py``, then a Keras
                                download
 ``auto``           --          ``fashion_mnist`` if present locally, else
-                               ``digits``
+                               downloaded by Keras, else ``digits``
 =================  ==========  ===============================================
 
 Nothing here touches the network unless a dataset is missing locally *and*
 ``download=True`` (the default); the Keras download is only a last resort.
+It fails fast: a connection to the download host is tried first (a few seconds at
+most), and the environment variable ``THOR_TF_NO_DOWNLOAD`` (any non-empty value;
+the tests set it) turns every download off.
 
 The search locations are module-level constants (:data:`DEBIAN_FASHION_MNIST_DIR`,
 :data:`KERAS_DATASETS_DIRS`) so that tests, or users with data in odd places,
@@ -48,6 +51,7 @@ __all__ = [
     "available_locally",
     "load_dataset",
     "read_idx",
+    "resolve_auto",
 ]
 
 #: Names accepted by :func:`load_dataset`.
@@ -239,6 +243,34 @@ def available_locally(name: str) -> bool:
     return _find_dir(_cifar10_dirs(), _CIFAR10_FILES) is not None  # cifar10
 
 
+def resolve_auto(download: bool = True, verbose: bool = True) -> str:
+    """What ``"auto"`` loads: ``"fashion_mnist"`` when it is on the machine (Debian's package,
+    Keras' cache) or Keras downloads it now (into its cache; only when ``download`` and the
+    network allow, see :func:`_keras_download`), else ``"digits"``. ``verbose``: one line saying
+    which and why (for digits, also how to get Fashion-MNIST)."""
+    found = _find_dir(_fashion_dirs(), _FASHION_FILES)
+    if found is not None:
+        if verbose:
+            print(f"auto: using fashion_mnist (found locally in {found})")
+        return "fashion_mnist"
+    why = "downloads are off"
+    if downloads_allowed(download):
+        try:
+            _load_fashion_mnist(download=True)
+        except RuntimeError as err:
+            why = f"the Keras download failed: {str(err.__cause__ or err).splitlines()[0]}"
+        else:
+            if verbose:
+                print("auto: using fashion_mnist (downloaded by keras.datasets.fashion_mnist)")
+            return "fashion_mnist"
+    if verbose:
+        print(f"auto: fashion_mnist not found locally (looked in {', '.join(_fashion_dirs())}) "
+              f"and {why}; using digits (scikit-learn, embedded). For Fashion-MNIST: apt-get "
+              f"install -y dataset-fashion-mnist (Debian/Ubuntu), or with internet python -c "
+              f"'import keras; keras.datasets.fashion_mnist.load_data()'")
+    return "digits"
+
+
 # ---------------------------------------------------------------------- loaders
 # Each raw loader returns (x_train, y_train, x_test, y_test, source) with images
 # still in their stored dtype (uint8 0..255, or float 0..16 for digits).
@@ -261,20 +293,41 @@ def _not_local(name: str, looked_at: Sequence[str], how: str):
     )
 
 
-def _keras_download(name: str, looked_at: Sequence[str], how: str, download: bool):
-    """``(tr_x, tr_y, te_x, te_y)`` from ``keras.datasets.<name>.load_data()`` (needs internet).
+#: Where ``keras.datasets`` downloads MNIST, Fashion-MNIST and CIFAR-10 from (Keras 3).
+DOWNLOAD_HOST = ("storage.googleapis.com", 443)
+#: Seconds to wait for a connection to :data:`DOWNLOAD_HOST`, and then for each read.
+CONNECT_TIMEOUT, READ_TIMEOUT = 3.0, 30.0
 
-    Raises the offline RuntimeError (what was looked at, how to get the data) when ``download``
-    is False or the download fails.
+
+def downloads_allowed(download: bool = True) -> bool:
+    """``download``, unless the environment variable ``THOR_TF_NO_DOWNLOAD`` is set (non-empty)."""
+    return bool(download) and not os.environ.get("THOR_TF_NO_DOWNLOAD")
+
+
+def _keras_download(name: str, looked_at: Sequence[str], how: str, download: bool):
+    """``(tr_x, tr_y, te_x, te_y)`` from ``keras.datasets.<name>.load_data()`` (needs internet;
+    Keras keeps the files in its cache, where the next load finds them).
+
+    Fails fast without a network: a connection to :data:`DOWNLOAD_HOST` is tried first (at most
+    :data:`CONNECT_TIMEOUT` seconds), and the download's reads time out after
+    :data:`READ_TIMEOUT` seconds. Raises the offline RuntimeError (what was looked at, how to get
+    the data) when downloads are off (``download`` False or ``THOR_TF_NO_DOWNLOAD``) or fail.
     """
-    if not download:
+    if not downloads_allowed(download):
         raise _not_local(name, looked_at, how)
+    import socket
+
+    previous = socket.getdefaulttimeout()
     try:
+        socket.create_connection(DOWNLOAD_HOST, timeout=CONNECT_TIMEOUT).close()
+        socket.setdefaulttimeout(READ_TIMEOUT)
         import keras
 
         (tr_x, tr_y), (te_x, te_y) = getattr(keras.datasets, name).load_data()
     except Exception as e:  # network, SSL, HTTP errors all look different
         raise _download_failed(name, looked_at, how, e) from e
+    finally:
+        socket.setdefaulttimeout(previous)
     return tr_x, tr_y, te_x, te_y
 
 
@@ -410,7 +463,8 @@ def load_dataset(
             ``"auto"``, which dataset was chosen and why).
         seed: seeds the digits train/test split and the subsampling.
         download: allow the Keras download as a last resort. With ``False``
-            a missing dataset raises at once, without touching the network.
+            (or ``THOR_TF_NO_DOWNLOAD`` set) a missing dataset raises at once,
+            and ``"auto"`` gives digits, without touching the network.
 
     Returns:
         A :class:`Dataset`.
@@ -431,20 +485,7 @@ def load_dataset(
         raise ValueError(f"pad_to must be a positive int or None; got {pad_to!r}")
 
     if name == "auto":
-        found = _find_dir(_fashion_dirs(), _FASHION_FILES)
-        if found is not None:
-            name = "fashion_mnist"
-            reason = f"auto: using fashion_mnist (found locally in {found})"
-        else:
-            name = "digits"
-            reason = (
-                "auto: fashion_mnist not found locally (looked in "
-                f"{', '.join(_fashion_dirs())}); using digits (scikit-learn, embedded). "
-                "For Fashion-MNIST: apt-get install -y dataset-fashion-mnist (Debian/Ubuntu), or "
-                "with internet python -c 'import keras; keras.datasets.fashion_mnist.load_data()'"
-            )
-        if verbose:
-            print(reason)
+        name = resolve_auto(download=download, verbose=verbose)
 
     if pad_to is not None and pad_to < _IMAGE_SIDE[name]:
         side = _IMAGE_SIDE[name]

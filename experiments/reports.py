@@ -13,10 +13,11 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from thor_tf_experiments import timing
 from thor_tf_experiments.cli import FIRST_ORDER, OPTIMIZERS
 
 CSV_FIELDS = ("optimizer", "lr", "seed", "epoch", "train_loss", "test_loss", "test_acc",
-              "epoch_seconds", "cumulative_seconds", "refreshes")
+              "epoch_seconds", "cumulative_seconds", "refreshes") + timing.CSV_COLUMNS
 PLOT_FILES = ("accuracy_vs_epoch.png", "accuracy_vs_time.png", "loss_vs_epoch.png",
               "loss_vs_time.png", "curves.png")
 
@@ -29,6 +30,7 @@ class RunResult:
     steps_per_epoch: int = 0
     layer_stats: list = None
     counters: dict = None
+    timing: dict = None   # RunClock.summary(): first_seconds, steady_seconds_per_step, load
 
     @property
     def accuracies(self):
@@ -67,6 +69,28 @@ class CsvLog:
 
     def close(self):
         self._fh.close()
+
+def read_rows(path, text=("optimizer",), ints=(), columns=None):
+    """The rows of a ``metrics.csv`` as dicts of typed values: the ``text`` columns as strings,
+    the ``ints`` as ints, every other as a float; empty (or ``None``) is None. ``columns``: the
+    columns every row gets (those an older file lacks, e.g. :data:`timing.CSV_COLUMNS`, are
+    None)."""
+    rows = []
+    with open(path, newline="") as handle:
+        for row in csv.DictReader(handle):
+            parsed = dict.fromkeys(columns or ())
+            for key, value in row.items():
+                if key in text:
+                    parsed[key] = value
+                elif value in ("", "None", None):
+                    parsed[key] = None
+                elif key in ints:
+                    parsed[key] = int(float(value))
+                else:
+                    parsed[key] = float(value)
+            rows.append(parsed)
+    return rows
+
 
 def time_to_target(accuracies, cumulative_seconds, target):
     """``(epochs, seconds)`` of the FIRST epoch whose accuracy is ``>= target``.
@@ -128,21 +152,28 @@ def best_configs(results):
     return {k: (lr, runs) for k, (lr, runs, _) in best.items()}
 
 
+def best_baseline(results, target_from=None):
+    """``(median final accuracy, name, lr)`` of ``target_from`` (at its best rate), else of the
+    best first-order baseline (``cli.FIRST_ORDER``: sgd/adam/adamw/muon); None if none ran."""
+    best = best_configs(results)
+    baselines = (target_from,) if target_from else FIRST_ORDER
+    candidates = [(median_or_none([r.final_acc for r in runs]), name, lr)
+                  for name, (lr, runs) in best.items() if name in baselines]
+    candidates = [c for c in candidates if c[0] is not None]
+    return max(candidates) if candidates else None
+
+
 def choose_target(results, target_acc, target_from=None):
     """``(target, source text)``: ``--target-acc``, else the final accuracy of ``--target-from``
     (its best learning rate), else of the best first-order baseline (``cli.FIRST_ORDER``:
     sgd/adam/adamw/muon)."""
     if target_acc is not None:
         return float(target_acc), "--target-acc"
-    best = best_configs(results)
-    baselines = (target_from,) if target_from else FIRST_ORDER
-    candidates = [(median_or_none([r.final_acc for r in runs]), name, lr)
-                  for name, (lr, runs) in best.items() if name in baselines]
-    candidates = [c for c in candidates if c[0] is not None]
-    if not candidates:
+    leader = best_baseline(results, target_from)
+    if leader is None:
         return None, (f"no first-order baseline ({'/'.join(FIRST_ORDER)}) in this run and no "
                       "--target-acc, so no time-to-target")
-    acc, name, lr = max(candidates)
+    acc, name, lr = leader
     if target_from:
         return acc, f"final test accuracy of {name} (--target-from, best lr={lr:g})"
     return acc, f"final test accuracy of the best first-order baseline ({name}, lr={lr:g})"
@@ -197,6 +228,8 @@ def summarize(results, args, dataset_info, model_name):
                 "mean_step_seconds": r.mean_step_seconds(),
                 "first_epoch_seconds": r.rows[0]["epoch_seconds"] if r.rows else None,
                 "refreshes": r.rows[-1]["refreshes"] if r.rows else 0,
+                **{k: (r.timing or {}).get(k) for k in (
+                    "steady_seconds_per_step", "first_overhead_seconds", "load")},
             })
         entry = {
             "lr": lr,
@@ -208,6 +241,9 @@ def summarize(results, args, dataset_info, model_name):
             # includes graph tracing (THOR's train step traces much longer than a plain one)
             "first_epoch_seconds": median_or_none([s["first_epoch_seconds"] for s in per_seed]),
             "refreshes": median_or_none([s["refreshes"] for s in per_seed]),
+            "steady_seconds_per_step": median_or_none(
+                [s["steady_seconds_per_step"] for s in per_seed]),
+            "load": timing.median([s["load"] for s in per_seed]),
             "target": target,
             "steps_per_epoch": runs[0].steps_per_epoch,
             "per_seed": per_seed,
@@ -219,9 +255,11 @@ def summarize(results, args, dataset_info, model_name):
             entry["counters"] = runs[0].counters
         optimizers[name] = entry
     args_dict = {k: (v if not isinstance(v, tuple) else list(v)) for k, v in vars(args).items()}
+    leader = best_baseline(results, getattr(args, "target_from", None))
     summary = {
         "target": target,
         "target_source": source,
+        "thor_vs_best": thor_vs_baseline(optimizers, leader[1]) if leader else None,
         "optimizers": {k: optimizers[k] for k in args.optimizers if k in optimizers},
         "dataset": dataset_info,
         "model": model_name,
@@ -230,6 +268,26 @@ def summarize(results, args, dataset_info, model_name):
         **environment_info(),
     }
     return _jsonable(summary)
+
+
+def thor_vs_baseline(optimizers, baseline):
+    """THOR's seconds over ``baseline``'s (:func:`timing.compare`: to the target, the first
+    epoch, a steady step; medians over the seeds), or "not comparable" and why; None without
+    THOR."""
+    thor, base = optimizers.get("thor"), optimizers.get(baseline)
+    if thor is None or base is None:
+        return None
+    measures = {name: (thor[key], base[key]) for name, key in (
+        ("to_target", "seconds_to_target"), ("first_epoch", "first_epoch_seconds"),
+        ("steady_step", "steady_seconds_per_step"))}
+    result = timing.compare({s["seed"]: s["load"] for s in thor["per_seed"]},
+                            {s["seed"]: s["load"] for s in base["per_seed"]}, measures, baseline)
+    return {"baseline": baseline, "lr": base["lr"],
+            "epochs_ratio": _ratio(thor["epochs_to_target"], base["epochs_to_target"]), **result}
+
+
+def _ratio(a, b):
+    return None if a is None or b is None or b == 0 else a / b
 
 
 def write_summary(summary, out_dir):
@@ -313,15 +371,17 @@ def _fmt(value, spec, none="never"):
 def summary_table(summary):
     """The table printed at the end (best config per optimizer, medians over seeds)."""
     target = summary["target"]
-    head = ("optimizer", "lr", "final acc", "epochs->target", "s->target", "s/step",
-            "train s", "refreshes")
+    head = ("optimizer", "lr", "final acc", "epochs->target", "s->target", "1st epoch s",
+            "steady s/step", "train s", "load", "refreshes")
     rows = [head]
     for name, e in summary["optimizers"].items():
         rows.append((name, _fmt(e["lr"], "g"), _fmt(e["final_acc"], ".4f", "nan"),
                      _fmt(e["epochs_to_target"], "g", "never" if target is not None else "-"),
                      _fmt(e["seconds_to_target"], ".1f", "never" if target is not None else "-"),
-                     _fmt(e["mean_step_seconds"], ".4f", "-"),
-                     _fmt(e["total_seconds"], ".1f", "-"), _fmt(e["refreshes"], "g", "-")))
+                     _fmt(e["first_epoch_seconds"], ".1f", "-"),
+                     _fmt(e.get("steady_seconds_per_step"), ".4f", "-"),
+                     _fmt(e["total_seconds"], ".1f", "-"), _fmt(e.get("load"), ".0%", "?"),
+                     _fmt(e["refreshes"], "g", "-")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
@@ -330,6 +390,18 @@ def summary_table(summary):
         lines.insert(0, f"no target accuracy ({summary['target_source']})")
     else:
         lines.insert(0, f"target accuracy {target:.4f}: {summary['target_source']}")
+    seeds = len((summary.get("args") or {}).get("seeds") or [])
+    if seeds > 1:
+        lines.insert(1, f"medians over {seeds} seeds (load: the share of the CPU other "
+                        f"processes used during the runs)")
+    versus = summary.get("thor_vs_best")
+    if versus is not None:
+        lines.append(f"THOR / {versus['baseline']} (lr {versus['lr']:g}): epochs to the target "
+                     f"{_fmt(versus['epochs_ratio'], '.2f', 'never')}, seconds to the target "
+                     f"{timing.ratio_text(versus, 'to_target')}, first epoch "
+                     f"{timing.ratio_text(versus, 'first_epoch')}, steady step "
+                     f"{timing.ratio_text(versus, 'steady_step')}")
+        lines.append(f"  {versus['reason'] or 'run back to back'}; {timing.loads_text(versus)}")
     return "\n".join(lines)
 
 

@@ -38,7 +38,15 @@ reports, per optimizer, the learning rate with the best median (over seeds) fina
 ``metrics.csv`` columns: optimizer, lr (initial lr under a schedule), seed, epoch (from 1),
 train_loss (Keras' mean over the epoch's batches), test_loss, test_acc, epoch_seconds (training
 only), cumulative_seconds, refreshes (Kronecker-block refreshes so far, summed over layers; 0 for
-SGD/Adam). The ``--max-train``/``--max-test`` subsets do not depend on the seed.
+SGD/Adam), first_seconds, steady_seconds_per_step, load (below). The ``--max-train``/``--max-test``
+subsets do not depend on the seed.
+
+Seconds (``experiments/timing.py``, docs/timing.md): the runs of a seed train back to back in
+this process, in ``--optimizers`` order (THOR first) on the 1st, 3rd, ... seed and reversed on
+the others; ``metrics.csv`` also holds each run's ``first_seconds`` (its first epoch: tracing),
+``steady_seconds_per_step`` and ``load`` (the share of the CPU other processes used) so far, and
+the summary THOR's seconds against the best baseline's only when those loads left both about the
+same CPU (``thor_vs_best``; else "not comparable" and why).
 
 Time-to-target (:func:`time_to_target`): the first epoch whose test accuracy is ``>= target`` and
 the cumulative *training* wall time at the end of that epoch (evaluation excluded, graph tracing
@@ -52,9 +60,9 @@ or Muon) of the same run, so no guessed number enters the comparison; ``--target
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
+from thor_tf_experiments import timing
 from thor_tf_experiments.cli import (ADAMW_WEIGHT_DECAY, FIRST_ORDER, MUON_EXCLUDE_LAYERS,
                                      MUON_WEIGHT_DECAY, THOR_FAMILY, require_muon)
 from thor_tf_experiments.reports import (PLOT_FILES, CsvLog, RunResult, plot_curves, summarize,
@@ -175,22 +183,6 @@ def thor_totals(model):
             sum(bool(s["frozen"]) for s in stats))
 
 
-def _epoch_timer():
-    import keras
-
-    class EpochTimer(keras.callbacks.Callback):
-        """Wall time of the training part of one epoch (on_epoch_begin -> on_epoch_end)."""
-
-        def on_epoch_begin(self, epoch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_epoch_end(self, epoch, logs=None):
-            self.seconds = time.perf_counter() - self.start
-            self.logs = dict(logs or {})
-
-    return EpochTimer()
-
-
 class _NoRetracingWarning:
     """Drops TF's "triggered tf.function retracing" warning: every run builds a fresh model, and
     TF counts their train functions together, so the warning is noise here."""
@@ -217,25 +209,25 @@ def train_run(optimizer, lr, seed, build_model, ds, args, csv_log, show_table=Fa
     order = np.random.default_rng([seed, 2024])  # same data order for every optimizer
     result = RunResult(optimizer, float(lr), int(seed), steps_per_epoch=steps_per_epoch)
     tag = f"[{optimizer} lr={lr:g} seed={seed}]"
-    cumulative = 0.0
+    clock = timing.RunClock()
     for epoch in range(args.epochs):
         perm = order.permutation(n)
         x, y = ds.x_train[perm], ds.y_train[perm]
-        timer = _epoch_timer()
-        model.fit(x, y, batch_size=args.batch_size, epochs=epoch + 1, initial_epoch=epoch,
-                  shuffle=False, verbose=1 if args.verbose else 0, callbacks=[timer])
-        cumulative += timer.seconds
+        seconds, train_loss = timing.fit_segment(model, clock, epoch, x, y, args.batch_size,
+                                                 verbose=args.verbose)
+        cumulative = clock.seconds
         evaluation = model.evaluate(ds.x_test, ds.y_test, batch_size=1024, verbose=0,
                                     return_dict=True)
         refreshes, reuses, frozen = thor_totals(model)
         row = {
             "optimizer": optimizer, "lr": float(lr), "seed": int(seed), "epoch": epoch + 1,
-            "train_loss": float(timer.logs.get("loss", float("nan"))),
+            "train_loss": train_loss,
             "test_loss": float(evaluation["loss"]),
             "test_acc": float(evaluation.get("accuracy", evaluation.get("compile_metrics", 0))),
-            "epoch_seconds": round(timer.seconds, 4),
+            "epoch_seconds": round(seconds, 4),
             "cumulative_seconds": round(cumulative, 4),
             "refreshes": int(refreshes),
+            **clock.fields(),
         }
         result.rows.append(row)
         csv_log.write(row)
@@ -247,7 +239,8 @@ def train_run(optimizer, lr, seed, build_model, ds, args, csv_log, show_table=Fa
                 extra += f"  NON-FINITE STEPS SKIPPED {nonfinite}"
         print(f"{tag} epoch {epoch + 1}/{args.epochs}  train_loss {row['train_loss']:.4f}  "
               f"test_loss {row['test_loss']:.4f}  test_acc {row['test_acc']:.4f}  "
-              f"time {timer.seconds:.1f}s (total {cumulative:.1f}s){extra}", flush=True)
+              f"time {seconds:.1f}s (total {cumulative:.1f}s){extra}", flush=True)
+    result.timing = clock.summary()
     if optimizer in THOR_FAMILY:
         result.layer_stats = model.thor.layer_stats()
         result.counters = model.thor.counters()
@@ -297,8 +290,10 @@ def run_experiment(args, ds, build_model, model_name, title):
     results = []
     shown = False
     try:
-        for seed in args.seeds:
-            for name, lr in grid:
+        for index, seed in enumerate(args.seeds):
+            if len(args.seeds) > 1 and len(grid) > 1:
+                print(f"seed {seed}: {timing.order_text(index)}", flush=True)
+            for name, lr in timing.run_order(grid, index):
                 show = args.verbose or (name in THOR_FAMILY and not shown)
                 shown = shown or name in THOR_FAMILY
                 results.append(train_run(name, lr, seed, build_model, ds, args, csv_log,

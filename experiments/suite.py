@@ -28,13 +28,22 @@ from the seed; the last partial batch of an epoch is dropped so every step is a 
 test metric is measured at step 0 and at ``--evals`` evenly spaced steps (evaluation is not
 timed); seconds are training seconds (``fit``), the first graph tracing included.
 
+Seconds (``experiments/timing.py``, docs/timing.md): for a workload and seed every run trains back
+to back in this process, THOR first on the 1st, 3rd, ... seed and last on the others; each run's
+first segment (tracing) and steady seconds per step are kept apart, and the share of the CPU
+other processes used during it (``load``). THOR's seconds ratio is given only when those loads
+left THOR's and the best baseline's runs about the same CPU on every seed, else "not comparable"
+with the reason in the notes.
+
 Reported per workload: each optimizer's median final metric (at its best rate), and the steps and
 seconds to the **target**, the best baseline's median final metric: the first evaluation at or
 past it, median over seeds (a seed that never gets there counts as never; the median is "never"
 when half or more do). Ratios THOR / best baseline. Outputs in ``--out`` (default
-``runs/suite``): ``metrics.csv`` (every evaluation of every run), ``suite.json``, ``suite.md``
+``runs/suite``): ``metrics.csv`` (every evaluation of every run, with the run's
+``first_seconds``, ``steady_seconds_per_step`` and ``load`` so far), ``suite.json``, ``suite.md``
 (the table, also printed) and ``suite.png`` (median curves, one panel per workload).
-``--combine DIR...`` joins the ``metrics.csv`` of runs made in separate processes.
+``--combine DIR...`` joins the ``metrics.csv`` of runs made in separate processes (older ones,
+without the timing columns, join with their seconds "not comparable").
 """
 
 from __future__ import annotations
@@ -50,9 +59,10 @@ from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from thor_tf_experiments import workloads as wl  # noqa: E402
+from thor_tf_experiments import timing, workloads as wl  # noqa: E402
 
-FIELDS = ("workload", "optimizer", "lr", "seed", "step", "seconds", "metric", "train_loss")
+FIELDS = ("workload", "optimizer", "lr", "seed", "step", "seconds", "metric",
+          "train_loss") + timing.CSV_COLUMNS
 BASELINES = ("sgd", "adam", "adamw", "muon")
 WARMUP_FRACTION = 0.05
 COLORS = {"thor": "tab:red", "sgd": "tab:green", "adam": "tab:blue", "adamw": "tab:cyan",
@@ -162,7 +172,8 @@ def train_run(workload, data, optimizer, lr, seed, args, log):
                         workload.single_pass)
     total = len(order)
     model = compiled_model(optimizer, lr, workload, data, args.quick, total, args.thor_option)
-    rows, seconds, done = [], 0.0, 0
+    rows, done = [], 0
+    clock = timing.RunClock()
     tag = f"[{workload.name} {optimizer}{'' if optimizer == 'thor' else f' lr={lr:g}'} seed={seed}]"
 
     def evaluate(step, train_loss):
@@ -170,8 +181,9 @@ def train_run(workload, data, optimizer, lr, seed, args, log):
                 else (data.x_test, data.y_test))
         result = model.evaluate(x, y, batch_size=512, verbose=0, return_dict=True)
         row = {"workload": workload.name, "optimizer": optimizer, "lr": float(lr),
-               "seed": int(seed), "step": step, "seconds": round(seconds, 4),
-               "metric": float(result[workload.metric]), "train_loss": train_loss}
+               "seed": int(seed), "step": step, "seconds": round(clock.seconds, 4),
+               "metric": float(result[workload.metric]), "train_loss": train_loss,
+               **clock.fields()}
         rows.append(row)
         log(row)
         return row
@@ -179,21 +191,20 @@ def train_run(workload, data, optimizer, lr, seed, args, log):
     evaluate(0, None)
     for index, stop in enumerate(eval_steps(total, args.evals)):
         idx = order[done:stop].reshape(-1)
-        timer = runner._epoch_timer()  # training seconds of this fit (one "epoch")
-        model.fit(data.x_train[idx], data.y_train[idx], batch_size=workload.batch_size,
-                  epochs=index + 1, initial_epoch=index, shuffle=False, verbose=0,
-                  callbacks=[timer])
-        seconds += timer.seconds
+        _, train_loss = timing.fit_segment(model, clock, index, data.x_train[idx],
+                                           data.y_train[idx], workload.batch_size)
         done = stop
-        row = evaluate(stop, float(timer.logs.get("loss", float("nan"))))
+        row = evaluate(stop, train_loss)
     extra = ""
     if optimizer == "thor":
         counters = model.thor.counters()
         extra = f"  refreshes {sum(s['refreshes'] for s in model.thor.layer_stats())}"
         if counters["nonfinite_steps"]:
             extra += f"  NON-FINITE STEPS SKIPPED {counters['nonfinite_steps']}"
+    load = clock.load
     print(f"{tag} {total} steps  {workload.metric} {row['metric']:.4f}  "
-          f"{seconds:.1f}s{extra}", flush=True)
+          f"{clock.seconds:.1f}s (first {clock.first_seconds:.1f}s, load "
+          f"{'?' if load is None else f'{load:.0%}'}){extra}", flush=True)
     return rows
 
 
@@ -273,6 +284,11 @@ def summarize_workload(workload, rows):
         info["median_seconds"] = _median(info["seconds_to_target"])
         info["total_steps"] = per_seed[info["seeds"][0]][-1]["step"]
         info["total_seconds"] = statistics.median(r[-1]["seconds"] for r in per_seed.values())
+        # The run's first segment (tracing) and steady seconds, and its load: its last row's.
+        for key in timing.CSV_COLUMNS:
+            info[key] = [per_seed[s][-1].get(key) for s in info["seeds"]]
+        info["median_first_seconds"] = timing.median(info["first_seconds"])
+        info["median_steady_seconds_per_step"] = timing.median(info["steady_seconds_per_step"])
     summary = {"workload": workload.name, "title": workload.title, "metric": workload.metric,
                "split": workload.eval_split,
                "higher_is_better": workload.higher_is_better, "target": target,
@@ -280,7 +296,18 @@ def summarize_workload(workload, rows):
     if "thor" in best:
         t, b = best["thor"], best[leader]
         summary["steps_ratio"] = _ratio(t["median_steps"], b["median_steps"])
-        summary["seconds_ratio"] = _ratio(t["median_seconds"], b["median_seconds"])
+        # Seconds only when both sides ran under comparable load (timing.compare).
+        timed = timing.compare(
+            dict(zip(t["seeds"], t["load"])), dict(zip(b["seeds"], b["load"])),
+            {"to_target": (t["median_seconds"], b["median_seconds"]),
+             "first": (t["median_first_seconds"], b["median_first_seconds"]),
+             "steady_step": (t["median_steady_seconds_per_step"],
+                             b["median_steady_seconds_per_step"])}, leader)
+        summary["seconds_ratio"] = timed["ratios"]["to_target"]
+        summary["timing"] = timed
+        if not timed["comparable"]:
+            warnings.append(f"{workload.name}: seconds {timing.NOT_COMPARABLE}: "
+                            f"{timed['reason']}")
         summary["thor_at_least_as_good"] = bool(_better(workload, t["final"], target))
     return summary
 
@@ -295,8 +322,9 @@ def _fmt(value, spec, none="never"):
 
 def markdown(summaries, thor_options):
     lines = ["| workload | optimizer (best rate) | median final | steps to target | "
-             "seconds to target | THOR/best: steps, seconds |",
-             "|---|---|---|---|---|---|"]
+             "seconds to target | first segment s, steady ms/step, load | "
+             "THOR/best: steps, seconds |",
+             "|---|---|---|---|---|---|---|"]
     for s in summaries:
         if "target" not in s:
             continue
@@ -309,17 +337,23 @@ def markdown(summaries, thor_options):
             spec = ".2%" if metric == "accuracy" else ".4f"
             ratios = ""
             if name == "thor":
+                seconds = (timing.ratio_text(s["timing"], "to_target") if "timing" in s
+                           else _fmt(s.get("seconds_ratio"), ".2f", "never"))
                 ratios = (f"{_fmt(s.get('steps_ratio'), '.2f', 'never')}"
-                          f"{'' if s.get('steps_ratio') is None else 'x'}, "
-                          f"{_fmt(s.get('seconds_ratio'), '.2f', 'never')}"
-                          f"{'' if s.get('seconds_ratio') is None else 'x'}")
+                          f"{'' if s.get('steps_ratio') is None else 'x'}, {seconds}")
+            steady = info.get("median_steady_seconds_per_step")
+            load = timing.median(info.get("load") or [])
+            split = (f"{_fmt(info.get('median_first_seconds'), '.1f', '–')}, "
+                     f"{_fmt(None if steady is None else 1000 * steady, '.1f', '–')}, "
+                     f"{_fmt(load, '.0%', '?')}")
             label_metric = metric if s.get("split", "test") == "test" else f"{s['split']} {metric}"
             first = (f"{s['workload']} ({label_metric}, target {format(s['target'], spec)})"
                      if i == 0 else "")
             lines.append(
                 f"| {first} | {label} | {format(info['final'], spec)} | "
                 f"{_fmt(info['median_steps'], '.0f')} / {info['total_steps']} | "
-                f"{_fmt(info['median_seconds'], '.1f')} / {info['total_seconds']:.1f} | {ratios} |")
+                f"{_fmt(info['median_seconds'], '.1f')} / {info['total_seconds']:.1f} | {split} | "
+                f"{ratios} |")
     notes = [w for s in summaries for w in s.get("warnings", [])]
     text = "\n".join(lines)
     if thor_options:
@@ -458,14 +492,12 @@ def parse_args(argv=None):
 
 
 def _read_rows(path):
-    with open(path, newline="") as fh:
-        rows = []
-        for r in csv.DictReader(fh):
-            rows.append({"workload": r["workload"], "optimizer": r["optimizer"],
-                         "lr": float(r["lr"]), "seed": int(r["seed"]), "step": int(r["step"]),
-                         "seconds": float(r["seconds"]), "metric": float(r["metric"]),
-                         "train_loss": float(r["train_loss"]) if r["train_loss"] else None})
-        return rows
+    """The rows of a ``metrics.csv``; the timing columns of an older one (before
+    ``timing.CSV_COLUMNS``) read as None, so its seconds are "not comparable"."""
+    from thor_tf_experiments.reports import read_rows
+
+    return read_rows(path, text=("workload", "optimizer"), ints=("seed", "step"),
+                     columns=FIELDS)
 
 
 def main(argv=None):
@@ -515,8 +547,10 @@ def main(argv=None):
             print(f"[{name}] {workload.title}: {data.source}; {steps} steps of batch "
                   f"{workload.batch_size}; {len(plan)} configuration(s) x {len(args.seeds)} "
                   f"seed(s)", flush=True)
-            for seed in args.seeds:
-                for optimizer, lr in plan:
+            for index, seed in enumerate(args.seeds):
+                if len(args.seeds) > 1 and len(plan) > 1:
+                    print(f"[{name}] seed {seed}: {timing.order_text(index)}", flush=True)
+                for optimizer, lr in timing.run_order(plan, index):
                     train_run(workload, data, optimizer, lr, seed, args, log)
     print(f"suite: {time.perf_counter() - started:.0f} s", flush=True)
     return write_outputs(args.workloads, rows, args, sources, out)

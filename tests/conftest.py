@@ -2,6 +2,8 @@ import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The tests never download data (experiments/datasets.py; the scripts run here inherit it).
+os.environ["THOR_TF_NO_DOWNLOAD"] = "1"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 

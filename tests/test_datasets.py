@@ -115,7 +115,31 @@ def test_fashion_missing_no_download_lists_paths(no_local_data):
     assert "apt-get install -y dataset-fashion-mnist" in msg
 
 
-def test_failed_download_is_runtime_error(no_local_data, monkeypatch):
+@pytest.fixture
+def fake_network(monkeypatch):
+    """Downloads allowed (the tests' THOR_TF_NO_DOWNLOAD removed) against a fake network: the
+    connection probe succeeds or fails as ``state["up"]`` says, without a socket; returns
+    ``state`` (``probes``: the hosts tried)."""
+    import socket
+
+    state = {"up": True, "probes": []}
+
+    class Connection:
+        def close(self):
+            pass
+
+    def connect(address, timeout=None):
+        state["probes"].append((address, timeout))
+        if not state["up"]:
+            raise OSError("[Errno -2] Name or service not known")
+        return Connection()
+
+    monkeypatch.delenv("THOR_TF_NO_DOWNLOAD", raising=False)
+    monkeypatch.setattr(socket, "create_connection", connect)
+    return state
+
+
+def test_failed_download_is_runtime_error(no_local_data, fake_network, monkeypatch):
     keras = pytest.importorskip("keras")
 
     def boom():
@@ -124,6 +148,18 @@ def test_failed_download_is_runtime_error(no_local_data, monkeypatch):
     monkeypatch.setattr(keras.datasets.fashion_mnist, "load_data", boom)
     with pytest.raises(RuntimeError, match="apt-get install -y dataset-fashion-mnist"):
         data.load_dataset("fashion_mnist", verbose=False)
+
+
+def test_no_network_fails_fast_before_the_keras_download(no_local_data, fake_network,
+                                                         monkeypatch):
+    """The connection probe fails (no network): Keras' download is never called."""
+    keras = pytest.importorskip("keras")
+    calls = []
+    monkeypatch.setattr(keras.datasets.fashion_mnist, "load_data", lambda: calls.append(1))
+    fake_network["up"] = False
+    with pytest.raises(RuntimeError, match="Name or service not known"):
+        data.load_dataset("fashion_mnist", verbose=False)
+    assert calls == [] and fake_network["probes"] == [(data.DOWNLOAD_HOST, data.CONNECT_TIMEOUT)]
 
 
 # ----------------------------------------------------------------- auto
@@ -146,6 +182,41 @@ def test_auto_prefers_fashion(no_local_data, capsys):
 def test_auto_quiet(no_local_data, capsys):
     data.load_dataset("auto", verbose=False)
     assert capsys.readouterr().out == ""
+
+
+def test_tests_never_download(no_local_data, monkeypatch):
+    """THOR_TF_NO_DOWNLOAD (set by conftest.py): auto gives digits without a connection."""
+    import socket
+
+    assert os.environ.get("THOR_TF_NO_DOWNLOAD")
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: pytest.fail("network"))
+    assert data.resolve_auto(verbose=False) == "digits"
+    with pytest.raises(RuntimeError, match="download=False"):
+        data.load_dataset("fashion_mnist", verbose=False)
+
+
+def test_auto_downloads_fashion_when_the_network_allows(no_local_data, fake_network, monkeypatch,
+                                                        capsys):
+    keras = pytest.importorskip("keras")
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (7, 28, 28), dtype=np.uint8)
+    labels = rng.integers(0, 10, 7, dtype=np.uint8)
+    monkeypatch.setattr(keras.datasets.fashion_mnist, "load_data",
+                        lambda: ((images, labels), (images[:3], labels[:3])))
+    ds = data.load_dataset("auto", verbose=True)
+    assert ds.name == "fashion_mnist" and ds.num_train == 7
+    assert "downloaded by keras.datasets.fashion_mnist" in capsys.readouterr().out
+
+
+def test_auto_falls_back_to_digits_in_one_line_when_the_download_fails(no_local_data,
+                                                                      fake_network, capsys):
+    fake_network["up"] = False
+    ds = data.load_dataset("auto", verbose=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert ds.name == "digits"
+    assert "the Keras download failed: [Errno -2] Name or service not known" in lines[0]
+    assert "using digits" in lines[0] and "apt-get install -y dataset-fashion-mnist" in lines[0]
+    assert len(lines) == 2  # that line and the one saying what was loaded
 
 
 # ----------------------------------------------------------------- digits

@@ -304,3 +304,25 @@ def test_damping_split_and_max_block_age_flags_reach_the_thor_optimizer():
     assert model.optimizer.max_block_age is None  # the trace rule alone
     with pytest.raises(SystemExit):
         mnist.parse_args(["--max-block-age", "0"])
+
+
+def test_main_job_without_fashion_mnist_runs_digits_on_three_seeds(monkeypatch, capsys):
+    """No local Fashion-MNIST and no download (the tests never download): digits, said in one
+    line, with 3 seeds (medians) unless --seeds or --quick say otherwise."""
+    from thor_tf_experiments import datasets
+
+    monkeypatch.setattr(datasets, "DEBIAN_FASHION_MNIST_DIR", "/nonexistent/fashion-mnist")
+    monkeypatch.setattr(datasets, "KERAS_DATASETS_DIRS", ("/nonexistent/keras/datasets",))
+    sys.path.insert(0, str(EXPERIMENTS))
+    try:
+        import mnist
+    finally:
+        sys.path.remove(str(EXPERIMENTS))
+    args = mnist.parse_args([])
+    assert args.dataset == "digits" and args.seeds == [0, 1, 2]
+    assert (args.epochs, args.batch_size) == (mnist.DIGITS_EPOCHS, mnist.DIGITS_BATCH)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and "using digits" in lines[0] and "downloads are off" in lines[0]
+    assert mnist.parse_args(["--seeds", "4"]).seeds == [4]
+    assert mnist.parse_args(["--quick"]).seeds == [0]
+    assert mnist.parse_args(["--dataset", "fashion_mnist"]).seeds == [0]

@@ -106,6 +106,35 @@ def test_quick_run_outputs(tmp_path):
     np.testing.assert_allclose([float(r["val_loss"]) for r in again], losses[9:], atol=1e-5)
 
 
+def _hand_run(finetune, name, lr, seed, losses, load):
+    rows = [{"step": 10 * i, "val_loss": v, "seconds": 5.0 if i else 0.0,
+             "cumulative_seconds": 5.0 * i, "refreshes": 0, "load": load if i else None}
+            for i, v in enumerate(losses)]
+    return finetune.lm.Run(name, lr, seed, rows, rank=4)
+
+
+def test_verdict_needs_comparable_seconds(finetune):
+    """THOR at the target in half the steps and seconds of the best baseline: met when the runs
+    had the same CPU; with one run's CPU a third busy elsewhere (or no load recorded, an older
+    CSV) the seconds are "not comparable" and the target is not met."""
+    def verdict(thor_load, base_load):
+        runs = [_hand_run(finetune, "thor", 0.01, 0, [3.0, 2.0, 1.9, 1.8], thor_load),
+                _hand_run(finetune, "adamw", 0.01, 0, [3.0, 2.5, 2.2, 2.0], base_load)]
+        return finetune.summarize_rank(runs, 4)["thor_vs_best"]
+
+    fair = verdict(0.05, 0.05)
+    assert fair["comparable"] and fair["met"]
+    assert fair["steps_ratio"] == pytest.approx(1 / 3)
+    assert fair["seconds_ratio"] == pytest.approx(1 / 3)
+    for unfair in (verdict(0.35, 0.05), verdict(None, None)):
+        assert not unfair["comparable"] and unfair["seconds_ratio"] is None and not unfair["met"]
+        assert unfair["steps_ratio"] == pytest.approx(1 / 3)
+    entry = {"rank": 4, "target_val_loss": 2.0, "best_baseline": "adamw", "optimizers": {},
+             "thor_vs_best": verdict(0.35, 0.05)}
+    assert "seconds not comparable (seed 0: other processes used 35%" in finetune.markdown(
+        {"ranks": [entry]})
+
+
 def _reference_precondition(grad_a, grad_b, a, b, delta):
     r = a.shape[-1]
     a2, ga2 = a.reshape(-1, r), grad_a.reshape(-1, r)

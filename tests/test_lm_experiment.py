@@ -100,11 +100,12 @@ def test_cache_dir_from_the_environment(monkeypatch, tmp_path):
 
 # --------------------------------------------------------------------------------- the summary
 
-def _run(lm, optimizer, lr, seed, losses, seconds=None, every=50):
+def _run(lm, optimizer, lr, seed, losses, seconds=None, every=50, load=0.05):
     steps = [every * i for i in range(len(losses))]
     seconds = seconds or [10.0 * i for i in range(len(losses))]
     rows = [{"step": s, "val_loss": v, "cumulative_seconds": t, "seconds": t - (seconds[i - 1] if i else 0),
-             "kl_scale": None, "refreshes": 0} for i, (s, v, t) in enumerate(zip(steps, losses, seconds))]
+             "kl_scale": None, "refreshes": 0, "load": load if i else None}
+            for i, (s, v, t) in enumerate(zip(steps, losses, seconds))]
     return lm.Run(optimizer, lr, seed, rows)
 
 
@@ -158,7 +159,48 @@ def test_summary_best_rate_target_and_ratios_on_hand_written_runs():
     # AdamW's best rate is the smallest of its grid: the summary says to extend the grid.
     assert "smallest of the grid" in adamw["note"] and "note" not in muon
     assert "Note: adamw: the best rate 0.001 is the smallest" in table
+    assert summary["thor_vs"]["adamw"]["comparable"] and "not comparable" not in table
     json.dumps(summary, allow_nan=False)
+    # THOR's seed-1 run had a third of the CPU busy elsewhere, AdamW's runs 5 %: its seconds are
+    # not compared (steps still are), and the table says why.
+    runs[-1] = _run(lm, "thor", 0.05, 1, [4.0, 2.6, 2.2, 2.1], seconds=[0, 20, 40, 60], load=0.33)
+    summary = lm.summarize(runs, args, {"name": "hand"})
+    versus = summary["thor_vs"]["adamw"]
+    assert not versus["comparable"] and versus["seconds"] is None
+    assert versus["steady_step_time"] is None
+    assert versus["per_seed"][0]["steps"] == pytest.approx(100 / 150)  # steps are still compared
+    assert [p["comparable"] for p in versus["per_seed"]] == [True, False]
+    assert versus["per_seed"][0]["seconds"] == pytest.approx(40 / 30)
+    assert versus["per_seed"][1]["seconds"] is None
+    table = lm.markdown(summary)
+    assert "Seconds of thor / adamw not comparable: seed 1: other processes used 33%" in table
+
+
+def test_combine_reads_a_csv_from_before_the_timing_columns_as_not_comparable(tmp_path):
+    """--combine of an older metrics.csv (no first_seconds / steady_seconds_per_step / load):
+    combined and summarized; steps compared, seconds "not comparable" (no load recorded)."""
+    lm = _lm()
+    old = tmp_path / "old"
+    old.mkdir()
+    fields = lm.CSV_FIELDS[:10]
+    runs = [_run(lm, "adamw", 1e-3, 0, [4.0, 3.0, 2.5, 2.0]),
+            _run(lm, "thor", 3e-3, 0, [4.0, 2.5, 2.0, 1.9])]
+    with open(old / "metrics.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        for run in runs:
+            writer.writerows({"optimizer": run.optimizer, "lr": run.lr, "seed": run.seed,
+                              "train_loss": None, **row} for row in run.rows)
+    (old / "summary.json").write_text(json.dumps({"optimizers": {}, "corpus": {"name": "old"}}))
+    out = tmp_path / "joined"
+    summary = lm.main(["--combine", str(old), "--optimizers", "thor,adamw", "--out", str(out)])
+    versus = summary["thor_vs"]["adamw"]
+    assert versus["steps"] == pytest.approx(100 / 150)
+    assert not versus["comparable"] and versus["seconds"] is None
+    assert "no machine load recorded" in versus["reason"]
+    with open(out / "metrics.csv", newline="") as fh:
+        assert tuple(csv.DictReader(fh).fieldnames) == lm.CSV_FIELDS
+    assert "not comparable" in (out / "results.md").read_text()
 
 
 # ----------------------------------------------------------------- model, fairness, training
@@ -246,6 +288,13 @@ def test_quick_run_on_a_text_file_trains_and_writes_its_outputs(tmp_path, capsys
     with open(out / "metrics.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
     assert tuple(rows[0]) == lm.CSV_FIELDS
+    for name in ("thor", "adamw"):  # the timing columns: empty at step 0, then the run so far
+        mine = [r for r in rows if r["optimizer"] == name]
+        assert mine[0]["first_seconds"] == mine[0]["load"] == ""
+        assert float(mine[1]["first_seconds"]) == float(mine[-1]["first_seconds"]) > 0
+        assert mine[1]["steady_seconds_per_step"] == ""
+        assert float(mine[-1]["steady_seconds_per_step"]) > 0
+        assert 0 <= float(mine[-1]["load"]) <= 1
     for name in ("thor", "adamw"):
         mine = [r for r in rows if r["optimizer"] == name]
         assert [int(r["step"]) for r in mine] == [0, 20, 40, 60]

@@ -417,3 +417,59 @@ def test_save_and_load_with_schedules_and_frequency_pairs(tmp_path):
     assert loaded.optimizer.cadence.get_config() == [[0, 2], [3, 5]]
     assert float(loaded.optimizer.learning_rate) == pytest.approx(float(wrapped.optimizer.learning_rate))
     assert float(loaded.optimizer.current_damping()) == pytest.approx(float(wrapped.optimizer.current_damping()))
+
+
+class ReturnsItsLoss(keras.Model):
+    """A train_step as in keras-io's "customizing what happens in fit" that returns the batch's
+    loss and a value of its own under the names of the compiled loss and metric, updating neither
+    (so they are not what an epoch's log should come from)."""
+
+    with_metric = False  # also return a value named as the compiled metric
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(gradients, self.trainable_variables)
+        logs = {"loss": loss}
+        if self.with_metric:
+            logs["accuracy"] = tf.constant(0.625)
+        return logs
+
+
+@pytest.mark.parametrize("with_metric", [False, True])
+@pytest.mark.parametrize("rule", ["eigenbasis", "inverse"])
+def test_own_train_step_logs_what_it_returns(rule, with_metric):
+    """History holds what the model's own train_step returned at each epoch's last step (Keras
+    would log its never-updated loss tracker, 0.0, or fail on the unbuilt compiled metric), and
+    validation logs what Keras' test step computes."""
+    x, y = digits(96)
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8, 8, 1))
+    h = keras.layers.Dense(16, activation="relu", name="fc")(keras.layers.Flatten()(inp))
+    model = ReturnsItsLoss(inp, keras.layers.Dense(10, activation="softmax", name="out")(h))
+    model.with_metric = with_metric
+    # lr 1e-12: the weights stay (to float32), so the last batch's loss is a plain-Keras twin's.
+    wrapped = thor_tf.wrap(model, update_rule=rule, learning_rate=1e-12, verbose=False)
+    wrapped.compile(loss="sparse_categorical_crossentropy",
+                    metrics=["accuracy"] if with_metric else None)
+    twin = keras.Model(inp, model.outputs)
+    twin.compile(loss="sparse_categorical_crossentropy")
+
+    class LastBatch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            self.logs = dict(logs)
+
+    last = LastBatch()
+    history = wrapped.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
+                          validation_data=(x[:32], y[:32]), callbacks=[last])
+    batch_loss = twin.evaluate(x[64:], y[64:], batch_size=32, verbose=0)
+    assert batch_loss > 0.1
+    np.testing.assert_allclose(history.history["loss"], [batch_loss] * 2, rtol=1e-5)
+    np.testing.assert_allclose(history.history["loss"][-1], last.logs["loss"], rtol=1e-6)
+    if with_metric:
+        assert history.history["accuracy"] == [0.625, 0.625]
+    np.testing.assert_allclose(history.history["val_loss"][-1],
+                               twin.evaluate(x[:32], y[:32], verbose=0), rtol=1e-5)

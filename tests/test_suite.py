@@ -4,6 +4,7 @@ at thor_tf's defaults, the autoencoder's loss, and a --quick run end to end."""
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 
@@ -13,10 +14,14 @@ import pytest
 from thor_tf_experiments import suite, workloads as wl
 
 
-def _rows(workload, optimizer, lr, seed, curve, seconds_per_eval=1.0):
-    """Metric rows at steps 0, 10, 20, ... with the given metric values."""
+def _rows(workload, optimizer, lr, seed, curve, seconds_per_eval=1.0, load=0.02):
+    """Metric rows at steps 0, 10, 20, ... with the given metric values; the run's timing
+    columns (the run so far) with ``load`` from step 10 on."""
     return [{"workload": workload, "optimizer": optimizer, "lr": lr, "seed": seed, "step": 10 * i,
-             "seconds": seconds_per_eval * i, "metric": m, "train_loss": None}
+             "seconds": seconds_per_eval * i, "metric": m, "train_loss": None,
+             "first_seconds": seconds_per_eval if i else None,
+             "steady_seconds_per_step": seconds_per_eval / 10 if i > 1 else None,
+             "load": load if i else None}
             for i, m in enumerate(curve)]
 
 
@@ -46,10 +51,47 @@ def test_best_rate_is_the_median_over_seeds_and_the_target_is_the_best_baselines
     assert thor["steps_to_target"] == [10, 10, None] and thor["median_steps"] == 10
     assert thor["median_seconds"] == 2.0 and adam["median_seconds"] == 2.0
     assert s["steps_ratio"] == pytest.approx(0.5) and s["seconds_ratio"] == pytest.approx(1.0)
+    assert s["timing"]["comparable"] and s["timing"]["ratios"]["steady_step"] == pytest.approx(2.0)
+    assert thor["median_first_seconds"] == 2.0 and thor["load"] == [0.02] * 3
     assert thor["final"] == pytest.approx(0.88)  # median of 0.9, 0.88, 0.7
     assert s["thor_at_least_as_good"] is True
     # adam's best 1e-2 is at the end of its grid {1e-3, 1e-2}: said so.
     assert any("adam" in w and "end of its grid" in w for w in s["warnings"])
+
+
+def test_seconds_under_different_loads_are_not_compared():
+    """One seed whose THOR run had much less CPU than the baseline's: the seconds ratio is
+    refused (None, "not comparable" in the table, the reason in the notes); steps still count."""
+    rows = []
+    for seed in range(2):
+        rows += _rows("w", "adam", 1e-3, seed, [0.1, 0.5, 0.8])
+        rows += _rows("w", "thor", 0.0, seed, [0.1, 0.8, 0.9], load=0.5 if seed else 0.03)
+    s = suite.summarize_workload(_workload(), rows)
+    assert s["steps_ratio"] == pytest.approx(0.5)
+    assert s["seconds_ratio"] is None and not s["timing"]["comparable"]
+    assert "seed 1" in s["timing"]["reason"] and "50%" in s["timing"]["reason"]
+    text = suite.markdown([s], {})
+    assert "0.50x, not comparable" in text and "seconds not comparable: seed 1" in text
+
+
+def test_older_csv_without_timing_columns_combines_as_not_comparable(tmp_path):
+    """--combine of a metrics.csv written before the timing columns: read, summarized, and its
+    seconds "not comparable" (no load recorded)."""
+    old = tmp_path / "old"
+    old.mkdir()
+    rows = []
+    for name in ("thor", "adam"):
+        rows += _rows("digits_cnn", name, 0.0 if name == "thor" else 1e-2, 0, [0.1, 0.9, 0.95])
+    old_fields = suite.FIELDS[:8]
+    with open(old / "metrics.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=old_fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    read = suite._read_rows(old / "metrics.csv")
+    assert read[1]["load"] is None and read[1]["metric"] == 0.9 and read[1]["seed"] == 0
+    (summary,) = suite.main(["--quick", "--combine", str(old), "--out", str(tmp_path / "new")])
+    assert summary["seconds_ratio"] is None and not summary["timing"]["comparable"]
+    assert "no machine load recorded" in summary["timing"]["reason"]
 
 
 def test_lower_is_better_metric_and_never_reached_median():

@@ -454,8 +454,11 @@ class ThorModel(keras.Model):
     def test_step(self, data):
         if "test_step" in self._delegated:
             return self.model.test_step(data)
-        # Keras' own, with logs that Keras can reduce across workers (see _keras_compat).
-        return _keras_compat.multi_worker_logs(super().test_step(data), self.distribute_strategy)
+        # Keras' own, with logs that Keras can reduce across workers (see _keras_compat). With
+        # the model's own train_step the metrics are the model's (``metrics``): so is the step
+        # that updates and reports them (this model's own would update its unreported trackers).
+        step = self.model.test_step if self._delegated else super().test_step
+        return _keras_compat.multi_worker_logs(step(data), self.distribute_strategy)
 
     @property
     def metrics(self):
@@ -464,6 +467,15 @@ class ThorModel(keras.Model):
         if getattr(self, "_delegated", None):
             return self.model.metrics
         return super().metrics
+
+    def _get_metrics_result_or_logs(self, logs):
+        # Keras logs an epoch with ``metrics``' results instead of the last step's logs when their
+        # names match. A model's own train_step may return values it does not track in them
+        # (``return {"loss": loss}``): Keras would log the loss tracker that only its own step
+        # updates (0.0), or fail on compiled metrics never built. Log what its step returned.
+        if self._delegated:
+            return logs
+        return super()._get_metrics_result_or_logs(logs)
 
     # -- serialization ------------------------------------------------------------------------------
     def get_config(self):
