@@ -80,7 +80,7 @@ def _max_difference(a, b):
     return max(float(np.abs(u - v).max()) for u, v in zip(a.get_weights(), b.get_weights()))
 
 
-# -- the default, and what an explicit rate keeps ---------------------------------------------------
+# -- the default, and what an explicit rate keeps --------------------------------------------------
 def test_no_learning_rate_gives_the_fit_schedule_at_the_rules_peak_and_explicit_rates_stay():
     for options, peak in (({}, EIGENBASIS_PEAK), ({"update_rule": "inverse"}, INVERSE_PEAK)):
         optimizer = thor_tf.ThorOptimizer(**options)
@@ -133,7 +133,7 @@ def test_config_round_trips_of_the_optimizer_and_the_model_and_older_configs():
     assert float(loaded.optimizer.learning_rate) == pytest.approx(0.01)
 
 
-# -- (a) a run of E epochs is WarmupCosine(E·steps) -------------------------------------------------
+# -- (a) a run of E epochs is WarmupCosine(E·steps) -----------------------------------------------
 @pytest.mark.parametrize("rule,peak", [("eigenbasis", EIGENBASIS_PEAK), ("inverse", INVERSE_PEAK)])
 def test_fit_applies_warmup_cosine_over_its_epochs_as_the_explicit_schedule_does(rule, peak):
     x, y = digits(800)  # 25 steps per epoch; 2 epochs: T = 50, W = round(2.5) = 2 (a tie)
@@ -155,7 +155,7 @@ def test_fit_applies_warmup_cosine_over_its_epochs_as_the_explicit_schedule_does
     assert _max_difference(default, longer) > 1e3 * 1e-6
 
 
-# -- (b) a second fit ---------------------------------------------------------------------------------
+# -- (b) a second fit ------------------------------------------------------------------------------
 def test_a_second_fit_restarts_from_epoch_0_and_continues_from_initial_epoch():
     x, y = digits(160)  # 5 steps per epoch
     model = _wrapped()
@@ -188,7 +188,7 @@ def test_a_second_fit_restarts_from_epoch_0_and_continues_from_initial_epoch():
         assert (_max_difference(model, twin) <= 1e-6) == equal
 
 
-# -- (c) no length: a custom loop, data of unknown length ---------------------------------------------
+# -- (c) no length: a custom loop, data of unknown length ------------------------------------------
 def _loop_model(**options):
     model = thor_tf.wrap(small_cnn(0), frequency=2, verbose=False, **options)
     model.compile()  # attaches THOR: model.optimizer
@@ -270,7 +270,7 @@ def test_fit_on_data_of_unknown_length_gets_the_peak_unless_steps_per_epoch_is_g
     assert "thor_tf:" not in capsys.readouterr().out
 
 
-# -- (d) saved and restored mid-run --------------------------------------------------------------------
+# -- (d) saved and restored mid-run ----------------------------------------------------------------
 class _SaveAndStop(keras.callbacks.Callback):
     """At the end of epoch ``epoch``: ``model.save`` and a ``tf.train.Checkpoint``, then stop."""
 
@@ -311,7 +311,8 @@ def test_a_run_saved_mid_fit_and_resumed_continues_its_schedule(tmp_path, capsys
     # says so), where an optimizer that was not restored would take the peak.
     fresh = _wrapped()
     assert float(fresh.optimizer.learning_rate) == pytest.approx(EIGENBASIS_PEAK)
-    tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer).read(path + ".ckpt").assert_consumed()
+    checkpoint = tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer)
+    checkpoint.read(path + ".ckpt").assert_consumed()
     assert (_schedule(fresh).total_steps, _schedule(fresh).origin) == (20, 0)
     assert float(fresh.optimizer.learning_rate) == pytest.approx(expected[10], rel=1e-6)
     assert abs(expected[10] - EIGENBASIS_PEAK) > 0.1 * EIGENBASIS_PEAK
@@ -322,7 +323,7 @@ def test_a_run_saved_mid_fit_and_resumed_continues_its_schedule(tmp_path, capsys
             "cosine a fit set (20 steps from step 0, then 0)") in capsys.readouterr().out
 
 
-# -- (e) one trace for fits of any length ---------------------------------------------------------------
+# -- (e) one trace for fits of any length ----------------------------------------------------------
 def test_the_train_function_is_traced_once_across_fits_of_different_lengths():
     x, y = digits(160)
     model = _wrapped()
@@ -351,7 +352,7 @@ def test_the_train_function_is_traced_once_across_fits_of_different_lengths():
     assert len(traces) == 2
 
 
-# -- a train_step that steps the optimizer more than once per batch ------------------------------------
+# -- a train_step that steps the optimizer more than once per batch --------------------------------
 class TwiceModel(keras.Model):
     """Applies the optimizer twice per batch (a critic trained twice per step)."""
 
