@@ -369,7 +369,9 @@ def test_custom_loop_recipe_takes_the_fit_steps(build, traced):
         for i in range(0, 64, 16):
             step(tf.constant(x[i:i + 16]), tf.constant(y[i:i + 16]))
 
-    reference = thor_tf.wrap(build(), frequency=2, verbose=False)
+    # Outside fit the default rate has no run length: constant at the rule's peak (0.05), the
+    # rate fit is given explicitly here (its own default would be warmup + cosine).
+    reference = thor_tf.wrap(build(), frequency=2, learning_rate=0.05, verbose=False)
     reference.compile(loss="sparse_categorical_crossentropy")
     reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     # Traced, the loop is the fit step's graph; eager, float32 rounding of eager and graph
@@ -542,13 +544,13 @@ rng = np.random.default_rng(0)
 x = rng.normal(size=(64, 8, 8, 1)).astype("float32")
 y = rng.integers(0, 4, 64)
 
-def build():
+def build(**options):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((8, 8, 1)),
                               keras.layers.Conv2D(4, 3, activation="relu", name="conv"),
                               keras.layers.Flatten(),
                               keras.layers.Dense(4, activation="softmax", name="out")])
-    wrapped = thor_tf.wrap(model, frequency=2, update_rule="inverse", verbose=False)
+    wrapped = thor_tf.wrap(model, frequency=2, update_rule="inverse", verbose=False, **options)
     wrapped.compile()
     return wrapped
 
@@ -574,7 +576,7 @@ for epoch in range(2):
     for xb, yb in dataset:
         step(xb, yb)
 
-single = build()
+single = build(learning_rate=0.05)  # the loop's default rate: constant at the peak outside fit
 single.compile(loss="sparse_categorical_crossentropy")
 single.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
 diff = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), single.get_weights()))

@@ -30,6 +30,7 @@ from thor_tf import _keras_compat, fisher, loss_terms, rules
 from thor_tf.engine import ThorEngine
 from thor_tf.config import is_schedule, split_options
 from thor_tf.optimizer import ThorOptimizer
+from thor_tf.schedules import EXPLICIT_SCHEDULE, FitWarmupCosine
 
 #: G's mean eigenvalue below this fraction of the per-factor damping in every refreshed layer:
 #: the damping swamps the curvature and THOR's step is SGD's divided by √λ (docs/internals.md).
@@ -116,6 +117,49 @@ class _EpochTracker(keras.callbacks.Callback):
                 f"thor_tf: {skipped} of {total} steps in epoch {epoch + 1} had a non-finite loss or "
                 f"gradient and were skipped (nothing changed: weights, momentum, factors, "
                 f"moving statistics, iterations, loss and metrics).", stacklevel=2)
+
+
+class _FitLength(keras.callbacks.Callback):
+    """Internal callback of ``ThorModel.fit``: tells the default schedule the length of this fit.
+
+    At the first epoch (whose number is ``initial_epoch``) it sets the run length and origin of
+    ``schedule`` (a :class:`thor_tf.schedules.FitWarmupCosine`) from Keras' ``params``
+    (``epochs``, ``steps``) and the optimizer's ``iterations``: two variable writes per ``fit``,
+    read by the traced step as tensors. After the first epoch it warns once if the optimizer
+    took more steps than the epoch had batches (a ``train_step`` applying it several times per
+    batch), which the fit-derived length cannot know.
+    """
+
+    def __init__(self, optimizer):
+        super().__init__()
+        self._optimizer = optimizer
+        self._schedule = optimizer._learning_rate
+        self._first = None  # (epoch, iterations at its start) of this fit's first epoch
+
+    def _iterations(self):
+        return int(self._optimizer.iterations.numpy())
+
+    def on_train_begin(self, logs=None):
+        self._first = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._first is not None:
+            return
+        self._first = (epoch, self._iterations())
+        self._schedule.set_run(self._first[1], self.params.get("epochs"), epoch,
+                               self.params.get("steps"))
+
+    def on_epoch_end(self, epoch, logs=None):
+        steps = self.params.get("steps")
+        if self._first is None or epoch != self._first[0] or not steps:
+            return
+        taken = self._iterations() - self._first[1]
+        if taken > steps:
+            warnings.warn(
+                f"thor_tf: the optimizer took {taken} steps in an epoch of {steps} batches (a "
+                f"train_step that applies it more than once per batch), but the default learning "
+                f"rate's warmup + cosine assumed one step per batch and ends early; pass "
+                f"{EXPLICIT_SCHEDULE} with the true number of optimizer steps.", stacklevel=2)
 
 
 def find_thor_optimizer(optimizer):
@@ -311,10 +355,33 @@ class ThorModel(keras.Model):
                 validation_data = self._preprocessed(
                     *_unpack_validation(validation_data), batch_size=kwargs.get(
                         "validation_batch_size"))
-        # First, so that the logs it corrects are what the user's callbacks see.
-        callbacks = [_EpochTracker(self.thor)] + list(callbacks or [])
-        return super().fit(x, y, batch_size, *args, callbacks=callbacks,
-                           sample_weight=sample_weight, validation_data=validation_data, **kwargs)
+        # First, so that the logs it corrects (and the rate it sets) are what the user's
+        # callbacks see.
+        scheduled = self._fit_scheduled_optimizers()
+        callbacks = ([_FitLength(o) for o in scheduled] + [_EpochTracker(self.thor)]
+                     + list(callbacks or []))
+        for optimizer in scheduled:
+            optimizer._learning_rate.inside_fit = True
+        try:
+            return super().fit(x, y, batch_size, *args, callbacks=callbacks,
+                               sample_weight=sample_weight, validation_data=validation_data,
+                               **kwargs)
+        finally:
+            for optimizer in scheduled:
+                optimizer._learning_rate.inside_fit = False
+
+    def _fit_scheduled_optimizers(self):
+        """The ThorOptimizers this model's ``fit`` steps (its own, or one its user's
+        ``train_step`` applies: attached to this model's hooks) whose rate is the default
+        :class:`~thor_tf.schedules.FitWarmupCosine`: ``fit`` sets their run's length."""
+        found = []
+        for candidate in [getattr(self, "optimizer", None)] + _optimizers_in({}, self.model):
+            thor = find_thor_optimizer(candidate)
+            if (thor is not None and thor.engine is self.thor
+                    and isinstance(thor._learning_rate, FitWarmupCosine)
+                    and all(thor is not f for f in found)):
+                found.append(thor)
+        return found
 
     def evaluate(self, x=None, y=None, batch_size=None, *args, sample_weight=None, **kwargs):
         if self._preprocessing_task() is not None:
@@ -635,8 +702,9 @@ def wrap(model, **options):
       model: a built ``keras.Model`` (Sequential, Functional or subclassed).
       **options: every ``ThorOptimizer`` argument (defaults in the README's option table):
         ``update_rule`` (``"eigenbasis"``, the default, ``"inverse"`` or a
-        :class:`thor_tf.rules.UpdateRule`), ``learning_rate`` (float or schedule; default the
-        rule's rate), ``momentum``, ``damping`` (float or schedule),
+        :class:`thor_tf.rules.UpdateRule`), ``learning_rate`` (float or schedule; default
+        warmup + cosine over the length ``fit`` knows, peaking at the rule's rate:
+        :class:`thor_tf.schedules.FitWarmupCosine`), ``momentum``, ``damping`` (float or schedule),
         ``weight_decay``, ``weight_decay_exclude``, ``clip_norm``, ``frequency`` (int,
         ``"adaptive"``, list of ``(epoch, interval)`` pairs or callable), ``preset``
         (``"thor"``, ``"thor_stop"``, ``"thor_nt"``), ``omega1``, ``omega2``, ``split_dim`` (int

@@ -27,6 +27,7 @@ import tensorflow as tf
 from thor_tf import rules
 from thor_tf.config import (DEFAULT_FREQUENCY, DEFAULT_KL_CLIP, DEFAULT_MAX_BLOCK_AGE,
                             DEFAULT_TRACE_FILTER, REFUSED_KERAS_ARGUMENTS, split_options)
+from thor_tf.schedules import FitWarmupCosine
 
 
 @keras.saving.register_keras_serializable(package="thor_tf")
@@ -36,7 +37,9 @@ class ThorOptimizer(keras.optimizers.Optimizer):
 
     Args:
       learning_rate: float or ``LearningRateSchedule`` (see :mod:`thor_tf.schedules`); None
-        (default): the update rule's rate (eigenbasis 0.01, inverse 0.05), also the peak of a
+        (default): ``thor_tf.schedules.FitWarmupCosine``, warmup + cosine over the length of the
+        wrapped model's ``fit`` (constant outside it: a custom loop, a GAN's optimizer), peaking
+        at the update rule's rate (eigenbasis 0.01, inverse 0.05), also the peak of a
         ``WarmupCosine`` given without one.
       update_rule: ``"eigenbasis"`` (default; None means it), ``"inverse"`` (THOR's damped
         inverses, KL clip and momentum) or a :class:`thor_tf.rules.UpdateRule` instance such as
@@ -132,7 +135,14 @@ class ThorOptimizer(keras.optimizers.Optimizer):
             trace_filter=trace_filter, kl_clip=kl_clip, factor_examples=factor_examples,
             inverse_assignment=inverse_assignment, loss_reduction=loss_reduction,
             damping_split=damping_split, max_block_age=max_block_age, update_rule=update_rule))
+        if isinstance(learning_rate, FitWarmupCosine) and learning_rate.built:
+            # Another optimizer's already: a copy, with state of its own.
+            learning_rate = learning_rate.with_peak(learning_rate.peak)
         super().__init__(learning_rate=learning_rate, name=name, **keras_kwargs)
+        if isinstance(learning_rate, FitWarmupCosine):
+            # Its run length and origin: variables of this optimizer (saved with it), created
+            # here, in a fixed place among them (checkpoints load by index).
+            learning_rate.build(self)
         #: The validated options, shared with the engine (:class:`thor_tf.config.ThorConfig`).
         self.config = config
         if config.weight_decay_exclude:
@@ -215,6 +225,8 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         preconditioned gradients would multiply the step by R.
         """
         self._step_ok = ok
+        if isinstance(self._learning_rate, FitWarmupCosine):
+            self._learning_rate.note_step_outside_fit()
         loss_scale_factor, self.loss_scale_factor = self.loss_scale_factor, None
         self._gradients_reduced = True
         try:

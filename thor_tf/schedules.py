@@ -1,16 +1,19 @@
 """THOR's learning-rate and damping schedules as Keras ``LearningRateSchedule``s.
 
-Both follow MindSpore's ``get_thor_lr`` / ``get_thor_damping`` (model_zoo
-ResNet-50 + THOR), which precompute one value per step with a **0-based** step
-``i`` and::
+:class:`WarmupCosine` (linear warmup, then cosine) is the schedule of a run of known length;
+:class:`FitWarmupCosine`, THOR's default rate, is the same over the length ``ThorModel.fit``
+sets (two optimizer variables), constant at its peak where no length is known.
+
+:class:`ThorPolynomialDecay` and :class:`ThorDampingDecay` follow MindSpore's ``get_thor_lr`` /
+``get_thor_damping`` (model_zoo ResNet-50 + THOR), which precompute one value per step with a
+**0-based** step ``i`` and::
 
     epoch = (i + 1) / steps_per_epoch
 
-Here the same formula is evaluated on the fly from the optimizer's
-``iterations`` counter, so ``schedule(step)`` equals MindSpore's
-``lr_each_step[step]``. Arithmetic is done in float64 (``step`` may be a large
-int64) and the result is returned as a float32 scalar tensor. Both schedules
-work inside ``tf.function`` with a tensor or ``tf.Variable`` step.
+Here the same formula is evaluated on the fly from the optimizer's ``iterations`` counter, so
+``schedule(step)`` equals MindSpore's ``lr_each_step[step]``. Every schedule here computes in
+float64 (``step`` may be a large int64), returns a float32 scalar tensor and works inside
+``tf.function`` with a tensor or ``tf.Variable`` step.
 
 Past ``end_epoch`` the polynomial decay is clamped at 0 (MindSpore's arrays
 simply end there).
@@ -27,6 +30,7 @@ import tensorflow as tf
 __all__ = [
     "MINDSPORE_RESNET50_PRESETS",
     "WarmupCosine",
+    "FitWarmupCosine",
     "ThorDampingDecay",
     "ThorPolynomialDecay",
     "mindspore_resnet50",
@@ -158,6 +162,15 @@ class ThorDampingDecay(keras.optimizers.schedules.LearningRateSchedule):
         }
 
 
+def _warmup_cosine(step, total, warmup, peak, floor):
+    """:class:`WarmupCosine`'s formula on float64 tensors ``step`` (0-based), ``total`` (T) and
+    ``warmup`` (W); ``peak`` and ``floor`` are Python floats. Returns float64."""
+    ramp = peak * tf.minimum((step + 1.0) / tf.maximum(warmup, 1.0), 1.0)
+    progress = tf.clip_by_value((step - warmup) / tf.maximum(total - warmup, 1.0), 0.0, 1.0)
+    cosine = floor + (peak - floor) * 0.5 * (1.0 + tf.cos(math.pi * progress))
+    return tf.where(step < warmup, ramp, cosine)
+
+
 @keras.saving.register_keras_serializable(package="thor_tf")
 class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
     """Linear warmup, then cosine decay: the schedule sized by the run's length alone.
@@ -212,18 +225,180 @@ class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
                 "update rule's rate) or pass peak=... for another optimizer.")
         with tf.name_scope("WarmupCosine"):
             step = tf.cast(tf.convert_to_tensor(step), tf.float64)
-            warm = float(max(self.warmup_steps, 1))
-            ramp = self.peak * tf.minimum((step + 1.0) / warm, 1.0)
-            span = float(max(self.total_steps - self.warmup_steps, 1))
-            progress = tf.clip_by_value((step - self.warmup_steps) / span, 0.0, 1.0)
-            cosine = self.floor + (self.peak - self.floor) * 0.5 * (
-                1.0 + tf.cos(math.pi * progress))
-            lr = tf.where(step < self.warmup_steps, ramp, cosine)
-            return tf.cast(lr, tf.float32)
+            total = tf.constant(float(self.total_steps), tf.float64)
+            warmup = tf.constant(float(self.warmup_steps), tf.float64)
+            return tf.cast(_warmup_cosine(step, total, warmup, self.peak, self.floor), tf.float32)
 
     def get_config(self):
         return {"total_steps": self.total_steps, "peak": self.peak,
                 "warmup_fraction": self.warmup_fraction, "floor": self.floor}
+
+
+#: What the default schedule's notices name instead (WarmupCosine needs the run's length).
+EXPLICIT_SCHEDULE = ("learning_rate=thor_tf.schedules.WarmupCosine(total_steps) to thor_tf.wrap / "
+                     "ThorOptimizer")
+
+
+@keras.saving.register_keras_serializable(package="thor_tf")
+class FitWarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
+    """THOR's default learning rate: :class:`WarmupCosine` over the length that ``fit`` knows.
+
+    ``thor_tf.wrap(model)`` / ``ThorOptimizer()`` without a ``learning_rate`` get this schedule.
+    ``ThorModel.fit`` sets its run length T (optimizer steps) and origin O (the ``iterations``
+    value at the run's step 0) before its first step, and then::
+
+        lr(step) = WarmupCosine(T, peak, warmup_fraction, floor)(step - O)       T > 0
+        lr(step) = peak                                                         T = 0
+
+    the same float64 formula as :class:`WarmupCosine`, so the rates and the trained weights are
+    those of the explicit schedule bit for bit. T and O are int64 variables of the optimizer
+    (created with it; ``model.save`` / ``keras.models.load_model`` and ``tf.train.Checkpoint``
+    save and restore them, so a run resumed from a checkpoint taken during ``fit`` continues its
+    schedule) and the choice between T > 0 and T = 0 is a tensor: the train step is traced once,
+    whatever the length of each ``fit``.
+
+    What ``fit(epochs=E, initial_epoch=k)`` with S steps per epoch (Keras' ``steps``: the batches
+    of the data, or ``steps_per_epoch``) sets at its first epoch:
+
+    * ``k = 0``: a new run. T = E·S, O = ``iterations`` now: a second ``fit`` on a model that
+      trained already starts a new warmup + cosine over its own steps.
+    * ``k > 0``: the rest of a run of E epochs whose first k are done (Keras' meaning of
+      ``initial_epoch``: resuming a run). T = E·S, O = ``iterations`` − k·S: ``fit(epochs=3)``
+      then ``fit(epochs=6, initial_epoch=3)`` gives in its second call the rates
+      ``WarmupCosine(6·S)`` gives at steps 3·S … 6·S − 1.
+    * S unknown (a dataset of unknown length and no ``steps_per_epoch``): T = 0, and one line says
+      so (once per optimizer).
+
+    T = 0 also where no ``fit`` of the wrapped model set a length: a custom loop, a GAN's
+    optimizer that the GAN's own ``fit`` drives. The rate is then constant at ``peak`` (no run
+    length, so no warmup length either: what the default rate was before it learned ``fit``'s
+    length), and one line says so when the optimizer's step is first traced (or first run
+    eagerly), once per optimizer, naming what to pass instead. After a ``fit`` the schedule stays
+    as that fit set it (at ``floor`` once its steps are done), as an explicit ``WarmupCosine``
+    would; a custom loop after it continues it. Skipped (non-finite) steps do not count in
+    ``iterations`` and do not move the schedule.
+
+    ``fit`` assumes one optimizer step per batch (true of its own step and of a ``train_step``
+    that applies the optimizer once); a ``train_step`` that applies it more often (a critic
+    trained k times per batch) is warned about after the first epoch: pass a ``WarmupCosine`` of
+    the true length there.
+
+    Args:
+        peak: the rate after warmup; None (default): the update rule's, filled in by
+            ``thor_tf.wrap`` / ``ThorOptimizer`` (eigenbasis 0.01, inverse 0.05).
+        warmup_fraction: share of the run spent warming up, in ``[0, 1)`` (default 0.05).
+        floor: the final rate, ``0 <= floor <= peak`` (default 0).
+    """
+
+    def __init__(self, peak: Optional[float] = None, warmup_fraction: float = 0.05,
+                 floor: float = 0.0):
+        super().__init__()
+        self.peak = None if peak is None else _check_number("peak", peak)
+        self.warmup_fraction = _check_number("warmup_fraction", warmup_fraction, allow_zero=True)
+        if self.warmup_fraction >= 1:
+            raise ValueError(f"warmup_fraction must be in [0, 1); got {warmup_fraction!r}")
+        self.floor = _check_number("floor", floor, allow_zero=True)
+        if self.peak is not None and self.floor > self.peak:
+            raise ValueError(f"floor must be <= peak ({self.peak}); got {floor!r}")
+        self._length = None  # (T, O) variables, created on an optimizer by ``build``
+        #: True while a ``ThorModel.fit`` that sets the length runs (Python; set by that fit).
+        self.inside_fit = False
+        self._told = set()
+
+    def with_peak(self, peak):
+        """A copy with ``peak`` and no variables (what ``wrap`` does with ``peak=None``)."""
+        return FitWarmupCosine(peak, self.warmup_fraction, self.floor)
+
+    # -- state -----------------------------------------------------------------------------------
+    @property
+    def built(self):
+        return self._length is not None
+
+    def build(self, optimizer):
+        """Create T and O as variables of ``optimizer`` (saved and restored with it)."""
+        if self.built:
+            raise ValueError("this FitWarmupCosine already belongs to an optimizer")
+        self._length = tuple(
+            optimizer.add_variable((), initializer="zeros", dtype="int64",
+                                   aggregation="only_first_replica", name=name)
+            for name in ("fit_schedule_total_steps", "fit_schedule_origin"))
+
+    @property
+    def total_steps(self):
+        """T: the run's length in optimizer steps (0: none known; the rate is ``peak``)."""
+        return int(self._length[0].numpy()) if self.built else 0
+
+    @property
+    def origin(self):
+        """O: the optimizer's ``iterations`` at the run's step 0."""
+        return int(self._length[1].numpy()) if self.built else 0
+
+    def set_run(self, iterations, epochs, initial_epoch, steps_per_epoch):
+        """Set T and O for ``fit(epochs, initial_epoch)`` with ``steps_per_epoch`` (None:
+        unknown, T = 0) at the optimizer's ``iterations`` (see the class docstring)."""
+        if not self.built:
+            raise ValueError("FitWarmupCosine has no variables: give it to a ThorOptimizer")
+        total, origin = 0, int(iterations)
+        if steps_per_epoch:
+            total = int(epochs) * int(steps_per_epoch)
+            origin = int(iterations) - int(initial_epoch) * int(steps_per_epoch)
+        self._length[0].assign(total)
+        self._length[1].assign(origin)
+        if not steps_per_epoch:
+            self._tell("unknown_steps", (
+                f"thor_tf: fit does not know its steps per epoch (data of unknown length), so "
+                f"the default learning rate is constant at {self.peak:g} in it; pass "
+                f"steps_per_epoch=... to fit, or {EXPLICIT_SCHEDULE}."))
+
+    # -- notices ---------------------------------------------------------------------------------
+    def _tell(self, kind, line):
+        if kind not in self._told:
+            self._told.add(kind)
+            print(line)
+
+    def note_step_outside_fit(self):
+        """Called (in Python: at trace time, or each eager step) by the optimizer's update: outside
+        a ``fit`` that sets the length, say once what the rate is and what to pass instead."""
+        if self.inside_fit or "outside_fit" in self._told:
+            return
+        total = origin = 0
+        try:
+            with tf.init_scope():  # the values now, read once (not a per-step host read)
+                total, origin = self.total_steps, self.origin
+        except Exception:  # noqa: BLE001 - a variable that cannot be read here: say the default
+            pass
+        if total:
+            line = (f"thor_tf: outside ThorModel.fit the default learning rate continues the "
+                    f"warmup + cosine a fit set ({total} steps from step {origin}, then "
+                    f"{self.floor:g}); for another run pass {EXPLICIT_SCHEDULE}.")
+        else:
+            line = (f"thor_tf: outside ThorModel.fit no run length is known, so the default "
+                    f"learning rate is constant at {self.peak:g} (no warmup, no decay); for "
+                    f"warmup + cosine pass {EXPLICIT_SCHEDULE}.")
+        self._tell("outside_fit", line)
+
+    # -- the rate --------------------------------------------------------------------------------
+    def __call__(self, step):
+        if self.peak is None:
+            raise ValueError(
+                "FitWarmupCosine has no peak: give it to thor_tf.wrap / ThorOptimizer (which set "
+                "the update rule's rate) or pass peak=....")
+        with tf.name_scope("FitWarmupCosine"):
+            step = tf.cast(tf.convert_to_tensor(step), tf.int64)
+            if self.built:
+                total = tf.cast(tf.convert_to_tensor(self._length[0]), tf.float64)
+                origin = tf.cast(tf.convert_to_tensor(self._length[1]), tf.int64)
+            else:
+                total, origin = tf.constant(0.0, tf.float64), tf.constant(0, tf.int64)
+            warmup = tf.round(self.warmup_fraction * total)  # Python's round(): half to even
+            run_step = tf.cast(step - origin, tf.float64)
+            lr = tf.where(total > 0.0,
+                          _warmup_cosine(run_step, total, warmup, self.peak, self.floor),
+                          tf.constant(self.peak, tf.float64))
+            return tf.cast(lr, tf.float32)
+
+    def get_config(self):
+        return {"peak": self.peak, "warmup_fraction": self.warmup_fraction, "floor": self.floor}
 
 
 #: MindSpore model_zoo ResNet-50/ImageNet THOR settings (``config_thor_gpu`` /
