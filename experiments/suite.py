@@ -410,7 +410,7 @@ def write_outputs(workload_names, rows, args, sources, out):
     by_workload = {}
     for row in rows:
         by_workload.setdefault(row["workload"], []).append(row)
-    summaries = [summarize_workload(wl.WORKLOADS[n].sized(args.quick), by_workload[n])
+    summaries = [summarize_workload(wl.ALL_WORKLOADS[n].sized(args.quick), by_workload[n])
                  for n in workload_names if n in by_workload]
     text = markdown(summaries, args.thor_option)
     (out / "suite.md").write_text(text)
@@ -432,10 +432,11 @@ def write_outputs(workload_names, rows, args, sources, out):
 
 def _names(text):
     names = [n for n in str(text).replace(" ", "").split(",") if n]
-    bad = [n for n in names if n not in wl.WORKLOADS]
+    bad = [n for n in names if n not in wl.ALL_WORKLOADS]
     if not names or bad:
         raise argparse.ArgumentTypeError(
-            f"--workloads takes a comma list from {', '.join(wl.WORKLOADS)}; got {text!r}")
+            f"--workloads takes a comma list from {', '.join(wl.WORKLOADS)} (the suite) or "
+            f"{', '.join(wl.OUTSIDE)} (outside it); got {text!r}")
     return names
 
 
@@ -455,7 +456,8 @@ def parse_args(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--workloads", type=_names, default=list(wl.WORKLOADS),
-                        help=f"comma list (default all: {','.join(wl.WORKLOADS)})")
+                        help=f"comma list (default the suite's: {','.join(wl.WORKLOADS)}; "
+                             f"also outside it: {','.join(wl.OUTSIDE)})")
     parser.add_argument("--optimizers", type=_optimizer_names, default=None,
                         help="restrict to these (thor and the workloads' baselines by default)")
     parser.add_argument("--seeds", type=parse_ints, default=None,
@@ -515,7 +517,7 @@ def main(argv=None):
             writer = csv.DictWriter(fh, fieldnames=FIELDS)
             writer.writeheader()
             writer.writerows(rows)
-        names = [n for n in wl.WORKLOADS if any(r["workload"] == n for r in rows)]
+        names = [n for n in wl.ALL_WORKLOADS if any(r["workload"] == n for r in rows)]
         return write_outputs(names, rows, args, sources, out)
 
     wl.ALLOW_DOWNLOAD = not args.no_download
@@ -531,7 +533,7 @@ def main(argv=None):
             rows.append(row)
 
         for name in args.workloads:
-            workload = wl.WORKLOADS[name].sized(args.quick)
+            workload = wl.ALL_WORKLOADS[name].sized(args.quick)
             try:
                 data = workload.load(args.quick)
             except wl.Unavailable as err:
