@@ -18,7 +18,7 @@ def _train(callbacks=(), update_rule=None, **compile_options):
     return wrapped, history.history
 
 
-@pytest.mark.parametrize("rule", ["inverse", "eigenbasis"])
+@pytest.mark.parametrize("rule", ["inverse", "eigenbasis_adam", "eigenbasis"])
 @pytest.mark.parametrize("options", [{"jit_compile": True}, {"steps_per_execution": 4}],
                          ids=["xla", "steps_per_execution"])
 def test_execution_mode_takes_the_plain_steps(options, rule):
@@ -26,19 +26,25 @@ def test_execution_mode_takes_the_plain_steps(options, rule):
     5e-3 (of ~0.08 moved; measured 1.7e-3) and the factors to 3e-3: XLA's float64 ``eigh`` (a
     Jacobi solver) and LAPACK's differ by ~1e-4 in eigenvectors whose eigenvalues are close, and
     Adam's per-coordinate division does not forget which basis it was given; the epoch's
-    losses agree to 2e-3 (measured 8.6e-4)."""
+    losses agree to 2e-3 (measured 8.6e-4). The orthogonalized step (the default) carries those
+    differences further (its Newton–Schulz iteration enlarges the step's small singular
+    directions): weights measured 1.2e-3 apart, factors 6e-4 of their largest entry; compared to
+    their largest entry (an elementwise tolerance is meaningless on entries near 0)."""
     plain, plain_history = _train(update_rule=rule)
     other, other_history = _train(update_rule=rule, **options)
     assert int(other.optimizer.iterations) == int(plain.optimizer.iterations) == 8
     assert other.thor.counters()["cadence_points"] == plain.thor.counters()["cadence_points"] == 4
-    loose = rule == "eigenbasis" and "jit_compile" in options
+    loose = rule.startswith("eigenbasis") and "jit_compile" in options
     np.testing.assert_allclose(other_history["loss"], plain_history["loss"],
                                rtol=2e-3 if loose else 1e-5)
     for a, b in zip(other.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-3 if loose else 1e-6)
     for name in ("conv", "fc", "out"):
-        np.testing.assert_allclose(other.thor.factors(name)["A"], plain.thor.factors(name)["A"],
-                                   rtol=3e-3 if loose else 1e-4, atol=1e-6)
+        a, b = other.thor.factors(name)["A"], plain.thor.factors(name)["A"]
+        if loose:
+            assert np.abs(a - b).max() <= 3e-3 * np.abs(b).max(), name
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_trace_rule_logger_sees_every_cadence_point_under_steps_per_execution():
