@@ -22,7 +22,7 @@ baseline's only when those loads leave both about the same CPU (else "not compar
 
 THOR is what a user gets: ``thor_tf.wrap(model, learning_rate=
 thor_tf.schedules.WarmupCosine(total_steps))`` with every other option at thor_tf's default
-(the eigenbasis update rule at its peak lr 0.01, a cadence point every 10 steps;
+(the default update rule at its peak rate, a cadence point every 10 steps;
 ``--update-rule inverse --thor-lr 0.05`` for THOR's inverse rule). Adam and Muon run with
 their standard schedule (linear warmup over 5 % of the steps, then cosine to 0) at their best
 rates: the main job runs 3e-3 and 1e-2 for each on Fashion-MNIST, 1e-2 and 3e-2 on digits
@@ -82,7 +82,8 @@ def parse_args(argv=None):
     parser.add_argument("--no-download", action="store_true",
                         help="never download Fashion-MNIST (auto: digits when it is not local)")
     cli.add_common_arguments(
-        parser, out="runs/mnist", epochs=None, batch_size=None, thor_lr=0.01, thor_damping=0.03,
+        parser, out="runs/mnist", epochs=None, batch_size=None, thor_lr=_default_thor_lr(),
+        thor_damping=0.03,
         frequency=10, kfac_frequency=2, lr_schedule="cosine", optimizers=MAIN_JOB_OPTIMIZERS,
         lr_grid_text=cli.grid_text(LR_GRID, cli.QUICK_LR_GRID),
         seeds_text="0,1,2 on digits, 0 on Fashion-MNIST and under --quick")
@@ -102,6 +103,13 @@ def parse_args(argv=None):
     if args.seeds is None:
         args.seeds = list(DIGITS_SEEDS) if digits and not args.quick else [0]
     return cli.finish_args(args, DIGITS_LR_GRID if digits else LR_GRID)
+
+
+def _default_thor_lr():
+    """The default update rule's peak rate (THOR at its defaults: what ``wrap(model)`` gives)."""
+    import thor_tf
+
+    return thor_tf.rules.resolve(thor_tf.rules.DEFAULT_RULE).default_learning_rate
 
 
 def main(argv=None):
