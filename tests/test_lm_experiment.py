@@ -316,5 +316,5 @@ def test_quick_run_on_a_text_file_trains_and_writes_its_outputs(tmp_path, capsys
     png = (out / "val_loss.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
     assert "| thor |" in (out / "results.md").read_text()
-    thor_lr = lm.THOR_LR  # lm.py's peak for THOR (the baselines' best rate on its model)
+    thor_lr = lm.THOR_LR  # lm.py's peak for THOR
     assert f"[thor lr={thor_lr:g} seed=0] step 60/60" in stdout and "THOR settings" in stdout
