@@ -164,3 +164,23 @@ def test_loss_times_1000_gives_the_same_orthogonal_steps():
     moved = max(np.abs(a - s).max() for a, s in zip(one, start))
     assert moved > 10 * LR * 1e-2
     assert max(np.abs(a - b).max() for a, b in zip(one, many)) < 1e-5 * moved / LR
+
+
+def test_adam_kinds_keep_the_adam_step():
+    """``adam_kinds=("dense",)`` on a Dense-only model: the same 6 steps as ``step="adam"`` (with
+    the same ε_r) to float32 round-off; orthogonalized, the weights end elsewhere."""
+    x, y = _regression()
+
+    def run(rule):
+        model = thor_tf.wrap(_plain_mlp(), learning_rate=LR, update_rule=rule, verbose=False,
+                             **EVERY_2)
+        model.compile(loss="mse")
+        for s in range(6):
+            model.train_on_batch(x[16 * s:16 * (s + 1)], y[16 * s:16 * (s + 1)])
+        return [v.numpy() for v in model.trainable_variables]
+
+    adam = run(Eigenbasis(step="adam", relative_epsilon=1e-2))
+    kept = run(Eigenbasis(adam_kinds=("dense",)))
+    ortho = run(Eigenbasis())
+    assert max(np.abs(a - b).max() for a, b in zip(adam, kept)) < 1e-6
+    assert max(np.abs(a - b).max() for a, b in zip(adam, ortho)) > 1e-3
