@@ -88,12 +88,12 @@ def test_quick_run_outputs(tmp_path):
     finals = {n: float(rows[3 * i + 2]["val_loss"]) for i, n in enumerate(names)}
     for name in names:
         assert entry["optimizers"][name]["final_val_loss"] == pytest.approx(finals[name])
-    assert entry["optimizers"]["thor"]["lr"] == 0.01
+    assert entry["optimizers"]["thor"]["lr"] == 0.03  # the default rule's peak
     verdict = entry["thor_vs_best"]
     assert verdict["best_baseline"] == entry["best_baseline"] and isinstance(verdict["met"], bool)
     assert summary["model"]["name"] == "GemmaCausalLM" and summary["model"]["num_layers"] == 1
     results = (out / "results.md").read_text()
-    assert "### LoRA rank 4" in results and "| thor | 0.01 (default) |" in results
+    assert "### LoRA rank 4" in results and "| thor | 0.03 (default) |" in results
     assert (out / "val_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (weights,) = out.glob("pretrained_*.weights.h5")
     # a second run reuses the pretrained weights and starts from the same val loss
