@@ -39,8 +39,8 @@ class ThorOptimizer(keras.optimizers.Optimizer):
       learning_rate: float or ``LearningRateSchedule`` (see :mod:`thor_tf.schedules`); None
         (default): ``thor_tf.schedules.FitWarmupCosine``, warmup + cosine over the length of the
         wrapped model's ``fit`` (constant outside it: a custom loop, a GAN's optimizer), peaking
-        at the update rule's rate (eigenbasis 0.01, inverse 0.05), also the peak of a
-        ``WarmupCosine`` given without one.
+        at the update rule's rate (eigenbasis 0.03, eigenbasis_adam 0.01, inverse 0.05), also
+        the peak of a ``WarmupCosine`` given without one.
       update_rule: ``"eigenbasis"`` (default; None means it), ``"inverse"`` (THOR's damped
         inverses, KL clip and momentum) or a :class:`thor_tf.rules.UpdateRule` instance such as
         ``thor_tf.rules.Eigenbasis(beta_2=0.99)``. ``momentum``, ``damping``, ``damping_split``,

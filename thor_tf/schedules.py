@@ -52,6 +52,19 @@ def _check_number(name: str, value, *, positive: bool = True, allow_zero: bool =
         raise ValueError(f"{name} must be {bound}; got {value!r}")
     return value
 
+def _checked_shape(peak, warmup_fraction, floor):
+    """``(peak, warmup_fraction, floor)`` of a warmup + cosine, checked: peak > 0 or None (the
+    rule's), warmup_fraction in [0, 1), 0 <= floor <= peak."""
+    peak = None if peak is None else _check_number("peak", peak)
+    fraction = _check_number("warmup_fraction", warmup_fraction, allow_zero=True)
+    if fraction >= 1:
+        raise ValueError(f"warmup_fraction must be in [0, 1); got {warmup_fraction!r}")
+    checked_floor = _check_number("floor", floor, allow_zero=True)
+    if peak is not None and checked_floor > peak:
+        raise ValueError(f"floor must be <= peak ({peak}); got {floor!r}")
+    return peak, fraction, checked_floor
+
+
 
 def _check_steps_per_epoch(value) -> int:
     try:
@@ -205,13 +218,7 @@ class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
         if not ok:
             raise ValueError(f"total_steps must be a positive integer; got {total_steps!r}")
         self.total_steps = int(total_steps)
-        self.peak = None if peak is None else _check_number("peak", peak)
-        self.warmup_fraction = _check_number("warmup_fraction", warmup_fraction, allow_zero=True)
-        if self.warmup_fraction >= 1:
-            raise ValueError(f"warmup_fraction must be in [0, 1); got {warmup_fraction!r}")
-        self.floor = _check_number("floor", floor, allow_zero=True)
-        if self.peak is not None and self.floor > self.peak:
-            raise ValueError(f"floor must be <= peak ({self.peak}); got {floor!r}")
+        self.peak, self.warmup_fraction, self.floor = _checked_shape(peak, warmup_fraction, floor)
         self.warmup_steps = int(round(self.warmup_fraction * self.total_steps))
 
     def with_peak(self, peak):
@@ -285,7 +292,7 @@ class FitWarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
 
     Args:
         peak: the rate after warmup; None (default): the update rule's, filled in by
-            ``thor_tf.wrap`` / ``ThorOptimizer`` (eigenbasis 0.01, inverse 0.05).
+            ``thor_tf.wrap`` / ``ThorOptimizer`` (eigenbasis 0.03, eigenbasis_adam 0.01, inverse 0.05).
         warmup_fraction: share of the run spent warming up, in ``[0, 1)`` (default 0.05).
         floor: the final rate, ``0 <= floor <= peak`` (default 0).
     """
@@ -293,13 +300,7 @@ class FitWarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
     def __init__(self, peak: Optional[float] = None, warmup_fraction: float = 0.05,
                  floor: float = 0.0):
         super().__init__()
-        self.peak = None if peak is None else _check_number("peak", peak)
-        self.warmup_fraction = _check_number("warmup_fraction", warmup_fraction, allow_zero=True)
-        if self.warmup_fraction >= 1:
-            raise ValueError(f"warmup_fraction must be in [0, 1); got {warmup_fraction!r}")
-        self.floor = _check_number("floor", floor, allow_zero=True)
-        if self.peak is not None and self.floor > self.peak:
-            raise ValueError(f"floor must be <= peak ({self.peak}); got {floor!r}")
+        self.peak, self.warmup_fraction, self.floor = _checked_shape(peak, warmup_fraction, floor)
         self._length = None  # (T, O) variables, created on an optimizer by ``build``
         #: True while a ``ThorModel.fit`` that sets the length runs (Python; set by that fit).
         self.inside_fit = False
