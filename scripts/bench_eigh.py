@@ -2,9 +2,9 @@
 """Time the eigenbasis rule's refresh work against the inverse rule's, per block size.
 
 For each block size d (default 16, 32, 64, 128, 256) a batch of ``--blocks`` random SPD blocks
-``F = X Xᵀ/m`` (X: [d, 2d] Gaussian) is decomposed with ``thor_tf.eigh.eigh_blocks`` (what the
+``F = X Xᵀ/m`` (X: [d, 2d] Gaussian) is decomposed with ``thor_tf.rules.eigenbasis_ops.eigh_blocks`` (what the
 eigenbasis rule calls at a refresh: float32 ``eigh`` with the float64 retry) and inverted with
-``thor_tf.inverse.invert_blocks`` (the inverse rule's damped Cholesky inverse), each in its own
+``thor_tf.rules.inverse_ops.invert_blocks`` (the inverse rule's damped Cholesky inverse), each in its own
 ``tf.function``; the two alternate so that the load of a shared machine hits both alike. Reports
 the median of ``--repeats`` timed runs after 2 untimed ones, per block (µs) and the ratio
 eigh / Cholesky.
@@ -38,8 +38,8 @@ def main(argv=None):
     import numpy as np
     import tensorflow as tf
 
-    from thor_tf.eigh import eigh_blocks
-    from thor_tf.inverse import invert_blocks
+    from thor_tf.rules.eigenbasis_ops import eigh_blocks
+    from thor_tf.rules.inverse_ops import invert_blocks
 
     rows = []
     for d in [int(s) for s in args.sizes.split(",")]:

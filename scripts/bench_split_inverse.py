@@ -4,7 +4,7 @@
 For each size n (default: ResNet-50's factor dimensions 147, 576, 1152, 2048, 2304, 4608) a random
 SPD factor ``F = X Xᵀ/m`` (X: [n, m] Gaussian, m = 2n) is cut into its diagonal blocks (not timed:
 training computes the blocks directly, ``thor_tf.blocks.block_gram``) and the damped blocks are
-inverted with ``thor_tf.inverse.invert_blocks`` — what training calls — once with
+inverted with ``thor_tf.rules.inverse_ops.invert_blocks`` — what training calls — once with
 ``split_dim = n`` (one exact Cholesky of the whole matrix) and once with ``split_dim = --split``
 (128: a batched Cholesky over ceil(n/128) blocks, the last one padded with the identity), each in
 its own ``tf.function`` on the default device (the GPU when TensorFlow sees one). Reports the
@@ -77,7 +77,7 @@ def traced_inverse(factor, split):
     import tensorflow as tf
 
     from thor_tf.algebra import diagonal_blocks
-    from thor_tf.inverse import invert_blocks
+    from thor_tf.rules.inverse_ops import invert_blocks
 
     blocks = tf.constant(diagonal_blocks(factor, split))  # thor_tf.algebra's cutting
     n = factor.shape[0]
@@ -135,7 +135,7 @@ def main(argv=None):
         "tensorflow_version": tf.__version__,
         "split_dim": args.split,
         "damping": args.damping,
-        "timed": "thor_tf.inverse.invert_blocks on pre-cut diagonal blocks, as training calls it",
+        "timed": "thor_tf.rules.inverse_ops.invert_blocks on pre-cut diagonal blocks, as training calls it",
         "repeats": args.repeats,
         "warmup": args.warmup,
         "quick": bool(args.quick),

@@ -346,7 +346,7 @@ def model_flops(shape, batch, split_dim):
 
 def size_buckets(sizes, ratio=0.75):
     """How many batched inversions the engine runs for these block sizes
-    (thor_tf.inverse.size_buckets: sizes within 0.75x of a larger one share its batch)."""
+    (thor_tf.buckets.size_buckets: sizes within 0.75x of a larger one share its batch)."""
     left, count = sorted(set(sizes), reverse=True), 0
     while left:
         count += 1

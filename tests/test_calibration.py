@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import thor_tf
 from thor_tf import calibration
-from thor_tf.inverse import split_inverse
+from thor_tf.rules.inverse_ops import split_inverse
 
 # THOR's inverse rule (K-FAC step, KL clip, damping, momentum) is what these tests check.
 pytestmark = pytest.mark.update_rule("inverse")

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 import thor_tf
 from digits_models import digits
-from thor_tf.inverse import factor_dampings, pi_adjustment
+from thor_tf.rules.inverse_ops import factor_dampings, pi_adjustment
 
 # THOR's inverse rule (K-FAC step, KL clip, damping, momentum) is what these tests check.
 pytestmark = pytest.mark.update_rule("inverse")

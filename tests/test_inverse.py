@@ -5,7 +5,7 @@ import tensorflow as tf
 
 from reference import block_diagonal_part, mean_outer
 from thor_tf.blocks import block_gram
-from thor_tf.inverse import invert_blocks, split_inverse, split_layout
+from thor_tf.rules.inverse_ops import invert_blocks, split_inverse, split_layout
 
 
 def test_block_gram_is_the_block_diagonal_part_of_the_mean_outer_product():
@@ -48,7 +48,7 @@ def test_failed_cholesky_retries_in_float64_and_never_stores_non_finite():
 
 
 def test_size_buckets_join_sizes_within_the_ratio():
-    from thor_tf.inverse import size_buckets
+    from thor_tf.buckets import size_buckets
 
     assert size_buckets([9, 16, 32, 64, 72, 96, 116]) == {116: [116, 96], 72: [72, 64], 32: [32],
                                                           16: [16], 9: [9]}
@@ -59,7 +59,8 @@ def test_padded_batched_inversion_matches_each_block_and_keeps_the_others():
     """Blocks of sizes 3 and 4 (a factor of dim 3 in one block, one of dim 7 in 4+3(+1 pad))
     padded to 4 in one batch: the selected ones are the float64 inverses of their damped blocks
     (1 on padding), the unselected keep their inverses in use."""
-    from thor_tf.inverse import batched_layout, invert_selected, pad_blocks
+    from thor_tf.buckets import batched_layout, pad_blocks
+    from thor_tf.rules.inverse_ops import invert_selected
 
     rng = np.random.default_rng(3)
     small = mean_outer(rng.normal(size=(20, 3)))[None]                      # [1, 3, 3], dim 3
@@ -86,7 +87,7 @@ def test_padded_batched_inversion_matches_each_block_and_keeps_the_others():
 
 
 def test_owned_blocks_are_inverted_and_the_others_are_zero_so_a_sum_over_owners_is_complete():
-    from thor_tf.inverse import invert_owned
+    from thor_tf.rules.inverse_ops import invert_owned
     rows = np.random.default_rng(4).normal(size=(30, 10))
     factor = mean_outer(rows)
     blocks = block_gram(tf.constant(rows, tf.float32), 4)  # blocks 4, 4, 2 (+2 padding)

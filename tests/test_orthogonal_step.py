@@ -15,7 +15,7 @@ import keras
 import pytest
 
 import thor_tf
-from thor_tf.orthogonalize import NS_COEFFICIENTS, newton_schulz
+from thor_tf.rules.eigenbasis_ops import NS_COEFFICIENTS, newton_schulz
 from thor_tf.rules import Eigenbasis
 
 from reference import homogeneous, mean_outer

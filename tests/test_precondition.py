@@ -1,4 +1,4 @@
-"""thor_tf.precondition on its own: the block-diagonal preconditioner and the KL clip against an
+"""thor_tf.rules.inverse_ops on its own: the block-diagonal preconditioner and the KL clip against an
 explicit float64 Kronecker product over the vec of every block's gradient matrix."""
 
 import keras
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from thor_tf import precondition
+from thor_tf.rules import inverse_ops as precondition
 from thor_tf.blocks import DenseBlock
 from thor_tf.capture import Record
 

@@ -1,7 +1,7 @@
 """Hardware-aware splitting: measure and choose the split dimension of the inverses (the H of THOR).
 
 Training inverts each damped Kronecker factor ``F + d·I`` ([n, n]) only on its diagonal blocks of
-``split_dim`` (:func:`thor_tf.inverse.invert_blocks`). Smaller blocks are faster to invert but drop
+``split_dim`` (:func:`thor_tf.rules.inverse_ops.invert_blocks`). Smaller blocks are faster to invert but drop
 more of the factor. Calibration (DESIGN.md §2) measures both effects on the factors of the model and
 on the machine that trains, and picks the dimension where they balance:
 
@@ -50,7 +50,7 @@ import numpy as np
 import tensorflow as tf
 
 from thor_tf.algebra import diagonal_blocks, split_layout
-from thor_tf.inverse import invert_blocks
+from thor_tf.rules.inverse_ops import invert_blocks
 
 __all__ = [
     "DEFAULT_THRESHOLD",
@@ -209,9 +209,9 @@ def time_split_inversion(matrices: Sequence, cands: Sequence[int], damping: floa
 
     Training computes each factor's diagonal blocks directly (:func:`thor_tf.blocks.block_gram`,
     ``[nb, d, d]`` with zero padding past the factor's dimension) and inverts them with
-    :func:`thor_tf.inverse.invert_blocks` (damp, identity on the padding, one batched Cholesky,
+    :func:`thor_tf.rules.inverse_ops.invert_blocks` (damp, identity on the padding, one batched Cholesky,
     float64 retry of failed blocks). So for each candidate ``b`` the blocks of every factor are cut
-    beforehand (:func:`thor_tf.inverse.split_layout`; not timed) and one ``tf.function`` taking
+    beforehand (:func:`thor_tf.rules.inverse_ops.split_layout`; not timed) and one ``tf.function`` taking
     them as arguments (nothing constant-folded) returns
     ``[invert_blocks(B_i, damping, n_i) for B_i in blocks]``. Each function is traced once and run
     ``warmup`` times; then ``repeats`` rounds time every candidate once per round (round robin, so

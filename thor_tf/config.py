@@ -21,7 +21,7 @@ from typing import Any, Optional, Tuple
 import keras
 
 from thor_tf import rules
-from thor_tf.inverse import DAMPING_SPLITS
+from thor_tf.rules.inverse_ops import DAMPING_SPLITS
 from thor_tf.scheduler import PRESETS, TRACE_FILTERS, CadenceSchedule
 
 FISHER_TYPES = ("empirical", "sampled")

@@ -25,7 +25,7 @@ code (:meth:`ThorEngine.apply_gradients`, from ``ThorOptimizer.apply``). Either 
    first) → decisions recorded;
 3. preconditioning, the update rule's (:mod:`thor_tf.rules`): Adam in the eigenbasis of the
    split factors (the default), or THOR's ``(1/P)·A_inv·M·G_inv`` as one block-diagonal mat of
-   Kronecker operators with K-FAC's KL clip (:mod:`thor_tf.precondition`);
+   Kronecker operators with K-FAC's KL clip (:mod:`thor_tf.rules.inverse_ops`);
 4. the update (:meth:`thor_tf.optimizer.ThorOptimizer.apply_masked`), skipped on every replica
    when the loss or a gradient is not finite.
 """

@@ -14,7 +14,7 @@ import time
 import tensorflow as tf
 
 from thor_tf import fisher, loss_terms
-from thor_tf.inverse import factor_dampings, invert_blocks
+from thor_tf.rules.inverse_ops import factor_dampings, invert_blocks
 
 
 def _median_seconds(fn, repeats):

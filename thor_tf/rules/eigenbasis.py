@@ -5,7 +5,7 @@ Per block with gradient matrix ``M`` (``[a_dim, g_dim]``, bias row folded in; se
 :mod:`thor_tf.blocks.base`) and split factors ``A = ⊕_i A_i``, ``G = ⊕_j G_j``:
 
 * at a refresh (the trace rule, or ``max_block_age``): ``A_i = Q_A,i Λ_A,i Q_A,iᵀ`` and
-  ``G_j = Q_G,j Λ_G,j Q_G,jᵀ`` for every diagonal block (:mod:`thor_tf.eigh`: batched per size
+  ``G_j = Q_G,j Λ_G,j Q_G,jᵀ`` for every diagonal block (:mod:`thor_tf.rules.eigenbasis_ops`: batched per size
   bucket, float64, a tie-breaking diagonal ramp); the moments are carried into the new bases
   with ``R = Q_oldᵀ Q_new`` per block: ``m ← R_Aᵀ m R_G`` (exact), ``v ← (R_A∘R_A)ᵀ v (R_G∘R_G)`` (the diagonal of
   ``Rᵀ diag(v) R`` on each side). Keeping ``v`` as it was across a basis change diverged on the
@@ -14,7 +14,7 @@ Per block with gradient matrix ``M`` (``[a_dim, g_dim]``, bias row folded in; se
   ``Δ' = m̂ / (√v̂ + ε + ε_r·√mean(v̂))`` (bias-corrected with the optimizer's step ``t``; the
   mean over the block); ``Δ = Q_A Δ' Q_Gᵀ``.
 * ``step="orthogonal"`` (the default; SOAP-Muon): ``Δ ← NS(Δ)·‖Δ‖_F/‖NS(Δ)‖_F``, the Newton–Schulz
-  orthogonal factor of the whole ``[a_dim, g_dim]`` step (:mod:`thor_tf.orthogonalize`, one
+  orthogonal factor of the whole ``[a_dim, g_dim]`` step (:mod:`thor_tf.rules.eigenbasis_ops`, one
   batched iteration per shape) at the Adam step's Frobenius norm (``scale="graft"``; ``"rms"``:
   Muon's ``0.2·√max(a_dim, g_dim)`` instead). Adam's division in the eigenbasis chooses the
   direction's weighting, the orthogonalization equalizes its singular values, the graft keeps
@@ -38,11 +38,10 @@ import tensorflow as tf
 from keras import ops
 
 from thor_tf.algebra import BlockDiagonal
-from thor_tf.eigh import (TIE_BREAK, basis_change, eigh_selected, rotate_first_moment,
-                          rotate_second_moment)
-from thor_tf.inverse import per_size_bucket
-from thor_tf.orthogonalize import newton_schulz
+from thor_tf.buckets import per_size_bucket
 from thor_tf.rules.base import UpdateRule, keras_serializable
+from thor_tf.rules.eigenbasis_ops import (TIE_BREAK, basis_change, eigh_selected, newton_schulz,
+                                          rotate_first_moment, rotate_second_moment)
 from thor_tf.rules.inverse import identity_blocks
 
 
@@ -82,7 +81,7 @@ class Eigenbasis(UpdateRule):
         direction to take a full step in. None: 1e-4 for ``step="adam"``, 1e-2 for
         ``"orthogonal"`` (:attr:`DEFAULT_RELATIVE_EPSILON`).
       tie_break: a ramp ``tie_break·(tr/d)·k/d`` on the diagonal of each d-block before ``eigh``
-        (>= 0; :func:`thor_tf.eigh._padded_for_eigh`): fixes the basis of a degenerate eigenspace
+        (>= 0; :func:`thor_tf.rules.eigenbasis_ops._padded_for_eigh`): fixes the basis of a degenerate eigenspace
         (A's null space under a small batch) to the coordinate axes, the same on every replica
         count and device. 0: exactly rotation-equivariant, and that basis is round-off's choice.
       step: ``"orthogonal"`` (the step's Newton–Schulz orthogonal factor, module docstring) or
@@ -168,7 +167,7 @@ class Eigenbasis(UpdateRule):
     # -- refresh -----------------------------------------------------------------------------------
     def refresh(self, refresher, layers, refresh, factors, damping):
         """New bases for the refreshing layers (one batched ``eigh`` per bucket of block sizes,
-        :func:`thor_tf.inverse.size_buckets`), their moments carried into them."""
+        :func:`thor_tf.buckets.size_buckets`), their moments carried into them."""
         s = refresher.state
         factors_flat, dims, held = [], [], []  # per factor: A, G, A, G, ...
         for layer, (fa, fg) in zip(layers, factors):
@@ -262,7 +261,7 @@ class Eigenbasis(UpdateRule):
 
     def _orthogonalized(self, updates):
         """Each ``[a, g]`` update's Newton–Schulz orthogonal factor ``O`` (one batched iteration
-        per shape, :func:`thor_tf.orthogonalize.newton_schulz`), scaled to the update's Frobenius
+        per shape, :func:`thor_tf.rules.eigenbasis_ops.newton_schulz`), scaled to the update's Frobenius
         norm (``scale="graft"``: the step's size stays Adam's, its singular values equal) or to
         ``O·rms·√max(a, g)`` (``"rms"``: Muon's RMS, Moonlight's rule)."""
         groups = {}

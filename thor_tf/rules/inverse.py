@@ -2,10 +2,10 @@
 KL clip, then (in THOR's order) weight decay, per-tensor clip and momentum.
 
 The inverses are refreshed with the factors: the refreshing layers' diagonal blocks of similar
-sizes are inverted in one batched Cholesky (:func:`thor_tf.inverse.invert_selected`), or, with
-``inverse_assignment="balanced"`` under a multi-replica strategy, each block by the replica it is
-assigned to and shared with one packed all-reduce. See :mod:`thor_tf.precondition` for the step
-and :mod:`thor_tf.inverse` for the split inversion.
+sizes are inverted in one batched Cholesky (:func:`thor_tf.rules.inverse_ops.invert_selected`),
+or, with ``inverse_assignment="balanced"`` under a multi-replica strategy, each block by the
+replica it is assigned to and shared with one packed all-reduce. Its maths (the split inversion,
+the step and the KL clip) is :mod:`thor_tf.rules.inverse_ops`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import dataclasses
 import tensorflow as tf
 from keras import ops
 
-from thor_tf import distributed, precondition
-from thor_tf.inverse import factor_dampings, invert_owned, invert_selected, per_size_bucket
+from thor_tf import distributed
+from thor_tf.buckets import per_size_bucket
+from thor_tf.rules.inverse_ops import (factor_dampings, invert_owned, invert_selected,
+                                       precondition_gradients)
 from thor_tf.rules.base import UpdateRule, keras_serializable
 
 
@@ -78,12 +80,12 @@ class Inverse(UpdateRule):
 
     def _batched_inverses(self, refresher, layers, refresh, factors, damping):
         """Split inverses of the refreshing layers' damped factors, one batched inversion per
-        bucket of block sizes (:func:`thor_tf.inverse.size_buckets`: sizes within 0.75× of a
+        bucket of block sizes (:func:`thor_tf.buckets.size_buckets`: sizes within 0.75× of a
         larger one are padded to it, identity on the padding).
 
         The diagonal blocks of a bucket's sizes of every layer's A and G form one batch;
         the blocks of the refreshing layers are gathered, inverted together
-        (:func:`thor_tf.inverse.invert_damped`: one Cholesky, each block with its factor's damping
+        (:func:`thor_tf.rules.inverse_ops.invert_damped`: one Cholesky, each block with its factor's damping
         on its true diagonal, 1 on padding: ``√(λ/P)``, or with ``damping_split="pi"`` π·√(λ/P)
         for A and √(λ/P)/π for G, :meth:`_factor_dampings`) and scattered over the inverses in
         use. No branch: with no layer refreshing the gathered batch is empty. A handful of ops per
@@ -116,7 +118,7 @@ class Inverse(UpdateRule):
     @staticmethod
     def _factor_dampings(config, layer, factor_a, factor_g, damping):
         """``(d_A, d_G)`` of one layer: its block damping ``λ/P`` split between the factors as
-        ``damping_split`` says (:func:`thor_tf.inverse.factor_dampings`; ``"pi"`` reads π from
+        ``damping_split`` says (:func:`thor_tf.rules.inverse_ops.factor_dampings`; ``"pi"`` reads π from
         the factors being inverted)."""
         return factor_dampings(damping / layer.rows_per_term, factor_a, factor_g,
                                layer.block.a_dim, layer.block.g_dim, config.damping_split)
@@ -153,14 +155,14 @@ class Inverse(UpdateRule):
 
     # -- precondition ------------------------------------------------------------------------------
     def precondition(self, engine, active, rows_per_term, grads, variables, ok, use_grads):
-        """``(1/c)·A_inv·M·G_inv`` per block and the KL clip (:mod:`thor_tf.precondition`); the
+        """``(1/c)·A_inv·M·G_inv`` per block and the KL clip (:mod:`thor_tf.rules.inverse_ops`); the
         clip scale ν of a finite step is kept in ``counters()["kl_scale"]``."""
         s = engine.state
         inverses = {}
         for b in active:
             layer = s.layers[engine.block_position(b.name)]
             inverses[b.name] = (layer.A_inv, layer.G_inv)
-        out, nu = precondition.precondition_gradients(
+        out, nu = precondition_gradients(
             active, rows_per_term, inverses, grads, variables, kl_clip=engine.config.kl_clip,
             learning_rate=engine.optimizer.learning_rate, use_grads=use_grads)
         if nu is not None:

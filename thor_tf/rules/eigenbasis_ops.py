@@ -1,7 +1,9 @@
-"""Batched eigendecomposition of split factor blocks, and moments carried into a new basis.
+"""The eigenbasis rule's maths: batched eigendecomposition of split factor blocks, moments
+carried into a new basis, and the Newton–Schulz orthogonalization of the step.
+:class:`thor_tf.rules.eigenbasis.Eigenbasis` calls it; the bucket loop both rules share is
+:mod:`thor_tf.buckets`.
 
-The eigenbasis rule (:mod:`thor_tf.rules.eigenbasis`) keeps, per diagonal block ``F_i`` of a
-factor (``[nb, d, d]``, undamped, zero on the padding of the last block), its eigenvectors
+**Bases.** The rule keeps, per diagonal block ``F_i`` of a factor (``[nb, d, d]``, undamped, zero on the padding of the last block), its eigenvectors
 ``Q_i`` (columns) and eigenvalues ``w_i``: ``F_i = Q_i diag(w_i) Q_iᵀ``. Damping does not move
 eigenvectors, so the undamped blocks are decomposed.
 
@@ -16,6 +18,17 @@ The stored eigenvalues are those of the block plus the tie-breaking ramp of
 Precision and robustness: ``eigh`` runs in float64 (the factors stay float32): float32
 eigenvectors of clustered eigenvalues are accurate to ~1e-3 only (see :func:`eigh_blocks`); a
 block whose decomposition is not finite keeps the basis it had.
+
+**Orthogonalization** (batched over matrices of one shape). The orthogonal (polar) factor of
+``X = U Σ Vᵀ`` is ``U Vᵀ``: every singular value set to 1. Muon (Jordan et al. 2024) approximates it by five iterations of a quintic polynomial whose slope at 0
+is large, so that small singular values grow quickly; the result has singular values in about
+[0.7, 1.2] rather than exactly 1 (``US'Vᵀ``), which trains as well as the exact factor and costs
+only matrix products. The eigenbasis rule orthogonalizes its step after Adam's division in the
+eigenbasis (SOAP-Muon), not the gradient: orthogonalizing the rotated gradient would be Muon,
+since ``orth(Q_Aᵀ M Q_G) = Q_Aᵀ orth(M) Q_G``.
+
+Conventions: matrices are ``[..., r, c]`` float32; the iteration runs on the wide orientation
+(``r ≤ c``, transposing when needed) so that ``X Xᵀ`` is the small ``[r, r]`` Gram matrix.
 """
 
 from __future__ import annotations
@@ -23,9 +36,10 @@ from __future__ import annotations
 import tensorflow as tf
 
 from thor_tf import _keras_compat
+from thor_tf.algebra import BlockDiagonal
 
-__all__ = ["eigh_blocks", "eigh_selected", "basis_change", "rotate_first_moment",
-           "rotate_second_moment"]
+__all__ = ["NS_COEFFICIENTS", "NS_STEPS", "TIE_BREAK", "basis_change", "eigh_blocks",
+           "eigh_selected", "newton_schulz", "rotate_first_moment", "rotate_second_moment"]
 
 
 #: The diagonal ramp that breaks ties (see :func:`_padded_for_eigh`), relative to the block's mean
@@ -127,8 +141,6 @@ def basis_change(q_old, q_new):
 def rotate_first_moment(m, r_a, r_g, a_dim, g_dim):
     """``R_Aᵀ m R_G``: a first moment ``[a_dim, g_dim]`` kept in the old bases, in the new ones
     (exact: the first moment is linear in the gradient)."""
-    from thor_tf.algebra import BlockDiagonal
-
     left = BlockDiagonal(tf.linalg.matrix_transpose(r_a), a_dim).matmul(m)
     return BlockDiagonal(r_g, g_dim).rmatmul(left)
 
@@ -138,7 +150,30 @@ def rotate_second_moment(v, r_a, r_g, a_dim, g_dim):
     new bases, entry ``(i, j) = Σ_kl R_A[k,i]² v[k,l] R_G[l,j]²`` (the diagonal of
     ``Rᵀ diag(v) R`` on each side: the old coordinates treated as uncorrelated). It stays ≥ 0
     and keeps the total ``Σ v`` (the columns of an orthogonal R have unit norm)."""
-    from thor_tf.algebra import BlockDiagonal
-
     left = BlockDiagonal(tf.linalg.matrix_transpose(tf.square(r_a)), a_dim).matmul(v)
     return BlockDiagonal(tf.square(r_g), g_dim).rmatmul(left)
+
+
+#: Muon's quintic coefficients (a, b, c): ``X ← a X + (b A + c A²) X`` with ``A = X Xᵀ``.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+#: Iterations (Muon's default).
+NS_STEPS = 5
+
+
+def newton_schulz(x, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, epsilon=1e-7):
+    """Approximate orthogonal factor of each matrix of ``x`` (``[..., r, c]``, float32).
+
+    ``X ← X / (‖X‖_F + ε)`` (spectral norm ≤ 1), then ``steps`` times ``A = X Xᵀ``,
+    ``X ← aX + (bA + cA²)X``, on the wide orientation. A zero matrix stays zero.
+    """
+    x = tf.convert_to_tensor(x, tf.float32)
+    tall = x.shape[-2] > x.shape[-1]
+    if tall:
+        x = tf.linalg.matrix_transpose(x)
+    a, b, c = coefficients
+    norm = tf.sqrt(tf.reduce_sum(tf.square(x), axis=[-2, -1], keepdims=True))
+    x = x / (norm + epsilon)
+    for _ in range(int(steps)):
+        gram = tf.matmul(x, x, transpose_b=True)
+        x = a * x + tf.matmul(b * gram + c * tf.matmul(gram, gram), x)
+    return tf.linalg.matrix_transpose(x) if tall else x

@@ -1,6 +1,8 @@
-"""Split inversion of damped Kronecker factors: the H of THOR.
+"""The inverse rule's maths: split inversion of damped Kronecker factors (the H of THOR),
+then the preconditioned step with K-FAC's KL clip. :class:`thor_tf.rules.inverse.Inverse`
+calls it; the bucket loop both rules share is :mod:`thor_tf.buckets`.
 
-A factor ``F`` ([n, n], symmetric PSD) is damped, ``M = F + d·I``, cut into diagonal blocks of
+**Split inversion.** A factor ``F`` ([n, n], symmetric PSD) is damped, ``M = F + d·I``, cut into diagonal blocks of
 ``split_dim`` (the last block padded with the identity) and only those blocks are inverted, as one
 batched Cholesky over a ``[num_blocks, d, d]`` tensor. The result is the inverse of the
 block-diagonal part of ``M``; with ``split_dim >= n`` it is the exact inverse. Training never forms
@@ -9,19 +11,38 @@ the off-diagonal part at all: :func:`thor_tf.blocks.block_gram` computes only th
 Robustness: a block whose float32 Cholesky fails (NaN/Inf, the way TF reports a non-positive-definite
 input) is retried in float64 with more damping; a block that still fails keeps the inverse it had
 before, so non-finite values never reach the stored inverses.
+
+**The step.** For a block with gradient matrix ``M`` (``[a_dim, g_dim]``, see
+:mod:`thor_tf.blocks.base`) and split inverses ``A_inv`` ``[nb_a, d_a, d_a]`` and ``G_inv`` ``[nb_g, d_g, d_g]`` of its damped
+factors, the preconditioned gradient is
+
+    Δ = (1/c) · A_inv · M · G_inv
+
+(``c = R/D`` the block's rows per data point of the loss: ``P`` positions per example for a loss
+with one term per example, 1 for a per-token loss on a Transformer's ``[B, T]`` rows; see
+:mod:`thor_tf.loss_terms`). The whole model's preconditioner is the block-diagonal
+mat (:mod:`thor_tf.algebra`, seed 000's vec/mat algebra) of the blocks' Kronecker operators,
+applied to the vec of all gradient matrices with ``mat_vec_prod``: no Kronecker product is formed
+and no off-diagonal block is stored.
+
+KL clip (Ba et al. 2017; kfac-pytorch's ``kl_clip``): the quadratic model of the KL change of a
+step ``lr·Δ`` is ``lr²·Σ_l⟨Δ_l, M_l⟩``; all blocks are scaled by
+``ν = min(1, sqrt(κ / (lr²·Σ_l⟨Δ_l, M_l⟩)))``, which keeps stale inverses (reused between
+refreshes) from amplifying directions their batch did not see. The gradients must be the true
+(unscaled) ones: the engine divides out any loss scale first.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import tensorflow as tf
 
-from thor_tf import _keras_compat
+from thor_tf import _keras_compat, algebra
 from thor_tf.algebra import diagonal_blocks, split_layout
+from thor_tf.buckets import batched_layout
 
-__all__ = ["DAMPING_SPLITS", "batched_layout", "damped_diagonal", "factor_dampings",
-           "invert_blocks", "invert_damped", "invert_owned", "invert_selected", "pi_adjustment",
-           "pad_blocks", "per_size_bucket", "size_buckets", "split_inverse", "split_layout"]  # split_layout: from algebra
+__all__ = ["DAMPING_SPLITS", "damped_diagonal", "factor_dampings", "invert_blocks",
+           "invert_damped", "invert_owned", "invert_selected", "kl_scale", "pi_adjustment",
+           "precondition_gradients", "split_inverse", "split_layout"]  # split_layout: from algebra
 
 
 #: How a block's damping λ_b (λ/P) is shared between its two factors (``damping_split``).
@@ -79,43 +100,6 @@ def damped_diagonal(mask, damping):
     decoupled, so the inverse of the padded block is the true block's inverse plus identity)."""
     mask = tf.convert_to_tensor(mask, tf.float32)
     return mask * tf.cast(damping, tf.float32)[:, None] + (1.0 - mask)
-
-
-def size_buckets(sizes, ratio: float = 0.75):
-    """``{bucket size: [block sizes]}``: which block sizes share one batched inversion.
-
-    Each size joins the largest size ``b`` not yet placed with ``d >= ratio·b`` and is padded to
-    ``b`` (identity on the padding, so the inverse's top-left block is exact): fewer batches, each
-    a handful of ops to trace, for at most ``(1/ratio)³`` (2.4×) the flops of a padded block.
-    """
-    buckets, left = {}, sorted(set(int(d) for d in sizes), reverse=True)
-    while left:
-        top = left[0]
-        buckets[top] = [d for d in left if d >= ratio * top]
-        left = [d for d in left if d < ratio * top]
-    return buckets
-
-
-def batched_layout(factors, size: int):
-    """Where the blocks of several factors sit in one ``[B, size, size]`` batch.
-
-    Args:
-      factors: per factor ``(owner, nb, d, dim)``: its owner's position (e.g. the layer), its
-        number of diagonal blocks ``nb`` of size ``d <= size``, its true dimension ``dim``.
-      size: the batch's block size ``S`` (blocks of size ``d < S`` are padded to it by the caller).
-
-    Returns:
-      ``(owner [B] int32, mask [B, S] float32, counts)`` as NumPy arrays: each block's owner, 1 on
-      the block's true diagonal entries (inside ``d`` and before ``dim``) and 0 on padding, and
-      each factor's ``nb`` (to split the batch back).
-    """
-    owners, rows, counts = [], [], []
-    for owner, nb, d, dim in factors:
-        entries = np.arange(nb * d).reshape(nb, d) < dim
-        rows.append(np.pad(entries, [(0, 0), (0, size - d)]))
-        owners.extend([owner] * nb)
-        counts.append(nb)
-    return (np.asarray(owners, np.int32), np.concatenate(rows).astype(np.float32), counts)
 
 
 def invert_blocks(blocks, damping, dim: int, previous=None, retry_scale: float = 10.0):
@@ -207,54 +191,6 @@ def invert_damped(blocks, diagonal, block_damping, previous=None, retry_scale: f
     return tf.cond(tf.reduce_all(ok), lambda: inverse, retry)
 
 
-def pad_blocks(blocks, size):
-    """``[nb, d, d]`` zero-padded to ``[nb, size, size]``."""
-    blocks = tf.convert_to_tensor(blocks)
-    pad = size - int(blocks.shape[-1])
-    return tf.pad(blocks, [[0, 0], [0, pad], [0, pad]]) if pad else blocks
-
-
-def _pad_to(tensor, size):
-    """``[nb, d, d]`` or ``[nb, d]`` zero-padded to ``size`` on its block axes."""
-    tensor = tf.convert_to_tensor(tensor)
-    pad = size - int(tensor.shape[1])
-    if not pad:
-        return tensor
-    return tf.pad(tensor, [[0, 0]] + [[0, pad]] * (tensor.shape.rank - 1))
-
-
-def per_size_bucket(factors, dims, held, fn):
-    """Run ``fn`` once per bucket of block sizes (:func:`size_buckets`) over the diagonal blocks
-    of several factors, and hand each factor its part back.
-
-    Args:
-      factors: per factor its blocks ``[nb, d, d]``; dims: per factor its true dimension.
-      held: per factor a tuple of tensors in use with the same leading ``[nb, d]`` axes (inverses
-        ``[nb, d, d]``, eigenvalues ``[nb, d]``), padded alongside the blocks.
-      fn: ``fn(blocks [B, S, S], mask [B, S], owner [B], held)`` → a tuple of ``[B, S, ...]``
-        results, ``owner`` the factor of each block (see :func:`batched_layout`).
-
-    Returns:
-      Per factor the tuple of its results, sliced back to its block size.
-    """
-    sizes = [int(f.shape[-1]) for f in factors]
-    out = [None] * len(factors)
-    for size, joined in sorted(size_buckets(sizes).items()):
-        members = [n for n, d in enumerate(sizes) if d in joined]
-        owner, mask, counts = batched_layout(
-            [(n, int(factors[n].shape[0]), sizes[n], dims[n]) for n in members], size)
-        blocks = tf.concat([pad_blocks(factors[n], size) for n in members], axis=0)
-        padded = tuple(tf.concat([_pad_to(held[n][i], size) for n in members], axis=0)
-                       for i in range(len(held[members[0]])))
-        results = fn(blocks, mask, owner, padded)
-        parts = [tf.split(r, counts) for r in results]
-        for k, n in enumerate(members):
-            d = sizes[n]
-            out[n] = tuple(p[k][:, :d, :d] if p[k].shape.rank == 3 else p[k][:, :d]
-                           for p in parts)
-    return out
-
-
 def invert_selected(blocks, in_use, mask, damping, selected):
     """``in_use`` with the ``selected`` blocks replaced by the inverses of ``blocks`` damped.
 
@@ -292,3 +228,65 @@ def split_inverse(factor, damping, split_dim: int, previous=None):
     factor = tf.convert_to_tensor(factor, tf.float32)
     n = int(factor.shape[-1])
     return invert_blocks(diagonal_blocks(factor, split_dim), damping, n, previous=previous)
+
+
+def precondition_gradients(blocks, rows_per_term, inverses, grads, variables, kl_clip=None,
+                           learning_rate=None, use_grads=None):
+    """Replace each block's kernel/bias gradients by its (KL-clipped) preconditioned gradient.
+
+    Args:
+      blocks: the blocks active in this step (a record exists for each).
+      rows_per_term: ``{block name: c}`` (float32 scalars): the block's rows per data point of
+        the loss (``P`` for one term per example; :mod:`thor_tf.loss_terms`).
+      inverses: ``{block name: (A_inv, G_inv)}`` split inverses (tensors or variables).
+      grads: gradients aligned with ``variables`` (None where a variable has none).
+      variables: the trainable variables.
+      kl_clip: κ, or None for no clip.
+      learning_rate: the step's learning rate (for the clip).
+      use_grads: ``{block name: gradient}`` for blocks that take a part of their variable's
+        gradient (a tied embedding's two uses); their updates are summed into the variable's.
+
+    Returns:
+      ``(grads, ν)``: the new gradient list (variables without a block keep theirs) and the clip
+      scale (float32 scalar tensor; None without a clip or without a usable block).
+    """
+    index = {id(v): k for k, v in enumerate(variables)}
+    usable = [b for b in blocks if grads[index[id(b.kernel)]] is not None]
+    if not usable:
+        return grads, None
+    matrices, operators = [], []
+    for b in usable:
+        bias_grad = grads[index[id(b.bias)]] if b.bias is not None else None
+        if b.bias is not None and bias_grad is None:
+            bias_grad = tf.zeros_like(b.bias)
+        kernel_grad = (use_grads or {}).get(b.name, grads[index[id(b.kernel)]])
+        matrices.append(b.to_matrix(kernel_grad, bias_grad))
+        a_inv, g_inv = inverses[b.name]
+        operators.append(algebra.KroneckerOperator(
+            algebra.BlockDiagonal(tf.convert_to_tensor(a_inv), b.a_dim),
+            algebra.BlockDiagonal(tf.convert_to_tensor(g_inv), b.g_dim),
+            scale=1.0 / rows_per_term[b.name]))
+    preconditioner = algebra.block_diagonal_mat(operators)
+    updates = algebra.mat_vec_prod(preconditioner, matrices, mode="right")
+    nu = None
+    if kl_clip is not None:
+        nu = kl_scale(updates, matrices, kl_clip, learning_rate)
+        updates = [nu * u for u in updates]
+    out, written = list(grads), set()
+    for b, update in zip(usable, updates):
+        kernel_update, bias_update = b.from_matrix(update)
+        k = index[id(b.kernel)]
+        kernel_update = tf.cast(kernel_update, grads[k].dtype)
+        out[k] = out[k] + kernel_update if k in written else kernel_update  # tied: summed
+        written.add(k)
+        if b.bias is not None:
+            out[index[id(b.bias)]] = bias_update
+    return out, nu
+
+
+def kl_scale(updates, matrices, kappa, learning_rate):
+    """``ν = min(1, sqrt(κ / (lr²·Σ⟨Δ, M⟩)))`` (1 where that is not finite)."""
+    lr = tf.cast(learning_rate, tf.float32)
+    predicted = tf.square(lr) * algebra.vec_inner_prod(updates, matrices, mode="all")
+    nu = tf.minimum(1.0, tf.sqrt(kappa / tf.maximum(predicted, 1e-30)))
+    return tf.where(tf.math.is_finite(nu), nu, tf.ones_like(nu))
