@@ -1,21 +1,30 @@
-"""What THOR's steady CNN step costs beyond SGD's, part by part, measured side by side.
+"""Where THOR's steady step goes, part by part, beside SGD, AdamW and Muon, measured side by side.
 
-One process, the Fashion-MNIST CNN (batch 128, random data), five variants trained in turn
-``--repeats`` times (so a slow spell of a shared machine hits all of them alike):
+One process per model; the variants train in turn ``--repeats`` times, in an order that rotates
+across repeats (a slow spell of a shared machine hits all of them alike):
 
-* ``sgd``: Keras' SGD-momentum, the reference;
-* ``thor``: THOR at its defaults;
-* ``thor_no_precondition``: THOR with the preconditioning replaced by the identity;
-* ``thor_no_curvature``: THOR without its cadence points (no traces, factors or inverses);
-* ``thor_neither``: both removed: what is left is capture, the finiteness checks, THOR's own
-  momentum update and the masked apply.
+* ``sgd`` (momentum 0.9), ``adamw``, ``muon`` (Keras >= 3.10): the first-order references;
+* ``thor``: THOR at its defaults (the orthogonalized eigenbasis step);
+* ``thor_adam_step``: ``update_rule="eigenbasis_adam"``: the same without Newton–Schulz;
+* ``thor_no_precondition``: THOR with the rule's ``precondition`` replaced by the identity
+  (every variable takes the rule's AdamW): what is left is capture, the checks, the cadence
+  points (traces, factors, refreshes) and the apply;
+* ``thor_no_curvature``: THOR without its cadence points (no traces, factors or refreshes; the
+  bases stay the identity, the rotations and Newton–Schulz still run);
+* ``thor_neither``: both removed.
 
-Each variant: one epoch of warm-up (tracing, the first refreshes), then ``--epochs`` epochs of 40
-steps with every step timed (Keras' batch callbacks; the median is the steady step, the mean
-includes the cadence points). Writes ``--out`` (JSON): per variant the median over repeats of
-both, and the ratios to SGD.
+Differences between them attribute the step: rotations + moments (``thor_adam_step`` −
+``thor_no_precondition``), Newton–Schulz (``thor`` − ``thor_adam_step``), cadence points
+(``thor`` − ``thor_no_curvature``, in the mean only), capture and the rest (``thor_neither`` −
+``adamw``).
 
-    python scripts/bench_step_parts.py --out docs/bench_step_parts.json     # ~4 min
+Each variant: one warm-up epoch (tracing, the first refreshes), then ``--epochs`` epochs of
+``--steps`` steps with every step timed (Keras' batch callbacks): the median is the steady step,
+the mean includes the cadence points. Inputs are random (timing does not depend on the data).
+Writes ``--out`` (JSON): per model and variant the median over repeats, and ratios to SGD/AdamW.
+
+    python scripts/bench_step_parts.py --models fashion_cnn,resnet20,char_gpt \\
+        --out docs/bench_step_parts.json                                 # ~10 min on 2 cores
 """
 
 from __future__ import annotations
@@ -31,82 +40,141 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 import thor_tf  # noqa: E402
-from thor_tf_experiments import models  # noqa: E402
+from thor_tf_experiments import workloads  # noqa: E402
 
-VARIANTS = ("sgd", "thor", "thor_no_precondition", "thor_no_curvature", "thor_neither")
+VARIANTS = ("sgd", "adamw", "muon", "thor", "thor_adam_step", "thor_no_precondition",
+            "thor_no_curvature", "thor_neither")
+#: Per model: the suite workload it comes from and random data of its shapes.
+MODELS = ("fashion_cnn", "resnet20", "vit", "autoencoder", "char_gpt")
 
 
 class StepTimer(keras.callbacks.Callback):
+    """Each step's wall seconds (``times``) and this process's CPU seconds (``cpu``: all its
+    threads; less disturbed than the wall clock when other processes share the cores)."""
+
     def __init__(self):
         super().__init__()
-        self.times = []
+        self.times, self.cpu = [], []
 
     def on_train_batch_begin(self, batch, logs=None):
-        self.start = time.perf_counter()
+        self.start, self.start_cpu = time.perf_counter(), time.process_time()
 
     def on_train_batch_end(self, batch, logs=None):
         self.times.append(time.perf_counter() - self.start)
+        self.cpu.append(time.process_time() - self.start_cpu)
 
 
-def build(variant):
+def random_data(name, steps):
+    """``(workload, Data)``: random arrays of the workload's shapes, ``steps`` batches."""
+    w = workloads.WORKLOADS[name]
+    rng = np.random.default_rng(0)
+    n = w.batch_size * steps
+    if name == "char_gpt":
+        size = workloads.GPT_SIZES[False]
+        w = w.__class__(**{**w.__dict__, "batch_size": size["batch"]})
+        n = size["batch"] * steps
+        x = rng.integers(0, 65, (n, size["block"]))
+        return w, workloads.Data(x, np.roll(x, -1, axis=1), x[:8], x[:8], "random", vocab_size=65)
+    if name == "autoencoder":
+        x = rng.random((n, 784)).astype("float32")
+        return w, workloads.Data(x, x, x[:8], x[:8], "random")
+    shape = (28, 28, 1)
+    x = rng.random((n,) + shape).astype("float32")
+    y = rng.integers(0, 10, n)
+    return w, workloads.Data(x, y, x[:8], y[:8], "random")
+
+
+def build(variant, workload, data):
     keras.utils.set_random_seed(0)
-    model = models.build("cnn", (28, 28, 1), 10)
-    loss = "sparse_categorical_crossentropy"
+    model = workload.build(data, False)
+    loss = workload.loss()
     if variant == "sgd":
         model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss=loss)
         return model
-    wrapped = thor_tf.wrap(model, learning_rate=0.01, verbose=False)
+    if variant == "adamw":
+        model.compile(optimizer=keras.optimizers.AdamW(1e-3), loss=loss)
+        return model
+    if variant == "muon":
+        model.compile(optimizer=keras.optimizers.Muon(1e-2, exclude_layers=[workload.head]),
+                      loss=loss)
+        return model
+    rule = "eigenbasis_adam" if variant == "thor_adam_step" else "eigenbasis"
+    wrapped = thor_tf.wrap(model, learning_rate=1e-3, update_rule=rule, verbose=False)
     wrapped.compile(loss=loss)
     engine = wrapped.thor
     # Replace parts of the traced step before its first trace (the engine's own methods).
     if variant in ("thor_no_precondition", "thor_neither"):
-        engine.precondition = lambda active, records, grads, variables, ok=True: grads
+        engine.precondition = lambda active, rows, grads, variables, ok=True, use_grads=None: grads
     if variant in ("thor_no_curvature", "thor_neither"):
         engine.curvature_step = lambda *args, **kwargs: None
     return wrapped
 
 
-def steady(model, x, y, epochs):
-    model.fit(x, y, batch_size=128, epochs=1, verbose=0)  # trace + the first refreshes
+def steady(model, data, batch, epochs):
+    fit = dict(batch_size=batch, verbose=0, shuffle=False)
+    model.fit(data.x_train, data.y_train, epochs=1, **fit)  # trace + the first refreshes
     timer = StepTimer()
-    model.fit(x, y, batch_size=128, epochs=epochs, verbose=0, callbacks=[timer])
-    return 1e3 * statistics.median(timer.times), 1e3 * statistics.fmean(timer.times)
+    model.fit(data.x_train, data.y_train, epochs=epochs, callbacks=[timer], **fit)
+    return {"median_ms": 1e3 * statistics.median(timer.times),
+            "mean_ms": 1e3 * statistics.fmean(timer.times),
+            "cpu_median_ms": 1e3 * statistics.median(timer.cpu),
+            "cpu_mean_ms": 1e3 * statistics.fmean(timer.cpu)}
+
+
+def _line(row):
+    return (f"step median {row['median_ms']:7.2f} ms (CPU {row['cpu_median_ms']:7.2f}), "
+            f"mean {row['mean_ms']:7.2f} ms (CPU {row['cpu_mean_ms']:7.2f})")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="fashion_cnn,resnet20,char_gpt",
+                   help=f"comma-separated, of {', '.join(MODELS)}")
+    p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--steps", type=int, default=40, help="steps per epoch")
     p.add_argument("--out", default="runs/bench_step_parts.json")
     args = p.parse_args(argv)
-    rng = np.random.default_rng(0)
-    x = rng.random((128 * 40, 28, 28, 1)).astype("float32")
-    y = rng.integers(0, 10, len(x))
-    runs = {v: [] for v in VARIANTS}
-    for repeat in range(args.repeats):
-        for variant in VARIANTS:
-            median, mean = steady(build(variant), x, y, args.epochs)
-            runs[variant].append({"median_ms": median, "mean_ms": mean})
-            print(f"repeat {repeat} {variant:22s} step median {median:6.2f} ms, mean {mean:6.2f} ms",
-                  flush=True)
-    summary = {v: {"median_ms": statistics.median(r["median_ms"] for r in rs),
-                   "mean_ms": statistics.median(r["mean_ms"] for r in rs)} for v, rs in runs.items()}
-    sgd = summary["sgd"]
-    for row in summary.values():
-        row["median_vs_sgd"] = row["median_ms"] / sgd["median_ms"]
-        row["mean_vs_sgd"] = row["mean_ms"] / sgd["mean_ms"]
+    names = args.models.split(",")
+    variants = args.variants.split(",")
+    for bad in [n for n in names if n not in MODELS] + [v for v in variants if v not in VARIANTS]:
+        raise SystemExit(f"unknown model or variant {bad!r}; models: {MODELS}, variants: {VARIANTS}")
+    if not hasattr(keras.optimizers, "Muon"):
+        variants = [v for v in variants if v != "muon"]
+    results = {}
+    for name in names:
+        workload, data = random_data(name, args.steps)
+        runs = {v: [] for v in variants}
+        for repeat in range(args.repeats):
+            order = variants[repeat % len(variants):] + variants[:repeat % len(variants)]
+            for variant in order:
+                row = steady(build(variant, workload, data), data, workload.batch_size,
+                             args.epochs)
+                runs[variant].append(row)
+                print(f"{name} repeat {repeat} {variant:22s} " + _line(row), flush=True)
+        keys = ("median_ms", "mean_ms", "cpu_median_ms", "cpu_mean_ms")
+        summary = {v: {k: statistics.median(r[k] for r in rs) for k in keys}
+                   for v, rs in runs.items()}
+        for ref in ("sgd", "adamw"):
+            if ref in summary:
+                for row in summary.values():
+                    for k in keys:
+                        row[f"{k[:-3]}_vs_{ref}"] = row[k] / summary[ref][k]
+        results[name] = {"summary": summary, "runs": runs, "batch": workload.batch_size}
+        for v, row in summary.items():
+            ratios = ", ".join(f"{row[k]:.2f}x {k.split('_vs_')[1]}" for k in row
+                               if k.startswith("median_vs") or k.startswith("cpu_median_vs"))
+            print(f"{name:12s} {v:22s} {_line(row)} ({ratios})", flush=True)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    import tensorflow as tf
+
     with open(args.out, "w") as fh:
-        json.dump({"summary": summary, "runs": runs, "args": vars(args),
-                   "tensorflow": tf.__version__, "keras": keras.__version__,
-                   "machine": platform.platform(), "cpus": os.cpu_count(),
-                   "date": time.strftime("%Y-%m-%d")}, fh, indent=1)
-    for v, row in summary.items():
-        print(f"{v:22s} median {row['median_ms']:6.2f} ms ({row['median_vs_sgd']:.2f}x SGD), "
-              f"mean {row['mean_ms']:6.2f} ms ({row['mean_vs_sgd']:.2f}x)")
+        json.dump({"models": results, "args": vars(args), "tensorflow": tf.__version__,
+                   "keras": keras.__version__, "machine": platform.platform(),
+                   "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}, fh, indent=1)
     print(f"wrote {args.out}")
 
 
