@@ -202,12 +202,11 @@ def power_qr_step(blocks, mask, previous_q, tie_break=TIE_BREAK):
     big = tf.fill(tf.shape(mask), float("inf"))
     descending = tf.argsort(tf.where(mask > 0, tf.linalg.diag_part(old), -big), axis=-1,
                             direction="DESCENDING", stable=True)
-    sorted_old = tf.gather(previous_q, descending, axis=2, batch_dims=1)
-    q, _ = tf.linalg.qr(tf.gather(product, descending, axis=2, batch_dims=1))
-    # QR's signs are arbitrary; keep each column's old orientation so that a converged basis
-    # gives R = Q_oldᵀ Q_new ≈ I (moments carried almost unchanged).
-    sign = tf.where(tf.reduce_sum(sorted_old * q, axis=1) < 0, -1.0, 1.0)
-    q = q * sign[:, None, :]
+    q, r = tf.linalg.qr(tf.gather(product, descending, axis=2, batch_dims=1))
+    # QR's signs are arbitrary; a positive diagonal of R makes q_jᵀ F q_old,j = R_jj > 0: each
+    # column keeps its old orientation (F is PSD), so a converged basis gives R = Q_oldᵀ Q_new
+    # ≈ I (moments carried almost unchanged), without gathering Q_old's columns to compare.
+    q = q * tf.where(tf.linalg.diag_part(r) < 0, -1.0, 1.0)[:, None, :]
     new = tf.matmul(q, tf.matmul(true, q), transpose_a=True)  # Q_newᵀ F Q_new
     residual = off_diagonal_ratio(new, norm)
     # Stored like eigh's: true columns first, ascending (padding last, key +inf).
