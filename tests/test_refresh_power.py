@@ -237,17 +237,25 @@ def test_refresh_eigh_is_eigh_selected_and_options_are_checked():
         Eigenbasis(refresh_tolerance=-1.0)
     with pytest.raises(ValueError, match="`drift_tolerance` must be a float >= 0"):
         Eigenbasis(drift_tolerance="0.1")
+    with pytest.raises(ValueError, match="`refresh_min_size` must be an int >= 0"):
+        Eigenbasis(refresh_min_size=-1)
+    # Blocks below min_size take eigh under "power_qr" too (bit for bit).
+    q_small, w_small, kind_small = refresh_selected(blocks, mask, q0, w0, sel, "power_qr",
+                                                    min_size=7)
+    np.testing.assert_array_equal(q_small.numpy(), q_ref.numpy())
+    assert list(kind_small.numpy()) == [EIGH, KEPT, EIGH]
 
 
 def test_config_round_trip_and_configs_without_refresh_load_as_eigh():
-    rule = Eigenbasis(refresh="power_qr", refresh_tolerance=0.2, drift_tolerance=0.0)
+    rule = Eigenbasis(refresh="power_qr", refresh_tolerance=0.2, drift_tolerance=0.0,
+                      refresh_min_size=0)
     config = rule.get_config()
-    assert (config["refresh"], config["refresh_tolerance"], config["drift_tolerance"]) == (
-        "power_qr", 0.2, 0.0)
+    assert [config[k] for k in ("refresh", "refresh_tolerance", "drift_tolerance",
+                                "refresh_min_size")] == ["power_qr", 0.2, 0.0, 0]
     assert Eigenbasis.from_config(config) == rule
     assert keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(rule)) == rule
     old = {k: v for k, v in Eigenbasis().get_config().items()
-           if k not in ("refresh", "refresh_tolerance", "drift_tolerance")}
+           if not k.startswith(("refresh", "drift"))}
     assert Eigenbasis.from_config(old).refresh_method == "eigh"
 
 
@@ -275,20 +283,25 @@ def _run(rule, steps=12):
 
 
 def test_dense_model_through_refreshes_takes_the_eigh_steps_closely():
-    """12 steps, a refresh every 2 (6 refreshes: the first by eigh, the others by a power step
-    from the basis in use unless a check fails): the weights after every step within 10 % of
-    how far they moved of the ``refresh="eigh"`` run. The same model with every later refresh
-    skipped (drift tolerance 1e9: the first bases kept) lands at least 2× farther: the power
-    steps do follow the factors."""
-    eigh = Eigenbasis(step="adam")
-    start, ref = _run(eigh)
-    _, power = _run(Eigenbasis(step="adam", refresh="power_qr"))
-    _, stale = _run(Eigenbasis(step="adam", refresh="power_qr", drift_tolerance=1e9))
-
-    def distance(run):
-        return max(np.abs(a - b).max() for w_run, w_ref in zip(run, ref)
-                   for a, b in zip(w_run, w_ref))
-
+    """12 steps, a refresh every 2 (6 refreshes; the first by eigh), weights after every step
+    against the ``refresh="eigh"`` run, relative to how far that run moved them. Every later
+    refresh by a power step (``refresh_tolerance`` inf): within 30 % (measured 24 %: this toy's
+    factors are new batches' every 2 steps, far from the old basis); with the default
+    tolerance 0.1 (most of these small blocks fall back to eigh): within 10 % (measured 4 %).
+    The bases of the first refresh kept (every later one skipped: drift tolerance 1e9) land
+    ≥ 1.5× farther than the power steps (measured 49 %): the power steps follow the factors."""
+    start, ref = _run(Eigenbasis(step="adam"))
     moved = max(np.abs(a - s).max() for a, s in zip(ref[-1], start))
-    assert 0 < distance(power) <= 0.1 * moved, (distance(power), moved)
-    assert distance(stale) >= 2 * distance(power), (distance(stale), distance(power))
+
+    def distance(rule):
+        run = _run(rule)[1]
+        return max(np.abs(a - b).max() for w_run, w_ref in zip(run, ref)
+                   for a, b in zip(w_run, w_ref)) / moved
+
+    # refresh_min_size 0: the model's blocks (8, 7, 5) are below the default's.
+    power = dict(step="adam", refresh="power_qr", refresh_min_size=0)
+    only_power = distance(Eigenbasis(**power, refresh_tolerance=float("inf")))
+    checked = distance(Eigenbasis(**power))
+    stale = distance(Eigenbasis(**power, drift_tolerance=1e9))
+    assert 0 < only_power <= 0.3 and 0 < checked <= 0.1, (only_power, checked)
+    assert stale >= 1.5 * only_power, (stale, only_power)

@@ -100,6 +100,9 @@ class Eigenbasis(UpdateRule):
         ``‖QᵀFQ − diag‖_F/‖F‖_F`` a power step is accepted with (>= 0), else ``eigh``.
       drift_tolerance: ``"power_qr"``: a block whose factor has less off-diagonal mass than this
         in the basis in use keeps it (>= 0; 0: never skip).
+      refresh_min_size: ``"power_qr"``: blocks (their size bucket) smaller than this take
+        ``"eigh"`` (int >= 0; on a CPU the power step is no cheaper below ~100, measured in
+        docs/update_rules.md).
     """
 
     name = "eigenbasis"
@@ -120,14 +123,18 @@ class Eigenbasis(UpdateRule):
 
     def __init__(self, beta_1=0.9, beta_2=0.95, epsilon=1e-8, relative_epsilon=None,
                  tie_break=TIE_BREAK, step="orthogonal", scale="graft", rms=0.2, adam_kinds=(),
-                 refresh="eigh", refresh_tolerance=0.1, drift_tolerance=0.01):
+                 refresh="eigh", refresh_tolerance=0.1, drift_tolerance=0.01,
+                 refresh_min_size=96):
         if refresh not in self.REFRESHES:
             raise ValueError(f"`refresh` must be one of {self.REFRESHES}; got {refresh!r}.")
         for name, value in (("refresh_tolerance", refresh_tolerance),
                             ("drift_tolerance", drift_tolerance)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"`{name}` must be a float >= 0; got {value!r}.")
-        self.refresh_method = refresh
+        if (isinstance(refresh_min_size, bool) or not isinstance(refresh_min_size, int)
+                or refresh_min_size < 0):
+            raise ValueError(f"`refresh_min_size` must be an int >= 0; got {refresh_min_size!r}.")
+        self.refresh_method, self.refresh_min_size = refresh, int(refresh_min_size)
         self.refresh_tolerance = float(refresh_tolerance)
         self.drift_tolerance = float(drift_tolerance)
         if step not in self.STEPS:
@@ -163,7 +170,8 @@ class Eigenbasis(UpdateRule):
                 "step": self.step, "scale": self.scale, "rms": self.rms,
                 "adam_kinds": list(self.adam_kinds), "refresh": self.refresh_method,
                 "refresh_tolerance": self.refresh_tolerance,
-                "drift_tolerance": self.drift_tolerance}
+                "drift_tolerance": self.drift_tolerance,
+                "refresh_min_size": self.refresh_min_size}
 
     @classmethod
     def from_config(cls, config):
@@ -212,7 +220,7 @@ class Eigenbasis(UpdateRule):
             q, w, _ = refresh_selected(blocks, mask, in_use[0], in_use[1],
                                        tf.gather(flags, owner), self.refresh_method,
                                        self.tie_break, self.refresh_tolerance,
-                                       self.drift_tolerance)
+                                       self.drift_tolerance, self.refresh_min_size)
             return q, w
 
         out = per_size_bucket(factors_flat, dims, held, decompose)

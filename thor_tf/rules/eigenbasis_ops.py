@@ -219,7 +219,7 @@ def power_qr_step(blocks, mask, previous_q, tie_break=TIE_BREAK):
 
 
 def refresh_selected(blocks, mask, q_in_use, w_in_use, selected, refresh="eigh",
-                     tie_break=TIE_BREAK, tolerance=0.1, drift_tolerance=0.0):
+                     tie_break=TIE_BREAK, tolerance=0.1, drift_tolerance=0.0, min_size=0):
     """``(Q, w, kind)``: the bases in use with the ``selected`` blocks renewed.
 
     ``refresh="eigh"``: :func:`eigh_selected`. ``"power_qr"`` (module docstring): per selected
@@ -238,6 +238,9 @@ def refresh_selected(blocks, mask, q_in_use, w_in_use, selected, refresh="eigh",
       refresh: one of :data:`REFRESHES`.
       tolerance: the largest residual a power step is accepted with (>= 0).
       drift_tolerance: the drift below which a block keeps its basis (>= 0; 0: never skip).
+      min_size: ``"power_qr"`` only for blocks of at least this size (the batch's ``d``, known
+        when tracing); smaller ones take ``"eigh"`` (on a CPU a power step and QR is no cheaper
+        than float64 ``eigh`` below ~100: docs/update_rules.md).
 
     Returns:
       ``Q [B, d, d]``, ``w [B, d]``, ``kind [B]`` int32: KEPT (not selected), SKIPPED, POWER_QR,
@@ -251,7 +254,8 @@ def refresh_selected(blocks, mask, q_in_use, w_in_use, selected, refresh="eigh",
     w_in_use = tf.convert_to_tensor(w_in_use, tf.float32)
     selected = tf.convert_to_tensor(selected, tf.bool)
     kept = tf.fill(tf.shape(selected), KEPT)
-    if refresh == "eigh" or int(blocks.shape[-1]) == 1:  # 1×1 blocks: the basis is 1
+    size = int(blocks.shape[-1])
+    if refresh == "eigh" or size == 1 or size < min_size:  # 1×1 blocks: the basis is 1
         q, w = eigh_selected(blocks, mask, q_in_use, w_in_use, selected, tie_break)
         return q, w, tf.where(selected, EIGH, kept)
 
