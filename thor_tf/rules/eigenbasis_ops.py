@@ -219,7 +219,7 @@ def power_qr_step(blocks, mask, previous_q, tie_break=TIE_BREAK):
 
 
 def refresh_selected(blocks, mask, q_in_use, w_in_use, selected, refresh="eigh",
-                     tie_break=TIE_BREAK, tolerance=0.1, drift_tolerance=0.0, min_size=0):
+                     tie_break=TIE_BREAK, tolerance=0.5, drift_tolerance=0.0, min_size=0):
     """``(Q, w, kind)``: the bases in use with the ``selected`` blocks renewed.
 
     ``refresh="eigh"``: :func:`eigh_selected`. ``"power_qr"`` (module docstring): per selected
