@@ -103,7 +103,7 @@ class Eigenbasis(UpdateRule):
       refresh_tolerance: ``"power_qr"``: the largest off-diagonal residual
         ``‖QᵀFQ − diag‖_F/‖F‖_F`` a power step is accepted with (>= 0), else ``eigh``. 0.5: a
         guard against a failed step; on the suite's workloads the residuals after a step were
-        0.07–0.16 (median), below 0.4 (90 %), and 0.1 sent 14–55 % of the blocks to ``eigh``
+        0.07–0.13 (median), at most 0.34 (90 %), and 0.1 sent 14–55 % of the blocks to ``eigh``
         as well, which costs more than ``eigh`` alone (docs/update_rules.md).
       drift_tolerance: ``"power_qr"``: a block whose factor has less off-diagonal mass than this
         in the basis in use keeps it (>= 0; 0: never skip).
