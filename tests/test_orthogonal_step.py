@@ -131,8 +131,11 @@ def test_the_default_rule_is_the_orthogonalized_step():
     previous = thor_tf.rules.resolve("eigenbasis_adam")
     assert (previous.step, previous.beta_1, previous.relative_epsilon,
             previous.default_learning_rate) == ("adam", 0.9, 1e-4, 0.01)
-    # A config saved when "eigenbasis" meant the Adam step loads as it was saved.
-    assert thor_tf.rules.resolve(thor_tf.rules.from_saved("eigenbasis")) == previous
+    # A config saved when "eigenbasis" meant the Adam step (and refreshes by eigh, before
+    # refresh="power_qr" was the default) loads as it was saved.
+    saved = Eigenbasis(step="adam", refresh="eigh")
+    assert thor_tf.rules.resolve(thor_tf.rules.from_saved("eigenbasis")) == saved
+    assert thor_tf.rules.resolve(thor_tf.rules.from_saved("eigenbasis_adam")) == saved
     assert thor_tf.rules.resolve(thor_tf.rules.serialize(default)) == default
 
 

@@ -5,10 +5,13 @@ saved three ways: ``model.save`` (.keras, resumed on 1 device and on 2 replicas)
 ``tf.train.Checkpoint`` of the model and its optimizer, and ``BackupAndRestore`` (the run is
 killed by an exception in epoch 2, after the epoch-1 backup), both resumed on 1 device. Reports each resumed run's largest
 weight difference to the reference (relative to the reference's largest weight change) and its
-counters against the reference's.
+counters against the reference's. argv (optional): the update rule, a name or Keras'
+serialized dict as JSON (default: thor_tf's).
 """
 
+import json
 import os
+import sys
 import tempfile
 
 import _dist_common as common
@@ -20,6 +23,10 @@ import numpy as np  # noqa: E402
 x, y = common.digits()
 root = tempfile.mkdtemp()
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+options = {}
+if len(sys.argv) > 1:
+    options["update_rule"] = (json.loads(sys.argv[1]) if sys.argv[1].startswith("{")
+                              else sys.argv[1])
 
 
 def fit(model, epochs, initial_epoch=0, callbacks=()):
@@ -34,7 +41,7 @@ def in_scope(replicas, fn):
         return fn()
 
 
-reference = common.conv_model()
+reference = common.conv_model(**options)
 start = [v.numpy().copy() for v in reference.trainable_variables]
 fit(reference, 2)
 moved = max(np.abs(r.numpy() - s).max() for r, s in zip(reference.trainable_variables, start))
@@ -53,7 +60,7 @@ def compare(model):
 
 
 # Epoch 1 on 2 replicas, saved as .keras and as a tf.train.Checkpoint.
-first = in_scope(2, common.conv_model)
+first = in_scope(2, lambda: common.conv_model(**options))
 fit(first, 1)
 keras_path = os.path.join(root, "model.keras")
 first.save(keras_path)
@@ -67,7 +74,7 @@ for replicas in (1, 2):
     result[f"keras_save_onto_{replicas}"] = compare(loaded)
 
 # (tf.train.Checkpoint and BackupAndRestore onto 1 device: the replica count that differs.)
-fresh = common.conv_model()
+fresh = common.conv_model(**options)
 tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer).read(
     checkpoint_prefix).assert_existing_objects_matched()
 fit(fresh, 2, initial_epoch=1)
@@ -94,12 +101,12 @@ class PreemptAt(keras.callbacks.Callback):
 
 
 backup = os.path.join(root, "backup")
-interrupted = in_scope(2, common.conv_model)
+interrupted = in_scope(2, lambda: common.conv_model(**options))
 try:
     fit(interrupted, 2, callbacks=[keras.callbacks.BackupAndRestore(backup), PreemptAt(1, 2)])
 except Preempted:
     pass
-resumed = common.conv_model()
+resumed = common.conv_model(**options)
 fit(resumed, 2, callbacks=[keras.callbacks.BackupAndRestore(backup)])
 result["backup_onto_1"] = compare(resumed)
 common.report(result)

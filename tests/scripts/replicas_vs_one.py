@@ -1,12 +1,14 @@
 """R replicas (MirroredStrategy over logical CPUs) against one device on the same global batches.
 
-argv: replicas, inverse_assignment, models (comma list), update rule (default: thor_tf's).
+argv: replicas, inverse_assignment, models (comma list), update rule (default: thor_tf's; a name,
+or Keras' serialized dict as JSON).
 Reports, per model, the largest weight difference relative
 to the run's largest weight change, the KL-clip ν of both runs, the decisions (refreshes, reuses,
 frozen per layer), factor/inverse differences to the one-device run, and whether every optimizer
 variable (momentum, factors, inverses, trace state, counters) is identical on all replicas.
 """
 
+import json
 import sys
 
 import _dist_common as common
@@ -23,7 +25,7 @@ which = sys.argv[3].split(",") if len(sys.argv) > 3 else ["conv", "tokens"]
 
 options = {} if assignment == "all" else {"inverse_assignment": assignment}  # "all": default
 if len(sys.argv) > 4:
-    options["update_rule"] = sys.argv[4]
+    options["update_rule"] = json.loads(sys.argv[4]) if sys.argv[4].startswith("{") else sys.argv[4]
 
 
 def products(model, name):

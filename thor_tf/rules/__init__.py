@@ -1,8 +1,9 @@
 """Update rules: how a block's factors become its step (:class:`UpdateRule`).
 
 * ``"eigenbasis"`` (:class:`Eigenbasis`, the default): Adam in the eigenbasis of each split
-  factor block, bases renewed when THOR's trace rule refreshes the block, the step then
-  orthogonalized by Newton–Schulz at its own norm (``step="orthogonal"``).
+  factor block, bases renewed when THOR's trace rule refreshes the block (a power step and QR
+  from the basis in use, ``refresh="power_qr"``), the step then orthogonalized by Newton–Schulz
+  at its own norm (``step="orthogonal"``).
 * ``"eigenbasis_adam"``: the same without the orthogonalization (``Eigenbasis(step="adam")``,
   the default of the previous release).
 * ``"inverse"`` (:class:`Inverse`): THOR's damped split inverses, KL clip, momentum.
@@ -25,8 +26,11 @@ from thor_tf.rules.inverse import Inverse
 RULES = {"eigenbasis": Eigenbasis, "eigenbasis_adam": functools.partial(Eigenbasis, step="adam"),
          "inverse": Inverse}
 DEFAULT_RULE = "eigenbasis"
-#: What a name meant in configs saved by earlier releases, where it differs from today's.
-_SAVED_NAMES = {"eigenbasis": "eigenbasis_adam"}  # before step="orthogonal" was the default
+#: What a name meant in configs saved by earlier releases, where it differs from today's: the
+#: Adam step before step="orthogonal" was the default, and both names refreshed by float64 eigh
+#: before refresh="power_qr" was.
+_SAVED_NAMES = {"eigenbasis": functools.partial(Eigenbasis, step="adam", refresh="eigh"),
+                "eigenbasis_adam": functools.partial(Eigenbasis, step="adam", refresh="eigh")}
 
 __all__ = ["UpdateRule", "Eigenbasis", "Inverse", "RULES", "DEFAULT_RULE", "resolve", "serialize",
            "from_saved"]
@@ -57,5 +61,8 @@ def serialize(rule):
 
 def from_saved(rule):
     """``update_rule`` as a saved config holds it → what :func:`resolve` takes: a bare name
-    saved when it meant other settings (``"eigenbasis"``: the Adam step) is mapped to them."""
-    return _SAVED_NAMES.get(rule, rule) if isinstance(rule, str) else rule
+    saved when it meant other settings (``"eigenbasis"``: the Adam step; it and
+    ``"eigenbasis_adam"``: ``refresh="eigh"``) becomes a rule with them."""
+    if isinstance(rule, str) and rule in _SAVED_NAMES:
+        return _SAVED_NAMES[rule]()
+    return rule

@@ -6,7 +6,9 @@ Per block with gradient matrix ``M`` (``[a_dim, g_dim]``, bias row folded in; se
 
 * at a refresh (the trace rule, or ``max_block_age``): ``A_i = Q_A,i Λ_A,i Q_A,iᵀ`` and
   ``G_j = Q_G,j Λ_G,j Q_G,jᵀ`` for every diagonal block (:mod:`thor_tf.rules.eigenbasis_ops`: batched per size
-  bucket, float64, a tie-breaking diagonal ramp); the moments are carried into the new bases
+  bucket, float64, a tie-breaking diagonal ramp; ``refresh="power_qr"``: one float32 power step
+  and QR from the basis in use instead, skipped where the factor is still nearly diagonal in
+  it, float64 ``eigh`` where a check fails); the moments are carried into the new bases
   with ``R = Q_oldᵀ Q_new`` per block: ``m ← R_Aᵀ m R_G`` (exact), ``v ← (R_A∘R_A)ᵀ v (R_G∘R_G)`` (the diagonal of
   ``Rᵀ diag(v) R`` on each side). Keeping ``v`` as it was across a basis change diverged on the
   digits CNN (DESIGN.md §9).
@@ -39,9 +41,9 @@ from keras import ops
 
 from thor_tf.buckets import per_size_bucket, size_buckets
 from thor_tf.rules.base import UpdateRule, keras_serializable
-from thor_tf.rules.eigenbasis_ops import (TIE_BREAK, basis_change, eigh_selected, newton_schulz,
-                                          rotate_first_moment, rotate_in, rotate_out,
-                                          rotate_second_moment)
+from thor_tf.rules.eigenbasis_ops import (REFRESHES, TIE_BREAK, basis_change, newton_schulz,
+                                          refresh_selected, rotate_first_moment, rotate_in,
+                                          rotate_out, rotate_second_moment)
 from thor_tf.rules.inverse import identity_blocks
 
 
@@ -91,6 +93,22 @@ class Eigenbasis(UpdateRule):
       rms: the RMS of ``scale="rms"`` (> 0; Muon's 0.2).
       adam_kinds: block kinds (``"conv2d"``, ``"embedding"``, ...) that keep the Adam step under
         ``step="orthogonal"`` (none by default; measured in docs/suite.md).
+      refresh: how a refresh renews a block's basis: ``"power_qr"`` (the default: one float32
+        power step and QR from the basis in use, skipped where the factor is still nearly
+        diagonal in it, a float64 ``eigh`` where a check fails;
+        :mod:`thor_tf.rules.eigenbasis_ops`; measured in docs/update_rules.md) or ``"eigh"`` (a
+        float64 eigendecomposition at every refresh, the default before). Configs saved
+        without it load as ``"eigh"``.
+      refresh_tolerance: ``"power_qr"``: the largest off-diagonal residual
+        ``‖QᵀFQ − diag‖_F/‖F‖_F`` a power step is accepted with (>= 0), else ``eigh``. 0.5: a
+        guard against a failed step; on the suite's workloads the residuals after a step were
+        0.07–0.13 (median), at most 0.34 (90 %), and 0.1 sent 14–55 % of the blocks to ``eigh``
+        as well, which costs more than ``eigh`` alone (docs/update_rules.md).
+      drift_tolerance: ``"power_qr"``: a block whose factor has less off-diagonal mass than this
+        in the basis in use keeps it (>= 0; 0: never skip).
+      refresh_min_size: ``"power_qr"``: blocks (their size bucket) smaller than this take
+        ``"eigh"`` (int >= 0; on a CPU the power step is no cheaper below ~100, measured in
+        docs/update_rules.md).
     """
 
     name = "eigenbasis"
@@ -105,9 +123,26 @@ class Eigenbasis(UpdateRule):
 
     STEPS = ("adam", "orthogonal")
     SCALES = ("graft", "rms")
+    REFRESHES = REFRESHES
+    #: What a saved config without ``refresh`` meant (every release before it existed).
+    SAVED_REFRESH = "eigh"
 
     def __init__(self, beta_1=0.9, beta_2=0.95, epsilon=1e-8, relative_epsilon=None,
-                 tie_break=TIE_BREAK, step="orthogonal", scale="graft", rms=0.2, adam_kinds=()):
+                 tie_break=TIE_BREAK, step="orthogonal", scale="graft", rms=0.2, adam_kinds=(),
+                 refresh="power_qr", refresh_tolerance=0.5, drift_tolerance=0.01,
+                 refresh_min_size=96):
+        if refresh not in self.REFRESHES:
+            raise ValueError(f"`refresh` must be one of {self.REFRESHES}; got {refresh!r}.")
+        for name, value in (("refresh_tolerance", refresh_tolerance),
+                            ("drift_tolerance", drift_tolerance)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"`{name}` must be a float >= 0; got {value!r}.")
+        if (isinstance(refresh_min_size, bool) or not isinstance(refresh_min_size, int)
+                or refresh_min_size < 0):
+            raise ValueError(f"`refresh_min_size` must be an int >= 0; got {refresh_min_size!r}.")
+        self.refresh_method, self.refresh_min_size = refresh, int(refresh_min_size)
+        self.refresh_tolerance = float(refresh_tolerance)
+        self.drift_tolerance = float(drift_tolerance)
         if step not in self.STEPS:
             raise ValueError(f"`step` must be one of {self.STEPS}; got {step!r}.")
         if relative_epsilon is None:
@@ -139,7 +174,16 @@ class Eigenbasis(UpdateRule):
         return {"beta_1": self.beta_1, "beta_2": self.beta_2, "epsilon": self.epsilon,
                 "relative_epsilon": self.relative_epsilon, "tie_break": self.tie_break,
                 "step": self.step, "scale": self.scale, "rms": self.rms,
-                "adam_kinds": list(self.adam_kinds)}
+                "adam_kinds": list(self.adam_kinds), "refresh": self.refresh_method,
+                "refresh_tolerance": self.refresh_tolerance,
+                "drift_tolerance": self.drift_tolerance,
+                "refresh_min_size": self.refresh_min_size}
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config.setdefault("refresh", cls.SAVED_REFRESH)
+        return cls(**config)
 
     # -- state -------------------------------------------------------------------------------------
     def create_layer_state(self, optimizer, block, prefix, layout_a, layout_g):
@@ -166,8 +210,9 @@ class Eigenbasis(UpdateRule):
 
     # -- refresh -----------------------------------------------------------------------------------
     def refresh(self, refresher, layers, refresh, factors, damping):
-        """New bases for the refreshing layers (one batched ``eigh`` per bucket of block sizes,
-        :func:`thor_tf.buckets.size_buckets`), their moments carried into them."""
+        """New bases for the refreshing layers (one batched ``eigh``, or power step and QR, per
+        bucket of block sizes, :func:`thor_tf.buckets.size_buckets`), their moments carried into
+        them where a basis changed."""
         s = refresher.state
         factors_flat, dims, held = [], [], []  # per factor: A, G, A, G, ...
         for layer, (fa, fg) in zip(layers, factors):
@@ -178,24 +223,35 @@ class Eigenbasis(UpdateRule):
         flags = tf.repeat(tf.stack(refresh), 2)
 
         def decompose(blocks, mask, owner, in_use):
-            return eigh_selected(blocks, mask, in_use[0], in_use[1], tf.gather(flags, owner),
-                                 self.tie_break)
+            q, w, _ = refresh_selected(blocks, mask, in_use[0], in_use[1],
+                                       tf.gather(flags, owner), self.refresh_method,
+                                       self.tie_break, self.refresh_tolerance,
+                                       self.drift_tolerance, self.refresh_min_size)
+            return q, w
 
         out = per_size_bucket(factors_flat, dims, held, decompose)
         new = [(out[2 * k], out[2 * k + 1]) for k in range(len(layers))]
         for layer, flag, ((q_a, w_a), (q_g, w_g)) in zip(layers, refresh, new):
             held = s.layers[layer.index]
 
-            def carried(held=held, q_a=q_a, q_g=q_g, block=layer.block):
+            # A block that kept its basis (skipped, or a failed decomposition) has it bit for bit:
+            # its R is exactly I (Q_oldᵀ Q_old is I only to round-off, which v would accumulate).
+            same_a = _unchanged(held.Q_A, q_a)
+            same_g = _unchanged(held.Q_G, q_g)
+
+            def carried(held=held, q_a=q_a, q_g=q_g, same_a=same_a, same_g=same_g,
+                        block=layer.block):
                 # The moments in the new bases: four block products, only where a basis changed.
-                r_a, r_g = basis_change(held.Q_A, q_a), basis_change(held.Q_G, q_g)
+                r_a = _identity_where(same_a, basis_change(held.Q_A, q_a))
+                r_g = _identity_where(same_g, basis_change(held.Q_G, q_g))
                 m = tf.convert_to_tensor(held.m)
                 v = tf.convert_to_tensor(held.v)
                 return (rotate_first_moment(m, r_a, r_g, block.a_dim, block.g_dim),
                         rotate_second_moment(v, r_a, r_g, block.a_dim, block.g_dim))
 
-            m, v = tf.cond(flag, carried, lambda held=held: (tf.identity(held.m),
-                                                             tf.identity(held.v)))
+            changed = tf.logical_not(tf.logical_and(tf.reduce_all(same_a), tf.reduce_all(same_g)))
+            m, v = tf.cond(tf.logical_and(flag, changed), carried,
+                           lambda held=held: (tf.identity(held.m), tf.identity(held.v)))
             held.m.assign(m)
             held.v.assign(v)
             held.Q_A.assign(q_a)
@@ -323,6 +379,17 @@ class Eigenbasis(UpdateRule):
             # A skipped step's update may be NaN: select, never multiply by a zero rate.
             step = tf.where(ok, step, tf.zeros_like(step))
         optimizer.assign_sub(variable, step)
+
+
+def _unchanged(q_old, q_new):
+    """``[nb]`` bool: the blocks whose basis is bit for bit the one in use."""
+    return tf.reduce_all(tf.equal(q_old, q_new), axis=[1, 2])
+
+
+def _identity_where(same, r):
+    """``r`` (``[nb, d, d]``) with the ``same`` blocks replaced by the identity."""
+    eye = tf.eye(tf.shape(r)[-1], batch_shape=tf.shape(r)[:1], dtype=r.dtype)
+    return tf.where(same[:, None, None], eye, r)
 
 
 def _clip(gradient, clip_norm):

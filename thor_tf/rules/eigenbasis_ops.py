@@ -19,6 +19,27 @@ Precision and robustness: ``eigh`` runs in float64 (the factors stay float32): f
 eigenvectors of clustered eigenvalues are accurate to ~1e-3 only (see :func:`eigh_blocks`); a
 block whose decomposition is not finite keeps the basis it had.
 
+**Cheaper refreshes** (``Eigenbasis(refresh="power_qr")``, :func:`refresh_selected`; SOAP's
+method, Vyas et al. 2024, and Distributed Shampoo's skip). From the basis in use ``Q_old``:
+
+* drift: ``D = Q_oldᵀ F Q_old`` (``F`` the ramped block); if its off-diagonal mass
+  ``‖D − diag D‖_F / ‖F‖_F`` is below ``drift_tolerance`` the block keeps its basis and
+  eigenvalues (nothing changes, the moments are not rotated);
+* else one step of orthogonal iteration in float32: ``Q_new = qr(F · Q_old)`` with ``Q_old``'s
+  columns in descending order of ``diag D`` (so that Gram–Schmidt keeps the dominant directions
+  first, the order in which the iteration converges), eigenvalues ``diag(Q_newᵀ F Q_new)``,
+  columns signed like ``Q_old``'s and stored in ascending order as ``eigh``'s;
+* a full float64 ``eigh`` (:func:`eigh_blocks`) instead where a check fails: the block was never
+  decomposed (its eigenvalues are all 0: the first refresh, from the identity), the power
+  step is not finite, or its residual ``‖Q_newᵀ F Q_new − diag‖_F / ‖F‖_F`` exceeds
+  ``tolerance``.
+
+The order, padding and ramp contracts are those of ``eigh`` above: the true columns first in
+ascending order of their eigenvalue, identity on padding (exactly), the ramp included in ``F``.
+The drift test and residual are relative to ``‖F‖_F``, which the largest eigenvalues dominate:
+a direction of a small eigenvalue may stay rotated by more than the residual says (SOAP's
+trade: one power step per refresh, measured in docs/update_rules.md).
+
 **Orthogonalization** (batched over matrices of one shape). The orthogonal (polar) factor of
 ``X = U Σ Vᵀ`` is ``U Vᵀ``: every singular value set to 1. Muon (Jordan et al. 2024) approximates it by five iterations of a quintic polynomial whose slope at 0
 is large, so that small singular values grow quickly; the result has singular values in about
@@ -38,8 +59,9 @@ import tensorflow as tf
 from thor_tf import _keras_compat
 from thor_tf.algebra import BlockDiagonal
 
-__all__ = ["GRAM_RATIO", "NS_COEFFICIENTS", "NS_STEPS", "TIE_BREAK", "basis_change", "eigh_blocks",
-           "eigh_selected", "newton_schulz", "rotate_first_moment", "rotate_in", "rotate_out",
+__all__ = ["GRAM_RATIO", "NS_COEFFICIENTS", "NS_STEPS", "REFRESHES", "TIE_BREAK", "basis_change",
+           "eigh_blocks", "eigh_selected", "newton_schulz", "off_diagonal_ratio", "power_qr_step",
+           "refresh_selected", "rotate_first_moment", "rotate_in", "rotate_out",
            "rotate_second_moment"]
 
 
@@ -131,6 +153,145 @@ def eigh_selected(blocks, mask, q_in_use, w_in_use, selected, tie_break=TIE_BREA
                        tf.gather_nd(q_in_use, due), tf.gather_nd(w_in_use, due), tie_break)
     return (tf.tensor_scatter_nd_update(q_in_use, due, q),
             tf.tensor_scatter_nd_update(w_in_use, due, w))
+
+
+#: How a refresh renews a basis: a float64 ``eigh`` of every refreshing block, or one power step
+#: and QR from the basis in use with the drift skip and an ``eigh`` fallback (module docstring).
+REFRESHES = ("eigh", "power_qr")
+
+#: What :func:`refresh_selected` did per block (its ``kind``).
+KEPT, SKIPPED, POWER_QR, EIGH, NON_FINITE = 0, 1, 2, 3, 4
+
+
+def off_diagonal_ratio(matrix, norm):
+    """``‖M − diag M‖_F / norm`` per matrix of ``matrix`` (``[B, d, d]``; ``norm`` ``[B]``,
+    floored at 1e-30 so that a zero block has ratio 0)."""
+    off = matrix - tf.linalg.diag(tf.linalg.diag_part(matrix))
+    return tf.sqrt(tf.reduce_sum(tf.square(off), axis=[1, 2])) / tf.maximum(norm, 1e-30)
+
+
+def power_qr_step(blocks, mask, previous_q, tie_break=TIE_BREAK):
+    """One step of orthogonal iteration from ``previous_q``, and the drift of ``previous_q``.
+
+    Args:
+      blocks: ``[B, d, d]`` float32 symmetric PSD blocks (undamped; zero padding).
+      mask: ``[B, d]`` 1 on each block's true entries (a prefix), 0 on padding.
+      previous_q: ``[B, d, d]`` the bases in use (orthogonal, identity on padding).
+      tie_break: the ramp of :func:`_padded_for_eigh` (``F`` below is the ramped block).
+
+    Returns:
+      ``(Q [B, d, d], w [B, d], residual [B], drift [B])``: ``Q = qr(F·Q_old)`` (columns of
+      ``Q_old`` taken in descending order of ``diag(Q_oldᵀ F Q_old)``; each new column signed so
+      that it has a non-negative product with the old column it came from), its columns sorted by
+      ascending ``w = diag(Qᵀ F Q)`` and cleaned like ``eigh``'s (identity on padding, ``w`` 0
+      there); ``residual = ‖Qᵀ F Q − diag‖_F / ‖F‖_F`` and ``drift`` the same of ``Q_old``.
+      All float32 (see the module docstring and docs/update_rules.md for why that holds).
+    """
+    blocks = tf.convert_to_tensor(blocks, tf.float32)
+    mask = tf.convert_to_tensor(mask, tf.float32)
+    previous_q = tf.convert_to_tensor(previous_q, tf.float32)
+    padded = _padded_for_eigh(blocks, mask, tie_break)  # padding: (tr + 1)·I, kept out of QR's way
+    outer = mask[:, :, None] * mask[:, None, :]
+    true = padded * outer  # F: the ramped true part, zero padding
+    norm = tf.sqrt(tf.reduce_sum(tf.square(true), axis=[1, 2]))
+    product = tf.matmul(padded, previous_q)  # F·Q_old; on padding (tr + 1)·I
+    old = tf.matmul(previous_q, product * outer, transpose_a=True)  # Q_oldᵀ F Q_old
+    drift = off_diagonal_ratio(old, norm)
+    # Orthogonal iteration converges column by column from the dominant one: Gram–Schmidt (QR)
+    # must see the largest eigenvalues first. The padding goes last (key -inf): its columns are
+    # then orthogonal to the true ones exactly and QR keeps the basis block-diagonal.
+    big = tf.fill(tf.shape(mask), float("inf"))
+    descending = tf.argsort(tf.where(mask > 0, tf.linalg.diag_part(old), -big), axis=-1,
+                            direction="DESCENDING", stable=True)
+    q, r = tf.linalg.qr(tf.gather(product, descending, axis=2, batch_dims=1))
+    # QR's signs are arbitrary; a positive diagonal of R makes q_jᵀ F q_old,j = R_jj > 0: each
+    # column keeps its old orientation (F is PSD), so a converged basis gives R = Q_oldᵀ Q_new
+    # ≈ I (moments carried almost unchanged), without gathering Q_old's columns to compare.
+    q = q * tf.where(tf.linalg.diag_part(r) < 0, -1.0, 1.0)[:, None, :]
+    new = tf.matmul(q, tf.matmul(true, q), transpose_a=True)  # Q_newᵀ F Q_new
+    residual = off_diagonal_ratio(new, norm)
+    # Stored like eigh's: true columns first, ascending (padding last, key +inf).
+    estimate = tf.linalg.diag_part(new)
+    ascending = tf.argsort(tf.where(mask > 0, estimate, big), axis=-1, stable=True)
+    q = tf.gather(q, ascending, axis=2, batch_dims=1)
+    w = tf.gather(estimate, ascending, axis=1, batch_dims=1)
+    q, w = _clean(q, w, mask)
+    return q, w, residual, drift
+
+
+def refresh_selected(blocks, mask, q_in_use, w_in_use, selected, refresh="eigh",
+                     tie_break=TIE_BREAK, tolerance=0.5, drift_tolerance=0.0, min_size=0):
+    """``(Q, w, kind)``: the bases in use with the ``selected`` blocks renewed.
+
+    ``refresh="eigh"``: :func:`eigh_selected`. ``"power_qr"`` (module docstring): per selected
+    block, kept when its drift is below ``drift_tolerance`` (``kind`` SKIPPED), else one
+    :func:`power_qr_step` (POWER_QR), or a float64 ``eigh`` (EIGH) when the block was never
+    decomposed (all its eigenvalues 0), the step is not finite or its residual exceeds
+    ``tolerance``. A block whose factor is not finite keeps its basis (NON_FINITE), as does one
+    whose ``eigh`` is not (as :func:`eigh_blocks`).
+    Decisions are tensors (one traced graph); only the selected blocks are computed, the
+    fallback's ``eigh`` only on the blocks that need it (all of them under XLA, when one does).
+
+    Args:
+      blocks, mask: as :func:`eigh_blocks` (``[B, d, d]``, ``[B, d]``).
+      q_in_use, w_in_use: ``[B, d, d]``, ``[B, d]`` the bases and eigenvalues in use.
+      selected: ``[B]`` bool, the blocks to refresh.
+      refresh: one of :data:`REFRESHES`.
+      tolerance: the largest residual a power step is accepted with (>= 0).
+      drift_tolerance: the drift below which a block keeps its basis (>= 0; 0: never skip).
+      min_size: ``"power_qr"`` only for blocks of at least this size (the batch's ``d``, known
+        when tracing); smaller ones take ``"eigh"`` (on a CPU a power step and QR is no cheaper
+        than float64 ``eigh`` below ~100: docs/update_rules.md).
+
+    Returns:
+      ``Q [B, d, d]``, ``w [B, d]``, ``kind [B]`` int32: KEPT (not selected), SKIPPED, POWER_QR,
+      EIGH (attempted; a failed ``eigh`` keeps the basis) or NON_FINITE.
+    """
+    if refresh not in REFRESHES:
+        raise ValueError(f"`refresh` must be one of {REFRESHES}; got {refresh!r}.")
+    blocks = tf.convert_to_tensor(blocks, tf.float32)
+    mask = tf.convert_to_tensor(mask, tf.float32)
+    q_in_use = tf.convert_to_tensor(q_in_use, tf.float32)
+    w_in_use = tf.convert_to_tensor(w_in_use, tf.float32)
+    selected = tf.convert_to_tensor(selected, tf.bool)
+    kept = tf.fill(tf.shape(selected), KEPT)
+    size = int(blocks.shape[-1])
+    if refresh == "eigh" or size == 1 or size < min_size:  # 1×1 blocks: the basis is 1
+        q, w = eigh_selected(blocks, mask, q_in_use, w_in_use, selected, tie_break)
+        return q, w, tf.where(selected, EIGH, kept)
+
+    def renewed(blocks, mask, q_old, w_old, selected):
+        # A non-finite factor keeps its basis: LAPACK's eigh raises on NaN, so it never sees one
+        # (the identity stands in; its result is discarded).
+        usable = tf.reduce_all(tf.math.is_finite(blocks), axis=[1, 2])
+        eye = tf.eye(tf.shape(blocks)[-1], batch_shape=tf.shape(blocks)[:1], dtype=blocks.dtype)
+        blocks = tf.where(usable[:, None, None], blocks, eye)
+        selected = selected & usable
+        q_p, w_p, residual, drift = power_qr_step(blocks, mask, q_old, tie_break)
+        never = tf.reduce_all(tf.equal(w_old * mask, 0.0), axis=1)
+        finite = tf.logical_and(tf.reduce_all(tf.math.is_finite(q_p), axis=[1, 2]),
+                                tf.reduce_all(tf.math.is_finite(w_p), axis=1))
+        # NaN compares False: a non-finite step is neither skipped nor accepted.
+        skip = selected & ~never & (drift < drift_tolerance)
+        accept = selected & ~never & ~skip & finite & (residual <= tolerance)
+        full = selected & ~skip & ~accept
+        q = tf.where(accept[:, None, None], q_p, q_old)
+        w = tf.where(accept[:, None], w_p, w_old)
+        q, w = eigh_selected(blocks, mask, q, w, full, tie_break)
+        kind = tf.where(skip, SKIPPED, tf.where(accept, POWER_QR, tf.where(full, EIGH, KEPT)))
+        return q, w, tf.where(usable, kind, NON_FINITE)
+
+    if _keras_compat.in_xla_context():  # static shapes: every block, when one is selected
+        return tf.cond(tf.reduce_any(selected),
+                       lambda: renewed(blocks, mask, q_in_use, w_in_use, selected),
+                       lambda: (q_in_use, w_in_use, kept))
+    due = tf.where(selected)  # [K, 1]
+    q, w, kind = renewed(tf.gather_nd(blocks, due), tf.gather_nd(mask, due),
+                         tf.gather_nd(q_in_use, due), tf.gather_nd(w_in_use, due),
+                         tf.ones(tf.shape(due)[:1], tf.bool))
+    return (tf.tensor_scatter_nd_update(q_in_use, due, q),
+            tf.tensor_scatter_nd_update(w_in_use, due, w),
+            tf.tensor_scatter_nd_update(kept, due, kind))
 
 
 def _rows_by_blocks(q, x, transpose):
