@@ -125,6 +125,33 @@ def test_train_step_traced_once_with_compiled_metrics(entry):
     assert len(traces) == 1
 
 
+def test_train_step_traced_once_with_a_loss_per_output():
+    # Two outputs, one loss each: Keras' compiled loss makes a Mean tracker per loss (variables)
+    # when it is built, which ThorModel does before the first trace, as for metrics.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh", name="hidden")(inputs)
+    model = keras.Model(inputs, [keras.layers.Dense(3, name="a")(hidden),
+                                 keras.layers.Dense(2, name="b")(hidden)])
+    wrapped = thor_tf.wrap(model, verbose=False)
+    wrapped.compile(loss=["mse", "mae"])
+    traces = []
+    original = wrapped.train_step
+
+    def counting(data):
+        traces.append(1)
+        return original(data)
+
+    wrapped.train_step = counting
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 6)).astype("float32")
+    history = wrapped.fit(x, [rng.normal(size=(40, 3)), rng.normal(size=(40, 2))], batch_size=16,
+                          epochs=2, verbose=0)
+    assert wrapped.optimizer.iterations.numpy() == 6
+    assert len(traces) == 1
+    assert {"a_loss", "b_loss"} <= set(history.history)
+
+
 def test_thor_trains_digits_faster_than_sgd_momentum():
     x, y = digits()
     losses = {}
