@@ -91,3 +91,25 @@ def test_bench_lm_step_amortized_step_and_ratios():
     # An adaptive cadence has no fixed f: no amortized formula, the measured mean stays.
     summary, _ = bench.summarize(rounds, frequency="adaptive")
     assert summary["thor"]["amortized_ms"] is None and summary["thor"]["mean_ms"] == 120.0
+
+
+def test_bench_first_fit_medians_and_ratios():
+    bf = _load("bench_first_fit")
+    runs = []
+    for opt, seconds, trace in (("sgd", [1.0, 3.0, 2.0], 0.5), ("adam", [1.5, 1.5, 9.0], 0.25),
+                                ("thor", [3.0, 4.0, 5.0], 1.0)):
+        for s in seconds:
+            runs.append({"model": "digits", "optimizer": opt, "first_epoch_s": s,
+                         "trace_python_s": trace, "train_step_traces": 1, "graph_nodes": 10,
+                         "library_nodes": 30 if opt == "thor" else 0,
+                         "library_functions": 2, "total_nodes": 40 if opt == "thor" else 10})
+    summary = bf.summarize(runs, ["sgd", "adam", "thor"])["digits"]
+    rows = summary["optimizers"]
+    # Medians: SGD 2.0, Adam 1.5 (the best baseline), THOR 4.0.
+    assert summary["best_baseline"] == "adam"
+    assert rows["thor"]["first_epoch_s"] == 4.0 and rows["thor"]["runs"] == 3
+    assert rows["thor"]["vs_sgd"] == pytest.approx(2.0)
+    assert rows["thor"]["vs_best_baseline"] == pytest.approx(4.0 / 1.5)
+    assert rows["adam"]["vs_sgd"] == pytest.approx(0.75)
+    assert rows["thor"]["trace_python_vs_sgd"] == pytest.approx(2.0)
+    assert rows["thor"]["nodes_vs_sgd"] == pytest.approx(4.0)

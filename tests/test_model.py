@@ -96,6 +96,62 @@ def test_train_step_traced_once_over_many_steps():
     assert sum(s["refreshes"] for s in stats) > len(stats)  # refreshes happened after step 0
 
 
+@pytest.mark.parametrize("entry", ["fit", "train_on_batch"])
+def test_train_step_traced_once_with_compiled_metrics(entry):
+    # Keras builds compiled metrics in the first trace of the train function when there is no
+    # strategy; a tf.function whose first trace creates variables is traced again, so THOR's
+    # step was traced twice (the digits main job: 1.5-2 s of its first epoch). ThorModel builds
+    # them before the first trace. A partial last batch (100 = 64 + 36) must not retrace either.
+    x, y = digits(100)
+    wrapped = thor_tf.wrap(small_cnn(), verbose=False)
+    wrapped.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    traces = []
+    original = wrapped.train_step
+
+    def counting(data):
+        traces.append(1)
+        return original(data)
+
+    wrapped.train_step = counting
+    if entry == "fit":
+        history = wrapped.fit(x, y, epochs=2, batch_size=64, verbose=0)
+        assert wrapped.optimizer.iterations.numpy() == 4
+        assert 0.0 < history.history["accuracy"][-1] <= 1.0
+    else:
+        for _ in range(3):
+            logs = wrapped.train_on_batch(x[:64], y[:64], return_dict=True)
+        assert wrapped.optimizer.iterations.numpy() == 3
+        assert 0.0 < logs["accuracy"] <= 1.0
+    assert len(traces) == 1
+
+
+def test_train_step_traced_once_with_a_loss_per_output():
+    # Two outputs, one loss each: Keras' compiled loss makes a Mean tracker per loss (variables)
+    # when it is built, which ThorModel does before the first trace, as for metrics.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh", name="hidden")(inputs)
+    model = keras.Model(inputs, [keras.layers.Dense(3, name="a")(hidden),
+                                 keras.layers.Dense(2, name="b")(hidden)])
+    wrapped = thor_tf.wrap(model, verbose=False)
+    wrapped.compile(loss=["mse", "mae"])
+    traces = []
+    original = wrapped.train_step
+
+    def counting(data):
+        traces.append(1)
+        return original(data)
+
+    wrapped.train_step = counting
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 6)).astype("float32")
+    history = wrapped.fit(x, [rng.normal(size=(40, 3)), rng.normal(size=(40, 2))], batch_size=16,
+                          epochs=2, verbose=0)
+    assert wrapped.optimizer.iterations.numpy() == 6
+    assert len(traces) == 1
+    assert {"a_loss", "b_loss"} <= set(history.history)
+
+
 def test_thor_trains_digits_faster_than_sgd_momentum():
     x, y = digits()
     losses = {}

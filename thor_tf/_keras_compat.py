@@ -129,6 +129,20 @@ def multi_worker_logs(logs, strategy):
         lambda v: tf.reshape(v, [1]) if isinstance(v, tf.Tensor) and v.shape.rank == 0 else v, logs)
 
 
+def unbuilt_loss_trackers(model, inner=None):
+    """Whether Keras' compiled loss is not built yet and will create variables when it is: a
+    ``Mean`` tracker per loss when there are several (a nested ``loss``, or a model with several
+    outputs, which gets the one loss per output). A model whose outputs are unknown (subclassed)
+    counts as one that may. A single loss on a single output creates none."""
+    loss = getattr(model, "_compile_loss", None)
+    if loss is None or getattr(loss, "built", True):
+        return False
+    if tf.nest.is_nested(getattr(loss, "_user_loss", None)):
+        return True
+    outputs = getattr(inner if inner is not None else model, "outputs", None)
+    return outputs is None or len(outputs) != 1
+
+
 def unbuilt_compiled_metrics(model):
     """Whether ``compile`` was given metrics that Keras has not built yet."""
     metrics = getattr(model, "_compile_metrics", None)

@@ -94,6 +94,11 @@ def per_size_bucket(factors, dims, held, fn):
         parts = [tf.split(r, counts) for r in results]
         for k, n in enumerate(members):
             d = sizes[n]
+            if d == size:
+                # Not padded (most blocks: the bucket's own size): no slice to trace. ResNet-50
+                # has 108 such factors with two results each, 4 ops a slice.
+                out[n] = tuple(p[k] for p in parts)
+                continue
             out[n] = tuple(p[k][:, :d, :d] if p[k].shape.rank == 3 else p[k][:, :d]
                            for p in parts)
     return out

@@ -335,11 +335,34 @@ class ThorModel(keras.Model):
         # keras-team/keras#20585), which is what breaks ``fit`` there for every optimizer. One
         # local replica's batch has the same shapes.
         strategy = getattr(self, "_distribute_strategy", None)
+        if strategy is None and self._unbuilt_step_state():
+            # Without a strategy Keras defers building the compiled metrics and loss trackers to
+            # the first trace of the train function. A tf.function whose first trace creates
+            # variables is traced a second time (TF lifts the initializers, then traces a
+            # variable-free version): THOR's whole train step twice, 1.5-2 s of Python on the
+            # digits CNN (docs/overhead.md, "Tracing"). Build them here, from the first batch's
+            # specs, as Keras does under a strategy: one trace.
+            if iterator is not None:
+                data_batch = _keras_compat.first_local_batch(iterator, tf.distribute.get_strategy())
+            if data_batch is not None:
+                _keras_compat.symbolic_build(self, data_batch)
+            return None
         if strategy is None or iterator is None:
             return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
         data_batch = _keras_compat.first_local_batch(iterator, strategy)
         with strategy.scope():
             _keras_compat.symbolic_build(self, data_batch)
+
+    def _unbuilt_step_state(self):
+        """Whether THOR's own train step would create variables in its first trace (compiled
+        metrics or the loss's trackers not built yet). Only THOR's own step: a model training
+        with its own code or another optimizer is left to Keras."""
+        if self._delegated or self.thor_optimizer is None:
+            return False
+        # A single loss creates no variables: then the symbolic build (a forward pass traced in
+        # a scratch graph, ~2k ops on ResNet-50) would cost without saving a trace.
+        return (_keras_compat.unbuilt_compiled_metrics(self)
+                or _keras_compat.unbuilt_loss_trackers(self, inner=self.model))
 
     def fit(self, x=None, y=None, batch_size=None, *args, callbacks=None, sample_weight=None,
             validation_data=None, **kwargs):

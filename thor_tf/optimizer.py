@@ -150,6 +150,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         self.engine = None
         self._gradients_reduced = False
         self._step_ok = None
+        self._per_apply = None  # see once_per_apply
         #: Keys (``_var_key``) of the variables whose gradient in the step being traced is a
         #: block's step (set by the update rule's ``precondition``; the eigenbasis rule applies
         #: those as they are).
@@ -181,6 +182,17 @@ class ThorOptimizer(keras.optimizers.Optimizer):
     update_rule = property(lambda self: self.config.rule)
     #: False in a step that is skipped (non-finite loss or gradient): the rule masks every change.
     step_ok = property(lambda self: self._step_ok)
+
+    def once_per_apply(self, key, make):
+        """``make()`` once per ``apply`` being traced and ``key``, the same tensors after: for
+        values every variable's ``update_step`` needs alike (Adam's bias corrections). Keras calls
+        ``update_step`` per variable; recomputing them there cost ResNet-50's traced step ~12 ops
+        per variable (docs/overhead.md, "Tracing"). Outside ``apply_masked``: ``make()``."""
+        if self._per_apply is None:
+            return make()
+        if key not in self._per_apply:
+            self._per_apply[key] = make()
+        return self._per_apply[key]
 
     # -- wiring ------------------------------------------------------------------------------------
     def attach(self, engine):
@@ -225,6 +237,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         preconditioned gradients would multiply the step by R.
         """
         self._step_ok = ok
+        self._per_apply = {}
         if isinstance(self._learning_rate, FitWarmupCosine):
             self._learning_rate.note_step_outside_fit()
         loss_scale_factor, self.loss_scale_factor = self.loss_scale_factor, None
@@ -235,6 +248,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
             super(ThorOptimizer, self).apply(grads, variables)
         finally:
             self._step_ok = None
+            self._per_apply = None
             self.preconditioned = frozenset()
             self._gradients_reduced = False
             self.loss_scale_factor = loss_scale_factor

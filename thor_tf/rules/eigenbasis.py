@@ -362,16 +362,18 @@ class Eigenbasis(UpdateRule):
         if optimizer._var_key(variable) not in optimizer.preconditioned:
             i = optimizer._get_variable_index(variable)
             m_var, v_var = optimizer._momentums[i], optimizer._velocities[i]
-            t = ops.cast(optimizer.iterations + 1, variable.dtype)
-            m = self.beta_1 * m_var + (1.0 - self.beta_1) * update
-            v = self.beta_2 * v_var + (1.0 - self.beta_2) * tf.square(update)
+            # Bias corrections and ε: once per step for all variables (graph size, same values).
+            correction_1, correction_2, epsilon = optimizer.once_per_apply(
+                ("eigenbasis_adam", variable.dtype), lambda: self._adam_scalars(
+                    optimizer, variable.dtype))
+            m_old, v_old = tf.convert_to_tensor(m_var), tf.convert_to_tensor(v_var)  # read once
+            m = self.beta_1 * m_old + (1.0 - self.beta_1) * update
+            v = self.beta_2 * v_old + (1.0 - self.beta_2) * tf.square(update)
             if ok is not None:
-                m, v = tf.where(ok, m, m_var), tf.where(ok, v, v_var)
+                m, v = tf.where(ok, m, m_old), tf.where(ok, v, v_old)
             optimizer.assign(m_var, m)
             optimizer.assign(v_var, v)
-            update = (m / (1.0 - tf.pow(ops.cast(self.beta_1, variable.dtype), t))) / (
-                tf.sqrt(v / (1.0 - tf.pow(ops.cast(self.beta_2, variable.dtype), t)))
-                + ops.cast(self.epsilon, variable.dtype))
+            update = (m / correction_1) / (tf.sqrt(v / correction_2) + epsilon)
         if config.weight_decay and optimizer._use_weight_decay(variable):
             update = update + ops.cast(config.weight_decay, variable.dtype) * variable
         step = lr * update
@@ -379,6 +381,12 @@ class Eigenbasis(UpdateRule):
             # A skipped step's update may be NaN: select, never multiply by a zero rate.
             step = tf.where(ok, step, tf.zeros_like(step))
         optimizer.assign_sub(variable, step)
+
+    def _adam_scalars(self, optimizer, dtype):
+        """``(1 − β1ᵗ, 1 − β2ᵗ, ε)`` in ``dtype`` at this step (``t`` = iterations + 1)."""
+        t = ops.cast(optimizer.iterations + 1, dtype)
+        return (1.0 - tf.pow(ops.cast(self.beta_1, dtype), t),
+                1.0 - tf.pow(ops.cast(self.beta_2, dtype), t), ops.cast(self.epsilon, dtype))
 
 
 def _unchanged(q_old, q_new):
