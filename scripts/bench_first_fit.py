@@ -39,28 +39,12 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_worker import report, run_self  # noqa: E402
+from bench_worker import report, run_self, train_step_seconds  # noqa: E402
 
 MODELS = ("digits", "resnet50")
 OPTIMIZERS = ("sgd", "adam", "muon", "thor")  # muon: when this Keras has it (>= 3.10)
 BASELINES = ("sgd", "adam", "muon")
 RESNET50 = {"input_shape": (32, 32, 3), "classes": 10, "batch": 32}
-
-
-def _count_calls(model):
-    """Replace ``model.train_step`` by a wrapper that records each call's seconds (a call is a
-    trace: Keras runs ``train_step`` only while tracing its train function)."""
-    original = model.train_step
-    spent = []
-
-    def timed(data):
-        start = time.perf_counter()
-        out = original(data)
-        spent.append(time.perf_counter() - start)
-        return out
-
-    object.__setattr__(model, "train_step", timed)
-    return spent
 
 
 def _functions_in(fn, seen=None):
@@ -126,7 +110,7 @@ def worker_digits(optimizer):
     model = runner.make_model(optimizer, lr, lambda: models.build(args.model, ds.input_shape,
                                                                   ds.num_classes),
                               args, steps, show_table=False)
-    calls = _count_calls(model)
+    calls = train_step_seconds(model)
     perm = np.random.default_rng([0, 2024]).permutation(n)
     clock = timing.RunClock()
     seconds, _ = timing.fit_segment(model, clock, 0, ds.x_train[perm], ds.y_train[perm],
@@ -159,7 +143,7 @@ def worker_resnet50(optimizer):
     batch = RESNET50["batch"]
     x = rng.normal(size=(batch, *RESNET50["input_shape"])).astype("float32")
     y = rng.integers(0, RESNET50["classes"], size=batch)
-    calls = _count_calls(model)
+    calls = train_step_seconds(model)
     start = time.perf_counter()
     model.train_on_batch(x, y)
     seconds = time.perf_counter() - start

@@ -37,7 +37,7 @@ import resource
 import statistics
 import time
 
-from bench_worker import report, run_self, write_results
+from bench_worker import report, run_self, train_step_seconds, write_results
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -93,22 +93,6 @@ def _compiled(model_name, optimizer, seed=0, **thor_options):
     return wrapped
 
 
-def _python_trace_seconds(model):
-    """A list that receives the seconds of each Python call of ``model.train_step`` (the first:
-    tracing the train function)."""
-    original = model.train_step
-    spent = []
-
-    def timed(data):
-        start = time.perf_counter()
-        out = original(data)
-        spent.append(time.perf_counter() - start)
-        return out
-
-    object.__setattr__(model, "train_step", timed)
-    return spent
-
-
 def worker(model_name, optimizer, steps, amortize_steps, long_run_steps=0, first_only=False):
     """Measure one (model, optimizer) in this process; returns a dict (``first_only``: the first
     step and its Python tracing only, for the repeats of that figure)."""
@@ -122,7 +106,7 @@ def worker(model_name, optimizer, steps, amortize_steps, long_run_steps=0, first
     # THOR: a cadence point at step 0 only, so later steps are plain preconditioned steps.
     options = {"frequency": 10 ** 9} if optimizer.startswith("thor") else {}
     model = _compiled(model_name, optimizer, **options)
-    traced = _python_trace_seconds(model)
+    traced = train_step_seconds(model)
     out["first_step_s"] = _timed(lambda: model.train_on_batch(x, y))
     out["trace_python_s"] = traced[0] if traced else None
     if first_only:
