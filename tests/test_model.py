@@ -77,18 +77,25 @@ def test_batchnorm_is_listed_first_order(capsys):
     assert "first order: bn (BatchNormalization: normalization, first order by design)" in out
 
 
-def test_train_step_traced_once_over_many_steps():
-    x, y = digits(64 * 15)
-    wrapped = thor_tf.wrap(small_cnn(), frequency=3, verbose=False)
-    wrapped.compile(loss="sparse_categorical_crossentropy")
+def _count_traces(model):
+    """A list that gets an entry per call of ``model.train_step``: Keras calls it only while
+    tracing its train function, so its length is the number of traces."""
     traces = []
-    original = wrapped.train_step
+    original = model.train_step
 
     def counting(data):
         traces.append(1)
         return original(data)
 
-    wrapped.train_step = counting
+    model.train_step = counting
+    return traces
+
+
+def test_train_step_traced_once_over_many_steps():
+    x, y = digits(64 * 15)
+    wrapped = thor_tf.wrap(small_cnn(), frequency=3, verbose=False)
+    wrapped.compile(loss="sparse_categorical_crossentropy")
+    traces = _count_traces(wrapped)
     wrapped.fit(x, y, epochs=4, batch_size=64, verbose=0)  # 60 steps, decisions change
     assert wrapped.optimizer.iterations.numpy() == 60
     assert len(traces) == 1
@@ -105,14 +112,7 @@ def test_train_step_traced_once_with_compiled_metrics(entry):
     x, y = digits(100)
     wrapped = thor_tf.wrap(small_cnn(), verbose=False)
     wrapped.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    traces = []
-    original = wrapped.train_step
-
-    def counting(data):
-        traces.append(1)
-        return original(data)
-
-    wrapped.train_step = counting
+    traces = _count_traces(wrapped)
     if entry == "fit":
         history = wrapped.fit(x, y, epochs=2, batch_size=64, verbose=0)
         assert wrapped.optimizer.iterations.numpy() == 4
@@ -135,14 +135,7 @@ def test_train_step_traced_once_with_a_loss_per_output():
                                  keras.layers.Dense(2, name="b")(hidden)])
     wrapped = thor_tf.wrap(model, verbose=False)
     wrapped.compile(loss=["mse", "mae"])
-    traces = []
-    original = wrapped.train_step
-
-    def counting(data):
-        traces.append(1)
-        return original(data)
-
-    wrapped.train_step = counting
+    traces = _count_traces(wrapped)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(40, 6)).astype("float32")
     history = wrapped.fit(x, [rng.normal(size=(40, 3)), rng.normal(size=(40, 2))], batch_size=16,
