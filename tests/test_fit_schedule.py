@@ -19,6 +19,8 @@ from thor_tf.schedules import FitWarmupCosine, WarmupCosine
 
 LOSS = "sparse_categorical_crossentropy"
 EIGENBASIS_PEAK, INVERSE_PEAK = 0.03, 0.05
+#: The run length each rule's default peak holds up to (None: every length).
+REFERENCE_STEPS = {"eigenbasis": 256, "inverse": None}
 
 
 def warmup_cosine(steps, total, peak, warmup_fraction=0.05, floor=0.0):
@@ -86,7 +88,9 @@ def test_no_learning_rate_gives_the_fit_schedule_at_the_rules_peak_and_explicit_
         optimizer = thor_tf.ThorOptimizer(**options)
         schedule = optimizer._learning_rate
         assert type(schedule) is FitWarmupCosine and schedule.peak == peak
-        assert schedule.get_config() == {"peak": peak, "warmup_fraction": 0.05, "floor": 0.0}
+        assert schedule.get_config() == {"peak": peak, "warmup_fraction": 0.05, "floor": 0.0,
+                                         "reference_steps": REFERENCE_STEPS[options.get(
+                                             "update_rule", "eigenbasis")]}
         # Its run length and origin are variables of the optimizer (saved with it); no length yet:
         # the rate is the peak.
         names = [v.name for v in optimizer.variables]
@@ -100,7 +104,7 @@ def test_no_learning_rate_gives_the_fit_schedule_at_the_rules_peak_and_explicit_
     assert [v.name for v in constant.variables][:2] == ["iteration", "learning_rate"]
     assert not any(v.name.startswith("fit_schedule") for v in constant.variables)
     assert _schedule(_wrapped(learning_rate=WarmupCosine(50))).get_config() == WarmupCosine(
-        50, peak=EIGENBASIS_PEAK).get_config()
+        50, peak=EIGENBASIS_PEAK, reference_steps=256).get_config()
     decay = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
     assert thor_tf.ThorOptimizer(learning_rate=decay)._learning_rate is decay
     # One schedule object given to two optimizers: each has its own state.
@@ -375,3 +379,87 @@ def test_a_train_step_that_steps_twice_per_batch_is_warned_about():
     model.compile(loss=LOSS)
     with pytest.warns(UserWarning, match="took 4 steps in an epoch of 2 batches"):
         model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+
+
+# -- (g) the run's length and the peak ---------------------------------------------------------------
+def test_reference_steps_scale_the_whole_schedule_by_sqrt_of_reference_over_length():
+    """WarmupCosine(T, peak, reference_steps=R) is sqrt(R/T)·warmup_cosine(T, peak) past R steps
+    and warmup_cosine(T, peak) itself (the same float32 values) up to R."""
+    steps = np.arange(0, 1100, 7)
+    for total in (1000, 257):
+        rates = WarmupCosine(total, 0.03, reference_steps=256)(tf.constant(steps)).numpy()
+        reference = np.sqrt(256.0 / total) * warmup_cosine(steps, total, 0.03)
+        np.testing.assert_allclose(rates, reference, rtol=2e-7, atol=0)
+        last_warmup_step = round(0.05 * total) - 1  # the rate there is the (scaled) peak
+        top = WarmupCosine(total, 0.03, reference_steps=256)(tf.constant(last_warmup_step))
+        np.testing.assert_allclose(top.numpy(), np.sqrt(256.0 / total) * 0.03, rtol=1e-7)
+    for total in (256, 50):  # not longer than R: the schedule as written, bit for bit
+        scaled = WarmupCosine(total, 0.03, reference_steps=256)(tf.constant(steps)).numpy()
+        plain = WarmupCosine(total, 0.03)(tf.constant(steps)).numpy()
+        np.testing.assert_array_equal(scaled, plain)
+    # The floor is scaled with the peak (the shape stays: floor/peak is unchanged).
+    end = WarmupCosine(1024, 0.04, floor=0.004, reference_steps=256)(tf.constant(1024)).numpy()
+    np.testing.assert_allclose(end, 0.5 * 0.004, rtol=1e-6)
+    assert WarmupCosine(1024, 0.04, reference_steps=256).effective_peak == pytest.approx(0.02)
+    assert thor_tf.schedules.horizon_scale(0, 256) == 1.0  # no length known: no scaling
+    for bad in (0, -3, 2.5, True, "256"):
+        with pytest.raises(ValueError, match="reference_steps must be None or a positive integer"):
+            WarmupCosine(100, 0.03, reference_steps=bad)
+        with pytest.raises(ValueError, match="reference_steps"):
+            FitWarmupCosine(0.03, reference_steps=bad)
+
+
+def test_the_fit_schedule_scales_in_the_graph_as_the_explicit_schedule_does():
+    """FitWarmupCosine computes sqrt(R/T) from its T variable inside the traced step: the rates
+    of an explicit WarmupCosine(T, reference_steps=R) bit for bit, for lengths on both sides of R,
+    with one trace."""
+    optimizer = thor_tf.ThorOptimizer(learning_rate=FitWarmupCosine(0.03, reference_steps=40))
+    schedule = optimizer._learning_rate
+    steps = tf.constant(np.arange(0, 130, 3), tf.int64)
+    traced = tf.function(schedule)
+    for total in (30, 40, 41, 120):
+        schedule.set_run(iterations=0, epochs=total, initial_epoch=0, steps_per_epoch=1)
+        np.testing.assert_array_equal(
+            traced(steps).numpy(),
+            WarmupCosine(total, 0.03, reference_steps=40)(steps).numpy())
+    np.testing.assert_allclose(traced(steps).numpy(),  # T = 120 is set
+                               np.sqrt(40 / 120) * warmup_cosine(steps.numpy(), 120, 0.03),
+                               rtol=2e-7, atol=1e-12)
+    assert traced.experimental_get_tracing_count() == 1
+
+
+def test_the_default_takes_the_rules_reference_steps_and_a_given_peak_is_kept():
+    """wrap(model) / WarmupCosine(T) without a peak: the rule's rate and reference length; a peak
+    the user gives is used as written (no reference length) at any length."""
+    default = thor_tf.ThorOptimizer()._learning_rate
+    assert (default.peak, default.reference_steps) == (EIGENBASIS_PEAK, 256)
+    explicit = _schedule(_wrapped(learning_rate=WarmupCosine(1407)))
+    assert explicit.reference_steps == 256
+    assert explicit.effective_peak == pytest.approx(0.03 * np.sqrt(256 / 1407))  # 1.28e-2
+    given = _schedule(_wrapped(learning_rate=WarmupCosine(1407, peak=0.03)))
+    assert given.reference_steps is None and given.effective_peak == 0.03
+    # The other rules measured no horizon: one peak at every length.
+    assert thor_tf.ThorOptimizer(update_rule="inverse")._learning_rate.reference_steps is None
+    adam_step = thor_tf.ThorOptimizer(update_rule=thor_tf.rules.Eigenbasis(step="adam"))
+    assert (adam_step._learning_rate.peak, adam_step._learning_rate.reference_steps) == (0.01, None)
+    # Saved configs keep it; configs saved before it existed load without one.
+    back = FitWarmupCosine.from_config(default.get_config())
+    assert back.reference_steps == 256
+    old = {"peak": 0.03, "warmup_fraction": 0.05, "floor": 0.0}
+    assert FitWarmupCosine.from_config(old).reference_steps is None
+    assert WarmupCosine.from_config(dict(old, total_steps=2000)).effective_peak == 0.03
+
+
+def test_a_fit_longer_than_the_reference_applies_the_scaled_rates():
+    """A fit of T = 50 steps with reference_steps 20: the rates applied are sqrt(20/50) times
+    the unscaled warmup + cosine (the NumPy reference), and the weights are a twin's given those
+    rates one by one; a schedule without the scaling would be 1/sqrt(0.4) = 1.58x off."""
+    x, y = digits(800)  # 25 steps per epoch
+    model = _wrapped(learning_rate=FitWarmupCosine(0.03, reference_steps=20))
+    log = _fit(model, x, y, epochs=2)
+    expected = np.sqrt(20 / 50) * warmup_cosine(range(50), 50, 0.03)
+    np.testing.assert_allclose(log.rates, expected, rtol=1e-6, atol=1e-12)
+    twin = _wrapped(learning_rate=0.03)
+    twin.fit(x, y, batch_size=32, shuffle=False, verbose=0, epochs=2,
+             callbacks=[ScriptedRate(expected)])
+    np.testing.assert_allclose(_max_difference(model, twin), 0.0, atol=1e-6)

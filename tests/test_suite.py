@@ -159,8 +159,9 @@ def test_thor_in_the_suite_is_wrap_with_thor_tf_defaults_and_warmup_cosine():
     assert opt.config == defaults.config
     assert isinstance(opt._learning_rate, thor_tf.schedules.WarmupCosine)
     # WarmupCosine(77) without a peak: wrap gives it the default rule's rate.
+    rule = thor_tf.rules.Eigenbasis()
     assert opt._learning_rate.get_config() == thor_tf.schedules.WarmupCosine(
-        77, peak=thor_tf.rules.Eigenbasis().default_learning_rate).get_config()
+        77, peak=rule.default_learning_rate, reference_steps=rule.reference_steps).get_config()
 
 
 def test_autoencoder_loss_is_sigmoid_cross_entropy_summed_over_pixels():

@@ -280,12 +280,14 @@ def split_options(options):
 def resolve_learning_rate(learning_rate, rule):
     """``learning_rate`` with None → ``thor_tf.schedules.FitWarmupCosine`` (warmup + cosine over
     the length ``fit`` knows; constant outside fit) at the rule's ``default_learning_rate``, and a
-    ``WarmupCosine`` / ``FitWarmupCosine`` without a peak given that rate as its peak (a copy)."""
+    ``WarmupCosine`` / ``FitWarmupCosine`` without a peak given that rate as its peak and the
+    rule's ``reference_steps`` (a copy: a longer run takes a lower peak)."""
     from thor_tf.schedules import FitWarmupCosine, WarmupCosine
 
     if learning_rate is None:
         learning_rate = FitWarmupCosine()
     if isinstance(learning_rate, (WarmupCosine, FitWarmupCosine)) and learning_rate.peak is None:
-        learning_rate = learning_rate.with_peak(rule.default_learning_rate)
+        learning_rate = learning_rate.with_peak(rule.default_learning_rate,
+                                                getattr(rule, "reference_steps", None))
     check_positive_or_schedule("learning_rate", learning_rate)
     return learning_rate

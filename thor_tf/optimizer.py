@@ -137,7 +137,8 @@ class ThorOptimizer(keras.optimizers.Optimizer):
             damping_split=damping_split, max_block_age=max_block_age, update_rule=update_rule))
         if isinstance(learning_rate, FitWarmupCosine) and learning_rate.built:
             # Another optimizer's already: a copy, with state of its own.
-            learning_rate = learning_rate.with_peak(learning_rate.peak)
+            learning_rate = learning_rate.with_peak(learning_rate.peak,
+                                                    learning_rate.reference_steps)
         super().__init__(learning_rate=learning_rate, name=name, **keras_kwargs)
         if isinstance(learning_rate, FitWarmupCosine):
             # Its run length and origin: variables of this optimizer (saved with it), created

@@ -29,6 +29,7 @@ import tensorflow as tf
 
 __all__ = [
     "MINDSPORE_RESNET50_PRESETS",
+    "horizon_scale",
     "WarmupCosine",
     "FitWarmupCosine",
     "ThorDampingDecay",
@@ -65,15 +66,36 @@ def _checked_shape(peak, warmup_fraction, floor):
     return peak, fraction, checked_floor
 
 
-
-def _check_steps_per_epoch(value) -> int:
+def _check_positive_int(name: str, value, *, allow_none: bool = False):
+    """``value`` as an int > 0 (or None where allowed), else a ValueError naming ``name``."""
+    if allow_none and value is None:
+        return None
     try:
         ok = not isinstance(value, bool) and int(value) == value and value > 0
     except (TypeError, ValueError, OverflowError):
         ok = False
     if not ok:
-        raise ValueError(f"steps_per_epoch must be a positive integer; got {value!r}")
+        allowed = "None or a positive integer" if allow_none else "a positive integer"
+        raise ValueError(f"{name} must be {allowed}; got {value!r}")
     return int(value)
+
+
+def _check_reference_steps(value):
+    """``reference_steps``: None, or a positive int."""
+    return _check_positive_int("reference_steps", value, allow_none=True)
+
+
+def horizon_scale(total_steps, reference_steps):
+    """The factor a run of ``total_steps`` scales its schedule by (Python float):
+    ``sqrt(reference_steps / total_steps)`` for a run longer than ``reference_steps``, else 1
+    (also for ``reference_steps`` None or an unknown length, ``total_steps`` 0)."""
+    if reference_steps is None or not total_steps or total_steps <= reference_steps:
+        return 1.0
+    return math.sqrt(reference_steps / total_steps)
+
+
+def _check_steps_per_epoch(value) -> int:
+    return _check_positive_int("steps_per_epoch", value)
 
 
 def _epoch(step, steps_per_epoch: int):
@@ -205,25 +227,40 @@ class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
             0.01, the inverse rule's 0.05); elsewhere a peak must be given.
         warmup_fraction: share of the run spent warming up, in ``[0, 1)`` (default 0.05).
         floor: the final rate, ``0 <= floor <= peak`` (default 0).
+        reference_steps: the run length ``peak`` was tuned at (None, the default for a peak you
+            give: the schedule as written). A longer run scales the whole schedule (peak and
+            floor) by ``s = sqrt(reference_steps / total_steps)``; a shorter one keeps it. A
+            schedule without a peak that ``wrap`` fills in with the rule's rate also takes the
+            rule's ``reference_steps`` (the eigenbasis rule: 3e-2 up to 256 steps, so 1.28e-2
+            over 1,407 steps): longer runs want lower peaks (docs/suite.md, "The peak and the
+            run's length").
     """
 
     def __init__(self, total_steps: int, peak: Optional[float] = None,
-                 warmup_fraction: float = 0.05, floor: float = 0.0):
+                 warmup_fraction: float = 0.05, floor: float = 0.0,
+                 reference_steps: Optional[int] = None):
         super().__init__()
-        try:
-            ok = not isinstance(total_steps, bool) and int(total_steps) == total_steps \
-                and total_steps > 0
-        except (TypeError, ValueError, OverflowError):
-            ok = False
-        if not ok:
-            raise ValueError(f"total_steps must be a positive integer; got {total_steps!r}")
-        self.total_steps = int(total_steps)
+        self.total_steps = _check_positive_int("total_steps", total_steps)
         self.peak, self.warmup_fraction, self.floor = _checked_shape(peak, warmup_fraction, floor)
         self.warmup_steps = int(round(self.warmup_fraction * self.total_steps))
+        self.reference_steps = _check_reference_steps(reference_steps)
 
-    def with_peak(self, peak):
-        """A copy with ``peak`` (what ``wrap`` does with a schedule whose peak is None)."""
-        return WarmupCosine(self.total_steps, peak, self.warmup_fraction, self.floor)
+    @property
+    def scale(self):
+        """``s``: the factor the run's length puts on the schedule (1 unless it is longer than
+        ``reference_steps``)."""
+        return horizon_scale(self.total_steps, self.reference_steps)
+
+    @property
+    def effective_peak(self):
+        """The rate after warmup, ``s·peak`` (None without a peak)."""
+        return None if self.peak is None else self.scale * self.peak
+
+    def with_peak(self, peak, reference_steps=None):
+        """A copy with ``peak`` and ``reference_steps`` (what ``wrap`` does with a schedule whose
+        peak is None: the rule's)."""
+        return WarmupCosine(self.total_steps, peak, self.warmup_fraction, self.floor,
+                            reference_steps)
 
     def __call__(self, step):
         if self.peak is None:
@@ -234,11 +271,15 @@ class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
             step = tf.cast(tf.convert_to_tensor(step), tf.float64)
             total = tf.constant(float(self.total_steps), tf.float64)
             warmup = tf.constant(float(self.warmup_steps), tf.float64)
-            return tf.cast(_warmup_cosine(step, total, warmup, self.peak, self.floor), tf.float32)
+            lr = _warmup_cosine(step, total, warmup, self.peak, self.floor)
+            if self.scale != 1.0:
+                lr = tf.constant(self.scale, tf.float64) * lr
+            return tf.cast(lr, tf.float32)
 
     def get_config(self):
         return {"total_steps": self.total_steps, "peak": self.peak,
-                "warmup_fraction": self.warmup_fraction, "floor": self.floor}
+                "warmup_fraction": self.warmup_fraction, "floor": self.floor,
+                "reference_steps": self.reference_steps}
 
 
 #: What the default schedule's notices name instead (WarmupCosine needs the run's length).
@@ -254,7 +295,8 @@ class FitWarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
     ``ThorModel.fit`` sets its run length T (optimizer steps) and origin O (the ``iterations``
     value at the run's step 0) before its first step, and then::
 
-        lr(step) = WarmupCosine(T, peak, warmup_fraction, floor)(step - O)       T > 0
+        lr(step) = WarmupCosine(T, peak, warmup_fraction, floor,
+                                reference_steps)(step - O)                     T > 0
         lr(step) = peak                                                         T = 0
 
     the same float64 formula as :class:`WarmupCosine`, so the rates and the trained weights are
@@ -295,20 +337,26 @@ class FitWarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
             ``thor_tf.wrap`` / ``ThorOptimizer`` (eigenbasis 0.03, eigenbasis_adam 0.01, inverse 0.05).
         warmup_fraction: share of the run spent warming up, in ``[0, 1)`` (default 0.05).
         floor: the final rate, ``0 <= floor <= peak`` (default 0).
+        reference_steps: as :class:`WarmupCosine`'s: a run of T > ``reference_steps`` steps
+            scales the schedule by ``sqrt(reference_steps / T)`` (None, the default for a peak
+            you give: no scaling; ``wrap`` gives the default schedule the rule's, the eigenbasis
+            rule's 256). The factor is computed from T in the graph: no retrace per length.
     """
 
     def __init__(self, peak: Optional[float] = None, warmup_fraction: float = 0.05,
-                 floor: float = 0.0):
+                 floor: float = 0.0, reference_steps: Optional[int] = None):
         super().__init__()
         self.peak, self.warmup_fraction, self.floor = _checked_shape(peak, warmup_fraction, floor)
+        self.reference_steps = _check_reference_steps(reference_steps)
         self._length = None  # (T, O) variables, created on an optimizer by ``build``
         #: True while a ``ThorModel.fit`` that sets the length runs (Python; set by that fit).
         self.inside_fit = False
         self._told = set()
 
-    def with_peak(self, peak):
-        """A copy with ``peak`` and no variables (what ``wrap`` does with ``peak=None``)."""
-        return FitWarmupCosine(peak, self.warmup_fraction, self.floor)
+    def with_peak(self, peak, reference_steps=None):
+        """A copy with ``peak``, ``reference_steps`` and no variables (what ``wrap`` does with
+        ``peak=None``: the rule's)."""
+        return FitWarmupCosine(peak, self.warmup_fraction, self.floor, reference_steps)
 
     # -- state -----------------------------------------------------------------------------------
     @property
@@ -393,13 +441,21 @@ class FitWarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
                 total, origin = tf.constant(0.0, tf.float64), tf.constant(0, tf.int64)
             warmup = tf.round(self.warmup_fraction * total)  # Python's round(): half to even
             run_step = tf.cast(step - origin, tf.float64)
-            lr = tf.where(total > 0.0,
-                          _warmup_cosine(run_step, total, warmup, self.peak, self.floor),
-                          tf.constant(self.peak, tf.float64))
+            scheduled = _warmup_cosine(run_step, total, warmup, self.peak, self.floor)
+            if self.reference_steps is not None:
+                # horizon_scale in the graph: sqrt(R / T) past R steps (IEEE division and sqrt:
+                # the same float64 as WarmupCosine's Python factor), else exactly 1.
+                reference = tf.constant(float(self.reference_steps), tf.float64)
+                scale = tf.where(total > reference,
+                                 tf.sqrt(reference / tf.maximum(total, 1.0)),
+                                 tf.constant(1.0, tf.float64))
+                scheduled = tf.where(total > reference, scale * scheduled, scheduled)
+            lr = tf.where(total > 0.0, scheduled, tf.constant(self.peak, tf.float64))
             return tf.cast(lr, tf.float32)
 
     def get_config(self):
-        return {"peak": self.peak, "warmup_fraction": self.warmup_fraction, "floor": self.floor}
+        return {"peak": self.peak, "warmup_fraction": self.warmup_fraction, "floor": self.floor,
+                "reference_steps": self.reference_steps}
 
 
 #: MindSpore model_zoo ResNet-50/ImageNet THOR settings (``config_thor_gpu`` /

@@ -28,10 +28,16 @@ import keras
 class UpdateRule:
     """Base class of update rules (see the module docstring). Subclasses set ``name`` and
     ``default_learning_rate`` (the peak rate the suite measured best for the rule; what
-    ``learning_rate=None`` and ``WarmupCosine(steps)`` without a peak become)."""
+    ``learning_rate=None`` and ``WarmupCosine(steps)`` without a peak become) and, optionally,
+    ``reference_steps`` (the run length that rate holds up to)."""
 
     name = None
     default_learning_rate = None
+    #: The run length (optimizer steps) ``default_learning_rate`` was measured best at: a longer
+    #: run of the default schedule takes the peak ``default_learning_rate·sqrt(reference_steps/T)``
+    #: (:class:`thor_tf.schedules.WarmupCosine`'s ``reference_steps``). None: one peak for every
+    #: length.
+    reference_steps = None
     #: Whether the rule's step depends on ``damping`` (the "G below the damping" warning).
     uses_damping = False
 

@@ -114,6 +114,12 @@ class Eigenbasis(UpdateRule):
     name = "eigenbasis"
     #: The peak rate per ``step`` (the suite's best; docs/suite.md).
     DEFAULT_LEARNING_RATES = {"adam": 0.01, "orthogonal": 0.03}
+    #: The run length each peak holds up to (``reference_steps``; None: every length). The
+    #: orthogonalized step's 3e-2 won the suite's runs of 186–220 steps; its step has a fixed
+    #: size in every direction, so the noise it carries does not shrink as the gradient does and
+    #: the wander it adds over T steps grows like peak·sqrt(T): a longer run keeps that wander
+    #: with peak·sqrt(256/T) (the Fashion-MNIST main job's 1,407 steps: 1.28e-2; docs/suite.md).
+    DEFAULT_REFERENCE_STEPS = {"adam": None, "orthogonal": 256}
     #: ``relative_epsilon`` per ``step`` when not given. Newton–Schulz multiplies a singular value
     #: far below the step's norm by ~3.4⁵ ≈ 490, so a direction whose Adam step is round-off (a
     #: softmax's all-ones logit direction: ~1e-3 of the RMS step under a 1e-4 floor) would get a
@@ -169,6 +175,10 @@ class Eigenbasis(UpdateRule):
     @property
     def default_learning_rate(self):
         return self.DEFAULT_LEARNING_RATES[self.step]
+
+    @property
+    def reference_steps(self):
+        return self.DEFAULT_REFERENCE_STEPS[self.step]
 
     def get_config(self):
         return {"beta_1": self.beta_1, "beta_2": self.beta_2, "epsilon": self.epsilon,
