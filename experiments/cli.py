@@ -243,7 +243,9 @@ def add_common_arguments(parser, *, out, epochs, batch_size, thor_lr, thor_dampi
                    help=f"thor_tf's update_rule for the THOR variants (default {update_rule}; "
                         f"the K-FAC variant keeps the inverse rule)")
     t.add_argument("--thor-lr", type=parse_floats, default=[thor_lr],
-                   help=f"learning rate(s) of the THOR variants, comma list (default {thor_lr})")
+                   help="learning rate(s) of the THOR variants, comma list (default "
+                        + (f"{thor_lr})" if thor_lr is not None else
+                           "the update rule's peak for the run's length: what wrap gives)"))
     t.add_argument("--thor-damping", type=float, default=thor_damping,
                    help=f"damping λ (initial value when --lr-schedule poly) (default {thor_damping})")
     t.add_argument("--frequency", type=parse_frequency, default=frequency,

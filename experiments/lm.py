@@ -99,7 +99,8 @@ CLIP_NORM = 1.0
 WARMUP_FRACTION = 0.05
 MIN_LR_FRACTION = 0.1  # cosine decay to lr/10
 #: THOR's peak here: a third of the default rule's 3e-2, which ends this run 0.08 nats higher
-#: (docs/lm.md); the baselines' best rate is 3e-3.
+#: (docs/lm.md); the baselines' best rate is 3e-3. What thor_tf's default schedule gives a run
+#: of 2,000 steps is near it: 3e-2·sqrt(256/2000) = 1.07e-2 (WarmupCosine's reference_steps).
 THOR_LR = 1e-2
 #: The output layer's name (Muon gives it its AdamW step).
 HEAD = "lm_head"

@@ -326,3 +326,15 @@ def test_main_job_without_fashion_mnist_runs_digits_on_three_seeds(monkeypatch, 
     assert mnist.parse_args(["--seeds", "4"]).seeds == [4]
     assert mnist.parse_args(["--quick"]).seeds == [0]
     assert mnist.parse_args(["--dataset", "fashion_mnist"]).seeds == [0]
+
+
+def test_the_main_jobs_default_thor_rate_is_what_wrap_gives_a_run_of_its_length():
+    """Without --thor-lr the main job gives THOR the peak of wrap(model,
+    learning_rate=WarmupCosine(T)): 3e-2 up to 256 steps (digits: 10 epochs of 23 steps), and
+    3e-2·sqrt(256/T) beyond (Fashion-MNIST: 3 epochs of 469 steps, 1.28e-2)."""
+    from thor_tf_experiments import mnist
+
+    assert mnist.default_thor_lr(230) == pytest.approx(0.03, rel=1e-12)
+    assert mnist.default_thor_lr(3 * 469) == pytest.approx(0.03 * math.sqrt(256 / 1407), rel=1e-12)
+    assert mnist.parse_args(["--dataset", "digits"]).thor_lr == [None]  # resolved in main
+    assert mnist.parse_args(["--dataset", "digits", "--thor-lr", "0.01"]).thor_lr == [0.01]
