@@ -113,3 +113,29 @@ def test_bench_first_fit_medians_and_ratios():
     assert rows["adam"]["vs_sgd"] == pytest.approx(0.75)
     assert rows["thor"]["trace_python_vs_sgd"] == pytest.approx(2.0)
     assert rows["thor"]["nodes_vs_sgd"] == pytest.approx(4.0)
+
+
+def test_plot_peak_horizon_reads_each_runs_last_epoch_and_marks_the_default(tmp_path):
+    """The peak-horizon figure: each (optimizer, lr, seed)'s last epoch is its final, a later file
+    replaces an earlier one's run, the best baseline rate is the best median, and the default's
+    peak at 1,407 steps is 3e-2·sqrt(256/1407)."""
+    import json
+
+    plot = _load("plot_peak_horizon")
+    header = "optimizer,lr,seed,epoch,test_acc\n"
+    first, second = tmp_path / "a.csv", tmp_path / "b.csv"
+    first.write_text(header + "thor,0.01,0,1,0.80\nthor,0.01,0,3,0.92\nthor,0.01,0,2,0.90\n"
+                     "muon,0.003,0,3,0.91\nmuon,0.01,0,3,0.89\nthor,0.03,0,3,0.5\n")
+    second.write_text(header + "thor,0.03,0,3,0.905\nthor,0.03,1,3,0.915\n")
+    runs = plot.finals([str(first), str(second)])
+    assert runs[("thor", 0.01)] == {0: 0.92}
+    assert runs[("thor", 0.03)] == {0: 0.905, 1: 0.915}
+    out = tmp_path / "fig"
+    plot.main(["--main-job", str(first), str(second), "--out", str(out),
+               "--best", "LM=2000:0.01"])
+    report = json.loads((tmp_path / "fig.json").read_text())
+    assert report["default"]["at_main_job_length"] == pytest.approx(0.03 * np.sqrt(256 / 1407))
+    assert report["baselines"]["muon"]["lr"] == 0.003
+    assert [row["median"] for row in report["thor"]] == pytest.approx([0.92, 0.91])
+    assert report["best_peaks"][0]["default_peak"] == pytest.approx(0.03 * np.sqrt(256 / 2000))
+    assert (tmp_path / "fig.png").stat().st_size > 10_000
