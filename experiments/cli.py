@@ -363,3 +363,14 @@ def finish_args(args, default_grid=None, quick_grid=None):
     except argparse.ArgumentTypeError as err:
         raise SystemExit(f"error: {err}")
     return args
+
+
+def default_thor_peak(total_steps):
+    """The peak rate ``thor_tf.wrap(model, learning_rate=WarmupCosine(total_steps))`` gives THOR
+    at its defaults: the default rule's rate, lowered for a run longer than the rule's reference
+    length (3e-2 up to 256 steps, ``3e-2·sqrt(256/T)`` beyond: 1.28e-2 for 1,407 steps)."""
+    import thor_tf
+    from thor_tf.config import resolve_learning_rate
+
+    rule = thor_tf.rules.resolve(thor_tf.rules.DEFAULT_RULE)
+    return resolve_learning_rate(thor_tf.schedules.WarmupCosine(total_steps), rule).effective_peak

@@ -100,11 +100,6 @@ from thor_tf_experiments import cli, lm, reports, text, timing  # noqa: E402
 OPTIMIZERS = ("thor", "adamw", "muon", "riemannian")
 
 
-def _thor_default_lr():
-    """The default update rule's peak rate (what ``WarmupCosine(steps)`` without a peak takes)."""
-    import thor_tf
-
-    return thor_tf.rules.resolve(thor_tf.rules.DEFAULT_RULE).default_learning_rate
 BASELINES = ("adamw", "muon", "riemannian")
 LR_GRID = {name: (1e-2, 3e-2, 1e-1) for name in BASELINES}
 QUICK_LR_GRID = {name: (3e-3,) for name in BASELINES}
@@ -646,7 +641,7 @@ def main(argv=None):
     val_x, val_y = lm.val_windows(corpus["val"], args.val_windows, args.block)
     val = (lm_inputs(val_x), val_y)
     grid = [(n, float(lr)) for n in args.optimizers
-            for lr in ((_thor_default_lr(),) if n == "thor" else args.lr_grid[n])]
+            for lr in ((cli.default_thor_peak(args.steps),) if n == "thor" else args.lr_grid[n])]
     print(f"fine-tuning: ranks {args.ranks} x seeds {args.seeds} x {len(grid)} configurations, "
           f"{args.steps} steps of {args.batch} x {args.block}, val loss on {len(val_y)} windows "
           f"every {args.eval_every} steps; output in {out}", flush=True)

@@ -106,17 +106,6 @@ def parse_args(argv=None):
     return cli.finish_args(args, DIGITS_LR_GRID if digits else LR_GRID)
 
 
-def default_thor_lr(total_steps):
-    """The peak rate ``wrap(model, learning_rate=WarmupCosine(total_steps))`` gives THOR at its
-    defaults: the default rule's rate, lowered for a run longer than the rule's reference length
-    (3e-2 up to 256 steps; the Fashion-MNIST main job's 1,407 steps: 1.28e-2)."""
-    import thor_tf
-    from thor_tf.config import resolve_learning_rate
-
-    rule = thor_tf.rules.resolve(thor_tf.rules.DEFAULT_RULE)
-    return resolve_learning_rate(thor_tf.schedules.WarmupCosine(total_steps), rule).effective_peak
-
-
 def main(argv=None):
     args = parse_args(argv)
     from thor_tf_experiments import datasets as data, models as zoo
@@ -129,7 +118,7 @@ def main(argv=None):
 
     if args.thor_lr == [None]:  # --thor-lr not given: what wrap gives a run of this length
         total_steps = args.epochs * math.ceil(ds.num_train / args.batch_size)
-        args.thor_lr = [default_thor_lr(total_steps)]
+        args.thor_lr = [cli.default_thor_peak(total_steps)]
     title = f"{args.model} on {ds.name} ({ds.num_train} train / {ds.num_test} test)"
     runner.run_experiment(args, ds, build_model, args.model, title)
 

@@ -334,7 +334,8 @@ def test_the_main_jobs_default_thor_rate_is_what_wrap_gives_a_run_of_its_length(
     3e-2·sqrt(256/T) beyond (Fashion-MNIST: 3 epochs of 469 steps, 1.28e-2)."""
     from thor_tf_experiments import mnist
 
-    assert mnist.default_thor_lr(230) == pytest.approx(0.03, rel=1e-12)
-    assert mnist.default_thor_lr(3 * 469) == pytest.approx(0.03 * math.sqrt(256 / 1407), rel=1e-12)
+    assert cli.default_thor_peak(230) == pytest.approx(0.03, rel=1e-12)
+    assert cli.default_thor_peak(3 * 469) == pytest.approx(0.03 * math.sqrt(256 / 1407), rel=1e-12)
+    assert cli.default_thor_peak(300) == pytest.approx(0.03 * math.sqrt(256 / 300), rel=1e-12)
     assert mnist.parse_args(["--dataset", "digits"]).thor_lr == [None]  # resolved in main
     assert mnist.parse_args(["--dataset", "digits", "--thor-lr", "0.01"]).thor_lr == [0.01]
