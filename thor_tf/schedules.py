@@ -2,7 +2,9 @@
 
 :class:`WarmupCosine` (linear warmup, then cosine) is the schedule of a run of known length;
 :class:`FitWarmupCosine`, THOR's default rate, is the same over the length ``ThorModel.fit``
-sets (two optimizer variables), constant at its peak where no length is known.
+sets (two optimizer variables), constant at its peak where no length is known. Both take an
+optional ``reference_steps`` R: a run of T > R steps scales the schedule by ``sqrt(R/T)``
+(:func:`horizon_scale`); ``wrap`` gives a schedule without a peak the rule's rate and R.
 
 :class:`ThorPolynomialDecay` and :class:`ThorDampingDecay` follow MindSpore's ``get_thor_lr`` /
 ``get_thor_damping`` (model_zoo ResNet-50 + THOR), which precompute one value per step with a
