@@ -226,7 +226,8 @@ class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
         total_steps: optimizer steps of the run (positive int).
         peak: the rate after warmup. None (default): the update rule's rate, filled in when the
             schedule is given to ``thor_tf.wrap`` / ``ThorOptimizer`` (the eigenbasis rule's
-            0.01, the inverse rule's 0.05); elsewhere a peak must be given.
+            0.03 with its ``reference_steps`` 256, ``step="adam"``'s 0.01, the inverse rule's
+            0.05); elsewhere a peak must be given.
         warmup_fraction: share of the run spent warming up, in ``[0, 1)`` (default 0.05).
         floor: the final rate, ``0 <= floor <= peak`` (default 0).
         reference_steps: the run length ``peak`` was tuned at (None, the default for a peak you
