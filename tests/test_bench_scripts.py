@@ -139,3 +139,19 @@ def test_plot_peak_horizon_reads_each_runs_last_epoch_and_marks_the_default(tmp_
     assert [row["median"] for row in report["thor"]] == pytest.approx([0.92, 0.91])
     assert report["best_peaks"][0]["default_peak"] == pytest.approx(0.03 * np.sqrt(256 / 2000))
     assert (tmp_path / "fig.png").stat().st_size > 10_000
+
+
+def test_bench_ns_xla_quick_compares_the_same_iteration(tmp_path):
+    """The Newton–Schulz XLA benchmark: both paths compute the same orthogonalization (to float32
+    round-off) and the JSON holds a CPU-time ratio per shape."""
+    import json
+
+    bench = _load("bench_ns_xla")
+    out = tmp_path / "ns.json"
+    bench.main(["--quick", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["dims"] for r in rows] == [[12, 64, 256], [6, 65, 64]]
+    for row in rows:
+        assert row["max_abs_difference"] < 1e-5
+        assert row["xla_over_graph_cpu"] == pytest.approx(
+            row["xla"]["cpu_ms"] / row["graph"]["cpu_ms"], rel=1e-2)
