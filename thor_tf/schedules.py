@@ -82,11 +82,6 @@ def _check_positive_int(name: str, value, *, allow_none: bool = False):
     return int(value)
 
 
-def _check_reference_steps(value):
-    """``reference_steps``: None, or a positive int."""
-    return _check_positive_int("reference_steps", value, allow_none=True)
-
-
 def horizon_scale(total_steps, reference_steps):
     """The factor a run of ``total_steps`` scales its schedule by (Python float):
     ``sqrt(reference_steps / total_steps)`` for a run longer than ``reference_steps``, else 1
@@ -246,7 +241,8 @@ class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
         self.total_steps = _check_positive_int("total_steps", total_steps)
         self.peak, self.warmup_fraction, self.floor = _checked_shape(peak, warmup_fraction, floor)
         self.warmup_steps = int(round(self.warmup_fraction * self.total_steps))
-        self.reference_steps = _check_reference_steps(reference_steps)
+        self.reference_steps = _check_positive_int("reference_steps", reference_steps,
+                                                   allow_none=True)
 
     @property
     def scale(self):
@@ -350,7 +346,8 @@ class FitWarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
                  floor: float = 0.0, reference_steps: Optional[int] = None):
         super().__init__()
         self.peak, self.warmup_fraction, self.floor = _checked_shape(peak, warmup_fraction, floor)
-        self.reference_steps = _check_reference_steps(reference_steps)
+        self.reference_steps = _check_positive_int("reference_steps", reference_steps,
+                                                   allow_none=True)
         self._length = None  # (T, O) variables, created on an optimizer by ``build``
         #: True while a ``ThorModel.fit`` that sets the length runs (Python; set by that fit).
         self.inside_fit = False
