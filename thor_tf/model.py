@@ -26,7 +26,7 @@ import warnings
 
 import keras
 import tensorflow as tf
-from thor_tf import _keras_compat, fisher, loss_terms, rules
+from thor_tf import _keras_compat, fisher, graph_options, loss_terms, rules
 from thor_tf.engine import ThorEngine
 from thor_tf.config import is_schedule, split_options
 from thor_tf.optimizer import ThorOptimizer
@@ -178,8 +178,10 @@ class ThorModel(keras.Model):
       thor: the :class:`~thor_tf.engine.ThorEngine` (``layer_stats()``, ``factors(name)``, ...).
     """
 
-    def __init__(self, model, thor_options=None, exclude=None, verbose=True, **kwargs):
+    def __init__(self, model, thor_options=None, exclude=None, verbose=True,
+                 graph_optimization="auto", **kwargs):
         super().__init__(**kwargs)
+        self._graph_optimization = graph_options.check_graph_optimization(graph_optimization)
         # Every option is validated here, once (ValueError naming the option and allowed values).
         self._thor_config, self._learning_rate, self._keras_options = split_options(
             dict(thor_options or {}))
@@ -199,6 +201,13 @@ class ThorModel(keras.Model):
 
     def call(self, inputs, training=None):
         return self.model(inputs, training=training)
+
+    def make_train_function(self, force=False):
+        # The train step's graph is optimized by the passes ``graph_optimization`` chose
+        # (thor_tf/graph_options.py: on a CPU, grappler's remapper only).
+        super().make_train_function(force=force)
+        self.train_function = graph_options.apply(self.train_function, self._graph_optimization)
+        return self.train_function
 
     def build(self, input_shape=None):
         # The wrapped model is built already; calling it once marks this wrapper built too.
@@ -574,6 +583,7 @@ class ThorModel(keras.Model):
             "model": keras.saving.serialize_keras_object(self.model),
             "thor_options": self._options_config(),
             "exclude": self._exclude,
+            "graph_optimization": self._graph_optimization,
         }
 
     @classmethod
@@ -737,8 +747,11 @@ def wrap(model, **options):
         ``"balanced"``), ``loss_reduction`` (``"auto"``, ``"mean"``, ``"sum"``),
         ``damping_split`` (``"sqrt"`` or ``"pi"``), ``max_block_age`` (None or steps); Keras
         optimizer arguments such as
-        ``loss_scale_factor``; plus ``exclude`` (layer names kept first order) and ``verbose``
-        (print the registration table, default True).
+        ``loss_scale_factor``; plus ``exclude`` (layer names kept first order), ``verbose``
+        (print the registration table, default True) and ``graph_optimization`` (``"auto"``,
+        the default: grappler's remapper only for the train step on a machine without GPU,
+        TensorFlow's default passes with one; ``"light"``; ``"full"``; see
+        :mod:`thor_tf.graph_options`).
 
     Returns:
       A :class:`ThorModel`; ``compile`` it without an optimizer to train with THOR. Under the
@@ -752,8 +765,9 @@ def wrap(model, **options):
         raise ValueError("`model` is already wrapped (a ThorModel); wrap the original model once.")
     exclude = options.pop("exclude", None)
     verbose = options.pop("verbose", True)
+    graph_optimization = options.pop("graph_optimization", "auto")
     if exclude is not None and (isinstance(exclude, str) or not all(isinstance(e, str) for e in exclude)):
         raise ValueError(f"`exclude` must be a list of layer names; got {exclude!r}.")
     wrapped = ThorModel(model, thor_options=options, exclude=exclude, verbose=verbose,
-                        name=f"thor_{model.name}")
+                        graph_optimization=graph_optimization, name=f"thor_{model.name}")
     return wrapped
