@@ -43,6 +43,9 @@ from bench_worker import report, run_self, train_step_seconds  # noqa: E402
 
 MODELS = ("digits", "resnet50")
 OPTIMIZERS = ("sgd", "adam", "muon", "thor")  # muon: when this Keras has it (>= 3.10)
+#: Also accepted by ``--optimizers``: THOR with TensorFlow's default graph optimization
+#: (``graph_optimization="full"``; THOR's default on a CPU is ``"light"``, thor_tf/graph_options.py).
+THOR_FULL = "thor_full"
 BASELINES = ("sgd", "adam", "muon")
 RESNET50 = {"input_shape": (32, 32, 3), "classes": 10, "batch": 32}
 
@@ -97,16 +100,18 @@ def worker_digits(optimizer):
     import keras
     import numpy as np
 
-    from thor_tf_experiments import datasets, mnist, models, runner, timing
+    from thor_tf_experiments import cli, datasets, mnist, models, runner, timing
 
     args = mnist.parse_args(["--dataset", "digits", "--no-download"])
     ds = datasets.load_dataset("digits", verbose=False, seed=0, download=False)
-    lr = args.thor_lr if optimizer == "thor" else mnist.DIGITS_LR_GRID[optimizer][0]
-    lr = lr[0] if isinstance(lr, (list, tuple)) else lr  # a grid: its first rate
-    keras.backend.clear_session()
-    keras.utils.set_random_seed(0)
     n = ds.x_train.shape[0]
     steps = -(-n // args.batch_size)
+    lr = args.thor_lr if optimizer == "thor" else mnist.DIGITS_LR_GRID[optimizer][0]
+    lr = lr[0] if isinstance(lr, (list, tuple)) else lr  # a grid: its first rate
+    if lr is None:  # --thor-lr not given: the main job's peak for its length (as mnist.main)
+        lr = cli.default_thor_peak(args.epochs * steps)
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(0)
     model = runner.make_model(optimizer, lr, lambda: models.build(args.model, ds.input_shape,
                                                                   ds.num_classes),
                               args, steps, show_table=False)
@@ -154,6 +159,13 @@ def worker_resnet50(optimizer):
 
 def worker(model_name, optimizer):
     out = {"model": model_name, "optimizer": optimizer}
+    if optimizer == THOR_FULL:
+        import functools
+
+        import thor_tf
+
+        thor_tf.wrap = functools.partial(thor_tf.wrap, graph_optimization="full")
+        optimizer = "thor"
     out.update(worker_digits(optimizer) if model_name == "digits" else worker_resnet50(optimizer))
     import thor_tf
 
