@@ -5,10 +5,14 @@ is first called. Its cost grows with the graph, and THOR's train step is a large
 model's forward and backward plus capture, factor statistics, refresh, preconditioning and
 Newton–Schulz: on ResNet-20 ~16k nodes before optimization against a few thousand for Adam's
 step). On a 2-core CPU grappler's default passes took ~3.4 s of ResNet-20's first call under THOR
-and bought no measurable steady-step time there; the one pass that does matter on CPU is the
-remapper, which fuses ``Conv2D + BiasAdd + Relu`` and ``MatMul + BiasAdd`` into oneDNN kernels
-(without it the Fashion-MNIST CNN's step is ~25 % slower). See docs/overhead.md
-("Graph optimization of the first call").
+(~21 s of DenseNet121's) and bought at most ~3 % of the steady step (DenseNet121 1.03×, nothing
+measurable on the suite's models), except the remapper, which fuses ``Conv2D + BiasAdd + Relu``
+and ``MatMul + BiasAdd`` into oneDNN kernels (without it the Fashion-MNIST CNN's step is ~25 %
+slower). See docs/overhead.md ("Graph optimization of the first call").
+
+It swaps ``FunctionCallOptions`` on TensorFlow's eager context (``tensorflow.python.eager``, not
+public API; tested on TF 2.16 and 2.21): in a TensorFlow without them the train step runs as
+plain Keras's (:data:`SUPPORTED`).
 
 ``graph_optimization`` (an argument of :func:`thor_tf.wrap`):
 
@@ -36,6 +40,10 @@ GRAPH_OPTIMIZATIONS = ("auto", "full", "light")
 
 #: Grappler's passes under ``"light"`` (grappler's own names for them).
 LIGHT_PASSES = ("remap",)
+
+#: Whether this TensorFlow has the eager context's call options ``"light"`` swaps.
+SUPPORTED = (hasattr(context, "FunctionCallOptions")
+             and isinstance(getattr(context.Context, "function_call_options", None), property))
 
 
 def check_graph_optimization(value):
@@ -105,6 +113,7 @@ class LightGraphFunction:
 
 def apply(fn, value):
     """``fn`` as the train function under ``graph_optimization=value``."""
-    if fn is None or resolve(value) == "full" or isinstance(fn, LightGraphFunction):
+    if (fn is None or resolve(value) == "full" or not SUPPORTED
+            or isinstance(fn, LightGraphFunction)):
         return fn
     return LightGraphFunction(fn)
