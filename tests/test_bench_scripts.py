@@ -155,3 +155,21 @@ def test_bench_ns_xla_quick_compares_the_same_iteration(tmp_path):
         assert row["max_abs_difference"] < 1e-5
         assert row["xla_over_graph_cpu"] == pytest.approx(
             row["xla"]["cpu_ms"] / row["graph"]["cpu_ms"], rel=1e-2)
+
+
+def test_bench_ns_spectral_reads_the_rules_buckets_and_compares_both_methods(tmp_path):
+    """The spectral-vs-iterate benchmark: the buckets are the rule's own (the tabular MLP's three
+    layers), both methods land within float32 round-off of the float64 iteration, and the JSON's
+    per-step sums are the buckets' sums."""
+    import json
+
+    bench = _load("bench_ns_spectral")
+    out = tmp_path / "ns.json"
+    bench.main(["--workloads", "tabular_mlp", "--repeats", "1", "--out", str(out)])
+    (entry,) = json.loads(out.read_text())["workloads"]
+    assert sorted(b["dims"] for b in entry["buckets"]) == [[1, 1, 65], [1, 11, 65], [1, 64, 65]]
+    for method in ("iterate", "spectral"):
+        for bucket in entry["buckets"]:
+            assert bucket[method]["max_difference"] < 3e-3
+        assert entry[method + "_cpu_ms_per_step"] == pytest.approx(
+            sum(b[method]["cpu_ms"] for b in entry["buckets"]), abs=2e-3)

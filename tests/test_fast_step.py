@@ -8,6 +8,9 @@
   float32 round-off is larger than the plain iteration's (measured 1e-4…9e-4 of the largest entry
   on spectra from 1e-4 to 1, against ~1e-5): the tolerance says so, and a recursion that forgets
   to carry ``A`` is far outside it.
+* The same polynomial evaluated through ``eigh`` of the Gram matrix (``method="spectral"``, the
+  default), square and rectangular, against the same float64 iteration and tolerance; a
+  non-finite matrix gives zeros instead of raising.
 * The bucketed orthogonalization (mixed shapes, zero-padded to shared sizes) against each
   matrix's float64 iteration and scale.
 * A model with a Conv2D, a wide Dense (Gram path), an Embedding (1×1 A blocks) and a head,
@@ -74,16 +77,45 @@ def test_gram_space_iteration_matches_the_float64_iteration(shape):
     assert max(shape) >= GRAM_RATIO * min(shape)  # these take the Gram path
     rng = np.random.default_rng(sum(shape))
     x = _spread(rng, shape)
+    _check_against_the_float64_iteration(rng, shape, "iterate")
+
+
+@pytest.mark.parametrize("shape", [(300, 40), (40, 300), (64, 64), (65, 256), (96, 128), (33, 1)])
+def test_spectral_evaluation_matches_the_float64_iteration(shape):
+    """The polynomial through ``eigh`` of the Gram matrix (the default) is the iteration: on
+    singular values spread from 1e-4 to 1, square and rectangular, within its float32 round-off."""
+    _check_against_the_float64_iteration(np.random.default_rng(sum(shape) + 1), shape, "spectral")
+
+
+def _check_against_the_float64_iteration(rng, shape, method):
+    x = _spread(rng, shape)
     want = np_newton_schulz(x)
-    got = newton_schulz(x[None].astype(np.float32)).numpy()[0]
+    got = newton_schulz(x[None].astype(np.float32), method=method).numpy()[0]
     assert np.abs(got - want).max() < 2e-3 * np.abs(want).max()
-    # What the iteration does, which a recursion without A_{k+1} = M A M misses by far: five
-    # steps (not one) of the polynomial pull singular values from 1e-2…1 into [0.6, 1.3].
-    s = np.linalg.svd(newton_schulz(_spread(rng, shape, 1e-2)[None].astype(np.float32))
-                      .numpy()[0].astype(np.float64), compute_uv=False)
-    assert s.min() > 0.6 and s.max() < 1.3
-    one = newton_schulz(x[None].astype(np.float32), steps=1).numpy()[0]
+    # What the iteration does, which a recursion without A_{k+1} = M A M (or a gain without
+    # its five factors) misses by far: five steps (not one) of the polynomial pull singular
+    # values from 1e-2…1 into [0.6, 1.3].
+    if min(shape) > 1:
+        s = np.linalg.svd(newton_schulz(_spread(rng, shape, 1e-2)[None].astype(np.float32),
+                                        method=method).numpy()[0].astype(np.float64),
+                          compute_uv=False)
+        assert s.min() > 0.6 and s.max() < 1.3
+    one = newton_schulz(x[None].astype(np.float32), steps=1, method=method).numpy()[0]
     assert np.abs(one - np_newton_schulz(x, steps=1)).max() < 2e-3 * np.abs(want).max()
+
+
+def test_spectral_evaluation_of_a_non_finite_or_zero_matrix():
+    """``eigh`` would raise on NaN: such a matrix comes out as zeros (the rule discards that
+    step), its neighbours in the batch as they are; a zero matrix stays zero."""
+    rng = np.random.default_rng(5)
+    batch = rng.normal(size=(3, 8, 20)).astype(np.float32)
+    batch[1, 2, 3] = np.nan
+    batch[2] = 0.0
+    got = newton_schulz(batch).numpy()
+    assert not np.any(got[1]) and not np.any(got[2])
+    np.testing.assert_allclose(got[0], np_newton_schulz(batch[0]), atol=2e-4, rtol=0)
+    with pytest.raises(ValueError, match="`method` must be one of"):
+        newton_schulz(batch, method="svd")
 
 
 def test_bucketed_orthogonalization_matches_each_matrix():

@@ -17,7 +17,7 @@ Per block with gradient matrix ``M`` (``[a_dim, g_dim]``, bias row folded in; se
   mean over the block); ``Δ = Q_A Δ' Q_Gᵀ``.
 * ``step="orthogonal"`` (the default; SOAP-Muon): ``Δ ← NS(Δ)·‖Δ‖_F/‖NS(Δ)‖_F``, the Newton–Schulz
   orthogonal factor of the whole ``[a_dim, g_dim]`` step (:mod:`thor_tf.rules.eigenbasis_ops`, one
-  batched iteration per shape) at the Adam step's Frobenius norm (``scale="graft"``; ``"rms"``:
+  batched evaluation per bucket of shapes, through ``eigh`` of the step's Gram matrix) at the Adam step's Frobenius norm (``scale="graft"``; ``"rms"``:
   Muon's ``0.2·√max(a_dim, g_dim)`` instead). Adam's division in the eigenbasis chooses the
   direction's weighting, the orthogonalization equalizes its singular values, the graft keeps
   Adam's step size, so the rate stays on Adam's scale. ``step="adam"``: Δ as it is (the default
@@ -39,6 +39,7 @@ import dataclasses
 import tensorflow as tf
 from keras import ops
 
+from thor_tf import lean
 from thor_tf.buckets import per_size_bucket, size_buckets
 from thor_tf.rules.base import UpdateRule, keras_serializable
 from thor_tf.rules.eigenbasis_ops import (REFRESHES, TIE_BREAK, basis_change, newton_schulz,
@@ -280,6 +281,10 @@ class Eigenbasis(UpdateRule):
         t = tf.cast(opt.iterations + 1, tf.float32)
         correction_1 = 1.0 - tf.pow(self.beta_1, t)
         correction_2 = 1.0 - tf.pow(self.beta_2, t)
+        # Each Python float is a new graph constant at each use: made once here (same values).
+        b1, b1c, b2, b2c, epsilon, relative_epsilon = (tf.constant(value, tf.float32) for value in (
+            self.beta_1, 1.0 - self.beta_1, self.beta_2, 1.0 - self.beta_2, self.epsilon,
+            self.relative_epsilon))
         out, written, steps = list(grads), set(), []
         for b in active:
             k = index[id(b.kernel)]
@@ -294,16 +299,17 @@ class Eigenbasis(UpdateRule):
             held = s.layers[engine.block_position(b.name)]
             q_a, q_g = tf.convert_to_tensor(held.Q_A), tf.convert_to_tensor(held.Q_G)
             rotated = rotate_in(matrix, q_a, q_g)  # Q_Aᵀ M Q_G
-            m = self.beta_1 * held.m + (1.0 - self.beta_1) * rotated
-            v = self.beta_2 * held.v + (1.0 - self.beta_2) * tf.square(rotated)
-            held.m.assign(tf.where(ok, m, held.m))
-            held.v.assign(tf.where(ok, v, held.v))
+            m_old, v_old = tf.convert_to_tensor(held.m), tf.convert_to_tensor(held.v)  # read once
+            m = b1 * m_old + b1c * rotated
+            v = b2 * v_old + b2c * tf.square(rotated)
+            held.m.assign(tf.where(ok, m, m_old))
+            held.v.assign(tf.where(ok, v, v_old))
             # ε relative to the block's RMS rotated gradient as well: a direction without gradient
             # (a softmax's all-ones logit direction, A's null space at its own batch) gets float32
             # round-off of the rotation (~1e-6 of the RMS) that Adam's division would blow up
             # to a full-size step, different on every device and replica count.
             v_hat = v / correction_2
-            floor = self.epsilon + self.relative_epsilon * tf.sqrt(tf.reduce_mean(v_hat))
+            floor = epsilon + relative_epsilon * tf.sqrt(tf.reduce_mean(v_hat))
             step = (m / correction_1) / (tf.sqrt(v_hat) + floor)
             steps.append((b, k, rotate_out(step, q_a, q_g)))  # Q_A Δ' Q_Gᵀ
         if self.step == "orthogonal":
@@ -372,13 +378,14 @@ class Eigenbasis(UpdateRule):
         if optimizer._var_key(variable) not in optimizer.preconditioned:
             i = optimizer._get_variable_index(variable)
             m_var, v_var = optimizer._momentums[i], optimizer._velocities[i]
-            # Bias corrections and ε: once per step for all variables (graph size, same values).
-            correction_1, correction_2, epsilon = optimizer.once_per_apply(
+            # Bias corrections, ε and the decays: once per step for all variables (graph size:
+            # a Python float is a new constant at each use; same values).
+            correction_1, correction_2, epsilon, (b1, b1c, b2, b2c) = optimizer.once_per_apply(
                 ("eigenbasis_adam", variable.dtype), lambda: self._adam_scalars(
                     optimizer, variable.dtype))
             m_old, v_old = tf.convert_to_tensor(m_var), tf.convert_to_tensor(v_var)  # read once
-            m = self.beta_1 * m_old + (1.0 - self.beta_1) * update
-            v = self.beta_2 * v_old + (1.0 - self.beta_2) * tf.square(update)
+            m = b1 * m_old + b1c * update
+            v = b2 * v_old + b2c * tf.square(update)
             if ok is not None:
                 m, v = tf.where(ok, m, m_old), tf.where(ok, v, v_old)
             optimizer.assign(m_var, m)
@@ -393,10 +400,14 @@ class Eigenbasis(UpdateRule):
         optimizer.assign_sub(variable, step)
 
     def _adam_scalars(self, optimizer, dtype):
-        """``(1 − β1ᵗ, 1 − β2ᵗ, ε)`` in ``dtype`` at this step (``t`` = iterations + 1)."""
+        """``(1 − β1ᵗ, 1 − β2ᵗ, ε, (β1, 1 − β1, β2, 1 − β2))`` in ``dtype`` at this step
+        (``t`` = iterations + 1)."""
         t = ops.cast(optimizer.iterations + 1, dtype)
+        decays = tuple(tf.constant(value, dtype) for value in (
+            self.beta_1, 1.0 - self.beta_1, self.beta_2, 1.0 - self.beta_2))
         return (1.0 - tf.pow(ops.cast(self.beta_1, dtype), t),
-                1.0 - tf.pow(ops.cast(self.beta_2, dtype), t), ops.cast(self.epsilon, dtype))
+                1.0 - tf.pow(ops.cast(self.beta_2, dtype), t), ops.cast(self.epsilon, dtype),
+                decays)
 
 
 def _unchanged(q_old, q_new):
@@ -406,8 +417,7 @@ def _unchanged(q_old, q_new):
 
 def _identity_where(same, r):
     """``r`` (``[nb, d, d]``) with the ``same`` blocks replaced by the identity."""
-    eye = tf.eye(tf.shape(r)[-1], batch_shape=tf.shape(r)[:1], dtype=r.dtype)
-    return tf.where(same[:, None, None], eye, r)
+    return tf.where(lean.per_block(same, 3), lean.eye(r.shape[-1], r.dtype), r)
 
 
 def _clip(gradient, clip_norm):

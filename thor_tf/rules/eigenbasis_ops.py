@@ -49,17 +49,20 @@ eigenbasis (SOAP-Muon), not the gradient: orthogonalizing the rotated gradient w
 since ``orth(Q_Aᵀ M Q_G) = Q_Aᵀ orth(M) Q_G``.
 
 Conventions: matrices are ``[..., r, c]`` float32; the iteration runs on the wide orientation
-(``r ≤ c``, transposing when needed) so that ``X Xᵀ`` is the small ``[r, r]`` Gram matrix.
+(``r ≤ c``, transposing when needed) so that ``X Xᵀ`` is the small ``[r, r]`` Gram matrix. The
+polynomial acts on each singular value alone, so it is evaluated through one float32 ``eigh`` of
+that Gram matrix (:func:`newton_schulz`'s ``method="spectral"``) rather than by its ~20 products.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
-from thor_tf import _keras_compat
+from thor_tf import _keras_compat, lean
 from thor_tf.algebra import BlockDiagonal
 
-__all__ = ["GRAM_RATIO", "NS_COEFFICIENTS", "NS_STEPS", "REFRESHES", "TIE_BREAK", "basis_change",
+__all__ = ["GRAM_RATIO", "NS_COEFFICIENTS", "NS_METHODS", "NS_STEPS", "REFRESHES", "SPECTRAL_MAX", "TIE_BREAK", "basis_change",
            "eigh_blocks", "eigh_selected", "newton_schulz", "off_diagonal_ratio", "power_qr_step",
            "refresh_selected", "rotate_first_moment", "rotate_in", "rotate_out",
            "rotate_second_moment"]
@@ -86,18 +89,23 @@ def _padded_for_eigh(blocks, mask, tie_break=TIE_BREAK):
     trace = tf.reduce_sum(diagonal, axis=-1)  # [B]
     count = tf.maximum(tf.reduce_sum(mask, axis=-1), 1.0)
     # The true entries come first in a padded block: entry k of the d true ones gets mean·k/d.
-    ramp = (tie_break * (trace / count ** 2)[:, None]
-            * tf.range(size, dtype=tf.float32)[None])
-    return tf.linalg.set_diag(blocks * mask[:, :, None] * mask[:, None, :],
+    ramp = (tf.expand_dims(tie_break * (trace / count ** 2), 1)
+            * tf.constant(np.arange(size, dtype=np.float32)))
+    return tf.linalg.set_diag(blocks * _outer(mask),
                               (diagonal + ramp) * mask
-                              + (1.0 - mask) * (tf.abs(trace) * (1.0 + tie_break) + 1.0)[:, None])
+                              + (1.0 - mask) * tf.expand_dims(
+                                  tf.abs(trace) * (1.0 + tie_break) + 1.0, 1))
+
+
+def _outer(mask):
+    """``[B, d, d]``: ``mask[:, :, None] * mask[:, None, :]`` (few ops)."""
+    return tf.expand_dims(mask, 2) * tf.expand_dims(mask, 1)
 
 
 def _clean(q, w, mask):
     """Exactly block-diagonal basis: true part kept, identity on the padding; ``w`` 0 there."""
-    outer = mask[:, :, None] * mask[:, None, :]
-    eye = tf.eye(tf.shape(q)[-1], batch_shape=tf.shape(q)[:1], dtype=q.dtype)
-    return q * outer + eye * (1.0 - mask)[:, :, None], w * mask
+    return (q * _outer(mask) + lean.eye(q.shape[-1], q.dtype) * tf.expand_dims(1.0 - mask, 2),
+            w * mask)
 
 
 def eigh_blocks(blocks, mask, previous_q=None, previous_w=None, tie_break=TIE_BREAK):
@@ -114,14 +122,14 @@ def eigh_blocks(blocks, mask, previous_q=None, previous_w=None, tie_break=TIE_BR
     mask = tf.convert_to_tensor(mask, tf.float32)
     size = int(blocks.shape[-1])
     if previous_q is None:
-        previous_q = tf.eye(size, batch_shape=tf.shape(blocks)[:1], dtype=tf.float32)
+        previous_q = lean.eye(size)  # broadcast by the selections below
     if previous_w is None:
         previous_w = tf.zeros(tf.shape(blocks)[:2], tf.float32)
     if size == 1:  # 1×1 blocks (an embedding's diagonal A): the basis is 1
         w = blocks[:, :, 0] * mask
         ok = tf.math.is_finite(w[:, 0])
-        return (tf.where(ok[:, None, None], tf.ones_like(blocks), previous_q),
-                tf.where(ok[:, None], w, previous_w))
+        return (tf.where(lean.per_block(ok, 3), tf.ones_like(blocks), previous_q),
+                tf.where(lean.per_block(ok, 2), w, previous_w))
     padded = _padded_for_eigh(blocks, mask, tie_break)
     # float64: float32 eigenvectors of clustered eigenvalues (a null space under the ramp) are
     # accurate to ~1e-3 only, and Adam's division turns that leakage into full-size steps that
@@ -132,7 +140,8 @@ def eigh_blocks(blocks, mask, previous_q=None, previous_w=None, tie_break=TIE_BR
     ok = tf.logical_and(tf.reduce_all(tf.math.is_finite(q), axis=[1, 2]),
                         tf.reduce_all(tf.math.is_finite(w), axis=1))
     q, w = _clean(q, w, mask)
-    return (tf.where(ok[:, None, None], q, previous_q), tf.where(ok[:, None], w, previous_w))
+    return (tf.where(lean.per_block(ok, 3), q, previous_q),
+            tf.where(lean.per_block(ok, 2), w, previous_w))
 
 
 def eigh_selected(blocks, mask, q_in_use, w_in_use, selected, tie_break=TIE_BREAK):
@@ -145,8 +154,8 @@ def eigh_selected(blocks, mask, q_in_use, w_in_use, selected, tie_break=TIE_BREA
     if _keras_compat.in_xla_context():
         def all_blocks():
             q, w = eigh_blocks(blocks, mask, q_in_use, w_in_use, tie_break)
-            return (tf.where(selected[:, None, None], q, q_in_use),
-                    tf.where(selected[:, None], w, w_in_use))
+            return (tf.where(lean.per_block(selected, 3), q, q_in_use),
+                    tf.where(lean.per_block(selected, 2), w, w_in_use))
         return tf.cond(tf.reduce_any(selected), all_blocks, lambda: (q_in_use, w_in_use))
     due = tf.where(selected)  # [K, 1]
     q, w = eigh_blocks(tf.gather_nd(blocks, due), tf.gather_nd(tf.convert_to_tensor(mask), due),
@@ -264,8 +273,7 @@ def refresh_selected(blocks, mask, q_in_use, w_in_use, selected, refresh="eigh",
         # A non-finite factor keeps its basis: LAPACK's eigh raises on NaN, so it never sees one
         # (the identity stands in; its result is discarded).
         usable = tf.reduce_all(tf.math.is_finite(blocks), axis=[1, 2])
-        eye = tf.eye(tf.shape(blocks)[-1], batch_shape=tf.shape(blocks)[:1], dtype=blocks.dtype)
-        blocks = tf.where(usable[:, None, None], blocks, eye)
+        blocks = tf.where(lean.per_block(usable, 3), blocks, lean.eye(size, blocks.dtype))
         selected = selected & usable
         q_p, w_p, residual, drift = power_qr_step(blocks, mask, q_old, tie_break)
         never = tf.reduce_all(tf.equal(w_old * mask, 0.0), axis=1)
@@ -275,8 +283,8 @@ def refresh_selected(blocks, mask, q_in_use, w_in_use, selected, refresh="eigh",
         skip = selected & ~never & (drift < drift_tolerance)
         accept = selected & ~never & ~skip & finite & (residual <= tolerance)
         full = selected & ~skip & ~accept
-        q = tf.where(accept[:, None, None], q_p, q_old)
-        w = tf.where(accept[:, None], w_p, w_old)
+        q = tf.where(lean.per_block(accept, 3), q_p, q_old)
+        w = tf.where(lean.per_block(accept, 2), w_p, w_old)
         q, w = eigh_selected(blocks, mask, q, w, full, tie_break)
         kind = tf.where(skip, SKIPPED, tf.where(accept, POWER_QR, tf.where(full, EIGH, KEPT)))
         return q, w, tf.where(usable, kind, NON_FINITE)
@@ -371,17 +379,36 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 
 
-def newton_schulz(x, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, epsilon=1e-7):
-    """Approximate orthogonal factor of each matrix of ``x`` (``[..., r, c]``, float32).
+def newton_schulz(x, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, epsilon=1e-7,
+                  method="spectral"):
+    """Approximate orthogonal factor of each matrix of ``x`` (``[..., r, c]``, float32): Muon's
+    Newton–Schulz iteration.
 
     ``X ← X / (‖X‖_F + ε)`` (spectral norm ≤ 1), then ``steps`` times ``A = X Xᵀ``,
     ``X ← aX + (bA + cA²)X``, on the wide orientation. A zero matrix stays zero.
 
-    Cost: on a matrix at least :data:`GRAM_RATIO` times as wide as tall the same iteration runs in
-    the ``[r, r]`` Gram space (:func:`_gram_space_iteration`: ``2·r²·c + 17·r³`` multiply-adds
-    instead of ``steps·(2·r²·c + r³)``; 2.5× less CPU time on the Fashion CNN's ``[3137, 128]``
-    dense step, docs/overhead.md); narrower ones iterate on ``X`` itself.
+    ``method``:
+
+    * ``"spectral"`` (used up to :data:`SPECTRAL_MAX` rows on the short side): the same
+      polynomial, evaluated through the eigendecomposition of the ``[r, r]`` Gram matrix
+      ``A_0 = X Xᵀ = U diag(σ²) Uᵀ``. Every iterate is ``X_k = p_k(A_0) X_0`` with ``p_k`` a
+      polynomial, so the iteration acts on each singular value alone:
+      ``σ_{k+1} = σ_k (a + bσ_k² + cσ_k⁴)``, and the result is ``U diag(σ_K/σ_0) Uᵀ X_0``
+      (:func:`_spectral_iteration`). One float32 ``eigh`` of ``[r, r]`` and three products
+      instead of ~4 products per iteration: on this CPU 2–3× less time for the small batched
+      shapes of a CNN's or Transformer's layers (the iteration's cost there is per op, not
+      per flop), the same for large ones (docs/overhead.md). Within float32 round-off of the
+      iteration: ``σ_K/σ_0`` is smooth in ``σ²`` (→ ``a^K`` at 0), so directions that ``eigh``
+      mixes (clustered ``σ``) get the same factor either way.
+    * ``"iterate"``: the products themselves; on a matrix at least :data:`GRAM_RATIO` times as
+      wide as tall in the ``[r, r]`` Gram space (:func:`_gram_space_iteration`), narrower
+      ones on ``X`` itself.
+
+    A matrix with a non-finite entry gives zeros under ``"spectral"`` (``eigh`` would raise;
+    the rule discards such a step, see ``Eigenbasis.update_step``) and NaN under ``"iterate"``.
     """
+    if method not in NS_METHODS:
+        raise ValueError(f"`method` must be one of {NS_METHODS}; got {method!r}.")
     x = tf.convert_to_tensor(x, tf.float32)
     tall = x.shape[-2] > x.shape[-1]
     if tall:
@@ -389,13 +416,43 @@ def newton_schulz(x, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, epsilon=1e-7)
     a, b, c = coefficients
     norm = tf.sqrt(tf.reduce_sum(tf.square(x), axis=[-2, -1], keepdims=True))
     x = x / (norm + epsilon)
-    if int(x.shape[-1]) >= GRAM_RATIO * int(x.shape[-2]) and int(steps) > 0:
+    if int(steps) <= 0:
+        pass
+    elif method == "spectral" and int(x.shape[-2]) <= SPECTRAL_MAX:
+        x = _spectral_iteration(x, int(steps), coefficients)
+    elif int(x.shape[-1]) >= GRAM_RATIO * int(x.shape[-2]):
         x = _gram_space_iteration(x, int(steps), coefficients)
     else:
         for _ in range(int(steps)):
             gram = tf.matmul(x, x, transpose_b=True)
             x = a * x + tf.matmul(b * gram + c * tf.matmul(gram, gram), x)
     return tf.linalg.matrix_transpose(x) if tall else x
+
+
+#: :func:`newton_schulz`'s ways of evaluating the iteration.
+NS_METHODS = ("spectral", "iterate")
+#: Largest short side evaluated through ``eigh`` (measured up to 785 rows: never slower than
+#: the products on this CPU; above, ``eigh``'s ~9r³ serial work is not measured).
+SPECTRAL_MAX = 1024
+
+
+def _spectral_iteration(x, steps, coefficients):
+    """Muon's iteration on a wide, normalized ``x`` (``[..., r, c]``) through the eigenvalues of
+    ``A_0 = x xᵀ``: ``U diag(g(σ²)) Uᵀ x`` with ``g`` the iteration's gain on a singular value
+    ``σ = √λ`` (``Π_k (a + bσ_k² + cσ_k⁴)``, ``σ_{k+1}² = σ_k²(a + bσ_k² + cσ_k⁴)²``)."""
+    a, b, c = (tf.constant(value, x.dtype) for value in coefficients)  # once, not per use
+    finite = tf.reduce_all(tf.math.is_finite(x), axis=[-2, -1], keepdims=True)
+    x = tf.where(finite, x, tf.zeros_like(x))
+    w, u = tf.linalg.eigh(tf.matmul(x, x, transpose_b=True))  # ascending λ = σ², U's columns
+    s2 = tf.maximum(w, 0.0)  # round-off can make a null direction's λ slightly negative
+    gain = None
+    for k in range(steps):
+        f = a + s2 * (b + c * s2)
+        gain = f if gain is None else gain * f
+        if k + 1 < steps:
+            s2 = s2 * tf.square(f)
+    coordinates = tf.matmul(u, x, transpose_a=True)  # Uᵀ x: [..., r, c]
+    return tf.matmul(u, coordinates * tf.expand_dims(gain, -1))
 
 
 #: Width over height from which :func:`newton_schulz` iterates in the Gram space: the two forms'
@@ -412,10 +469,12 @@ def _gram_space_iteration(x, steps, coefficients):
     the ``c`` columns. Equal to the plain iteration up to float32 round-off."""
     a, b, c = coefficients
     gram = tf.matmul(x, x, transpose_b=True)  # A_0
-    eye = tf.eye(int(x.shape[-2]), dtype=x.dtype)
+    # Constants made once (a Python float is a new graph constant at each use); same values.
+    a_eye = tf.constant(a * np.eye(int(x.shape[-2]), dtype=np.float32))
+    b, c = tf.constant(b, x.dtype), tf.constant(c, x.dtype)
     s = None
     for k in range(steps):
-        m = a * eye + b * gram + c * tf.matmul(gram, gram)
+        m = a_eye + b * gram + c * tf.matmul(gram, gram)
         s = m if s is None else tf.matmul(m, s)
         if k + 1 < steps:
             gram = tf.matmul(tf.matmul(m, gram), m)
