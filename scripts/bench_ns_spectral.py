@@ -8,6 +8,14 @@ iteration.
 
 The buckets are read from the rule itself: each workload's THOR step is traced once (one
 ``train_on_batch``) with ``newton_schulz`` recording the ``[blocks, rows, cols]`` it is given.
+
+``--paired W1,W2`` measures the whole step instead: two wrapped models of each workload in one
+process, one traced with ``method="iterate"`` and one with ``"spectral"``, their steps alternating
+(cadence points at the same steps), each step's wall and process CPU time recorded; the medians
+and their ratios go to the JSON's ``paired`` list.
+
+    python scripts/bench_ns_spectral.py --paired resnet20,char_gpt,autoencoder --steps 100 \
+        --out docs/bench_ns_spectral_paired.json
 """
 
 from __future__ import annotations
@@ -68,16 +76,74 @@ def float64_iteration(x, steps=5):
     return np.stack(out)
 
 
+def paired(workload_name, steps):
+    """Steady-step medians of the two methods, trained side by side (module docstring)."""
+    import functools
+    import statistics
+    import time
+
+    import keras
+    from thor_tf.rules import eigenbasis as eigenbasis_module
+    from thor_tf.rules.eigenbasis_ops import newton_schulz
+    from thor_tf_experiments import suite, workloads
+
+    workload = workloads.WORKLOADS[workload_name]
+    data = workload.load(False)
+    order = suite.batch_order(data.num_train, workload.batch_size, workload.epochs, 0,
+                              workload.single_pass)
+    models, methods = [], ("iterate", "spectral")
+    real = eigenbasis_module.newton_schulz
+    try:
+        for method in methods:
+            keras.utils.set_random_seed(0)
+            model = suite.compiled_model("thor", 0.0, workload, data, False, len(order), {})
+            eigenbasis_module.newton_schulz = functools.partial(newton_schulz, method=method)
+            model.train_on_batch(data.x_train[order[0]], data.y_train[order[0]])  # traced here
+            models.append(model)
+    finally:
+        eigenbasis_module.newton_schulz = real
+    wall, cpu = ([], []), ([], [])
+    for i in range(1, steps):
+        batch = order[i % len(order)]
+        for k in ((0, 1) if i % 2 else (1, 0)):
+            c0, w0 = time.process_time(), time.perf_counter()
+            models[k].train_on_batch(data.x_train[batch], data.y_train[batch])
+            cpu[k].append(time.process_time() - c0)
+            wall[k].append(time.perf_counter() - w0)
+    # The first steps after the second model's first call are slowed once (not by the method).
+    entry = {"workload": workload_name, "steps": steps}
+    for k, method in enumerate(methods):
+        entry[method] = {"wall_ms": round(1e3 * statistics.median(wall[k][2:]), 3),
+                         "cpu_ms": round(1e3 * statistics.median(cpu[k][2:]), 3)}
+    for measure in ("wall_ms", "cpu_ms"):
+        entry["spectral_over_iterate_" + measure[:-3]] = round(
+            entry["spectral"][measure] / entry["iterate"][measure], 3)
+    print(f"{workload_name} paired: wall {entry['iterate']['wall_ms']:.1f} -> "
+          f"{entry['spectral']['wall_ms']:.1f} ms ({entry['spectral_over_iterate_wall']:.3f}x), "
+          f"CPU {entry['iterate']['cpu_ms']:.1f} -> {entry['spectral']['cpu_ms']:.1f} ms "
+          f"({entry['spectral_over_iterate_cpu']:.3f}x)", flush=True)
+    return entry
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="docs/bench_ns_spectral.json")
+    parser.add_argument("--paired", default="", help="workloads whose whole step to compare")
+    parser.add_argument("--steps", type=int, default=100, help="--paired: steps per model")
     args = parser.parse_args(argv)
     import tensorflow as tf
     from thor_tf.rules.eigenbasis_ops import newton_schulz
 
     report = {"tensorflow": tf.__version__, "repeats": args.repeats, "workloads": []}
+    if args.paired:
+        report = {"tensorflow": tf.__version__, "paired": [
+            paired(name, args.steps) for name in args.paired.split(",")]}
+        with open(args.out, "w") as handle:
+            json.dump(report, handle, indent=1)
+        print(f"wrote {args.out}")
+        return
     for name in args.workloads.split(","):
         entry = {"workload": name, "buckets": []}
         for shape in buckets_of(name):
