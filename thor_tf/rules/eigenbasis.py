@@ -17,10 +17,11 @@ Per block with gradient matrix ``M`` (``[a_dim, g_dim]``, bias row folded in; se
   mean over the block); ``Δ = Q_A Δ' Q_Gᵀ``.
 * ``step="orthogonal"`` (the default; SOAP-Muon): ``Δ ← NS(Δ)·‖Δ‖_F/‖NS(Δ)‖_F``, the Newton–Schulz
   orthogonal factor of the whole ``[a_dim, g_dim]`` step (:mod:`thor_tf.rules.eigenbasis_ops`, one
-  batched evaluation per bucket of shapes, through ``eigh`` of the step's Gram matrix) at the Adam step's Frobenius norm (``scale="graft"``; ``"rms"``:
-  Muon's ``0.2·√max(a_dim, g_dim)`` instead). Adam's division in the eigenbasis chooses the
-  direction's weighting, the orthogonalization equalizes its singular values, the graft keeps
-  Adam's step size, so the rate stays on Adam's scale. ``step="adam"``: Δ as it is (the default
+  batched evaluation per bucket of shapes, through ``eigh`` of the step's Gram matrix) at the
+  Adam step's Frobenius norm (``scale="graft"``; ``"rms"``: Muon's ``0.2·√max(a_dim, g_dim)``
+  instead). Adam's division in the eigenbasis chooses the direction's weighting, the
+  orthogonalization equalizes its singular values, the graft keeps Adam's step size, so the rate
+  stays on Adam's scale. ``step="adam"``: Δ as it is (the default
   before; ``update_rule="eigenbasis_adam"``).
 * the optimizer: ``w ← w − lr·(Δ + wd·w)`` (decoupled weight decay, ``weight_decay_exclude``
   chooses the variables); every variable without a block (or a block without a record in a step)

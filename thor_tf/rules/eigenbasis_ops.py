@@ -62,10 +62,10 @@ import tensorflow as tf
 from thor_tf import _keras_compat, lean
 from thor_tf.algebra import BlockDiagonal
 
-__all__ = ["GRAM_RATIO", "NS_COEFFICIENTS", "NS_METHODS", "NS_STEPS", "REFRESHES", "SPECTRAL_MAX", "TIE_BREAK", "basis_change",
-           "eigh_blocks", "eigh_selected", "newton_schulz", "off_diagonal_ratio", "power_qr_step",
-           "refresh_selected", "rotate_first_moment", "rotate_in", "rotate_out",
-           "rotate_second_moment"]
+__all__ = ["GRAM_RATIO", "NS_COEFFICIENTS", "NS_METHODS", "NS_STEPS", "REFRESHES", "SPECTRAL_MAX",
+           "TIE_BREAK", "basis_change", "eigh_blocks", "eigh_selected", "newton_schulz",
+           "off_diagonal_ratio", "power_qr_step", "refresh_selected", "rotate_first_moment",
+           "rotate_in", "rotate_out", "rotate_second_moment"]
 
 
 #: The diagonal ramp that breaks ties (see :func:`_padded_for_eigh`), relative to the block's mean
@@ -395,9 +395,10 @@ def newton_schulz(x, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, epsilon=1e-7,
       polynomial, so the iteration acts on each singular value alone:
       ``σ_{k+1} = σ_k (a + bσ_k² + cσ_k⁴)``, and the result is ``U diag(σ_K/σ_0) Uᵀ X_0``
       (:func:`_spectral_iteration`). One float32 ``eigh`` of ``[r, r]`` and three products
-      instead of ~4 products per iteration: on this CPU 2–3× less time for the small batched
-      shapes of a CNN's or Transformer's layers (the iteration's cost there is per op, not
-      per flop), the same for large ones (docs/overhead.md). Within float32 round-off of the
+      instead of ~4 products per iteration: on this CPU 0.6–0.8× the CPU time per step of the
+      suite's buckets measured alone, and 0.74× the whole step of the autoencoder, whose
+      buckets are large; small buckets' gain does not reach a step, where they overlap other
+      ops (docs/overhead.md). Within float32 round-off of the
       iteration: ``σ_K/σ_0`` is smooth in ``σ²`` (→ ``a^K`` at 0), so directions that ``eigh``
       mixes (clustered ``σ``) get the same factor either way.
     * ``"iterate"``: the products themselves; on a matrix at least :data:`GRAM_RATIO` times as
