@@ -118,6 +118,18 @@ def test_spectral_evaluation_of_a_non_finite_or_zero_matrix():
         newton_schulz(batch, method="svd")
 
 
+def test_auto_evaluates_through_eigh_without_a_gpu_and_by_products_with_one(monkeypatch):
+    """The default ``method="auto"``: ``eigh`` where TensorFlow sees no GPU (this machine), the
+    products where it sees one. Told apart by a NaN matrix: zeros through ``eigh``, NaN by the
+    products."""
+    x = np.full((1, 4, 6), np.nan, np.float32)
+    assert not np.any(newton_schulz(x).numpy())  # spectral
+    real = tf.config.list_logical_devices
+    monkeypatch.setattr(tf.config, "list_logical_devices",
+                        lambda kind=None: ["/GPU:0"] if kind == "GPU" else real(kind))
+    assert np.all(np.isnan(newton_schulz(x).numpy()))  # iterate
+
+
 def test_bucketed_orthogonalization_matches_each_matrix():
     """Mixed shapes (two heights, two widths, tall and wide) share padded batches; each comes out
     as its own float64 iteration at its own scale."""

@@ -380,14 +380,16 @@ NS_STEPS = 5
 
 
 def newton_schulz(x, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, epsilon=1e-7,
-                  method="spectral"):
+                  method="auto"):
     """Approximate orthogonal factor of each matrix of ``x`` (``[..., r, c]``, float32): Muon's
     Newton–Schulz iteration.
 
     ``X ← X / (‖X‖_F + ε)`` (spectral norm ≤ 1), then ``steps`` times ``A = X Xᵀ``,
     ``X ← aX + (bA + cA²)X``, on the wide orientation. A zero matrix stays zero.
 
-    ``method``:
+    ``method`` (``"auto"``, the default: ``"spectral"`` where TensorFlow sees no GPU,
+    ``"iterate"`` where it sees one; a GPU's ``eigh`` of many small matrices was not measured,
+    and its products are fast):
 
     * ``"spectral"`` (used up to :data:`SPECTRAL_MAX` rows on the short side): the same
       polynomial, evaluated through the eigendecomposition of the ``[r, r]`` Gram matrix
@@ -410,6 +412,8 @@ def newton_schulz(x, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, epsilon=1e-7,
     """
     if method not in NS_METHODS:
         raise ValueError(f"`method` must be one of {NS_METHODS}; got {method!r}.")
+    if method == "auto":
+        method = "iterate" if tf.config.list_logical_devices("GPU") else "spectral"
     x = tf.convert_to_tensor(x, tf.float32)
     tall = x.shape[-2] > x.shape[-1]
     if tall:
@@ -431,7 +435,7 @@ def newton_schulz(x, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, epsilon=1e-7,
 
 
 #: :func:`newton_schulz`'s ways of evaluating the iteration.
-NS_METHODS = ("spectral", "iterate")
+NS_METHODS = ("auto", "spectral", "iterate")
 #: Largest short side evaluated through ``eigh`` (measured up to 785 rows: never slower than
 #: the products on this CPU; above, ``eigh``'s ~9r³ serial work is not measured).
 SPECTRAL_MAX = 1024
