@@ -26,7 +26,8 @@ import tensorflow as tf
 
 import thor_tf
 from thor_tf.rules import Eigenbasis, eigenbasis as eigenbasis_module, eigenbasis_ops
-from thor_tf.rules.eigenbasis_ops import GRAM_RATIO, newton_schulz, rotate_in, rotate_out
+from thor_tf.rules.eigenbasis_ops import (GRAM_RATIO, newton_schulz, newton_schulz_many,
+                                          rotate_in, rotate_out)
 
 from test_eigenbasis import EVERY_2
 from test_orthogonal_step import np_newton_schulz
@@ -116,6 +117,27 @@ def test_spectral_evaluation_of_a_non_finite_or_zero_matrix():
     np.testing.assert_allclose(got[0], np_newton_schulz(batch[0]), atol=2e-4, rtol=0)
     with pytest.raises(ValueError, match="`method` must be one of"):
         newton_schulz(batch, method="svd")
+
+
+def test_many_tensors_at_once_are_each_their_own_iteration():
+    """``newton_schulz_many`` (the gain's recursion once on all eigenvalues, as the rule calls
+    it per step): batches of different shapes (wide, tall, square; one with a NaN matrix) each
+    give the float64 iteration of each matrix, the NaN one zeros; under ``"iterate"`` too."""
+    rng = np.random.default_rng(11)
+    shapes = [(2, 6, 15), (3, 12, 5), (1, 7, 7)]
+    xs = [np.stack([_spread(rng, shape[1:]) for _ in range(shape[0])]).astype(np.float32)
+          for shape in shapes]
+    xs[1][2, 0, 0] = np.nan
+    for method in ("spectral", "iterate"):
+        got = [t.numpy() for t in newton_schulz_many(xs, method=method)]
+        for x, g in zip(xs, got):
+            assert g.shape == x.shape
+            for m in range(x.shape[0]):
+                if np.all(np.isfinite(x[m])):
+                    want = np_newton_schulz(x[m].astype(np.float64))
+                    assert np.abs(g[m] - want).max() < 2e-3 * np.abs(want).max()
+                elif method == "spectral":
+                    assert not np.any(g[m])
 
 
 def test_auto_evaluates_through_eigh_without_a_gpu_and_by_products_with_one(monkeypatch):

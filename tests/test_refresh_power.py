@@ -215,6 +215,37 @@ def test_first_refresh_and_a_failed_check_fall_back_to_float64_eigh():
     assert _misalignment(_np_eigh_ramped(fs[1])[1], q_lifted[1]) > 0.1
 
 
+def test_power_step_only_on_blocks_with_a_basis_agrees_with_all_blocks():
+    """The eager path computes the power step only on selected blocks with a basis (at the first
+    refresh, none); XLA's computes it on every block and selects. On one batch (block 0 not
+    selected, 1 never decomposed, 2 near its eigenbasis, 3 from a random basis with a failing
+    residual) both give the same kinds [KEPT, EIGH, POWER_QR, EIGH] and the same bases and
+    eigenvalues to float32 round-off; block 2's is its float64 eigenvectors to 1e-2."""
+    rng = np.random.default_rng(7)
+    d = 9
+    fs = []
+    for _ in range(4):
+        x = rng.normal(size=(d, 3 * d))
+        fs.append(x @ x.T / (3 * d))
+    near = _rotated(_np_eigh_ramped(fs[2].astype(np.float32).astype(np.float64))[1], 0.02, rng)
+    q_in_use = np.stack([_orthogonal(d, rng), np.eye(d), near,
+                         _orthogonal(d, rng)]).astype(np.float32)
+    w_in_use = np.stack([np.ones(d), np.zeros(d), np.ones(d), np.ones(d)]).astype(np.float32)
+    args = (np.stack(fs).astype(np.float32), np.ones((4, d), np.float32), q_in_use, w_in_use,
+            np.array([False, True, True, True]), "power_qr")
+    eager = [t.numpy() for t in refresh_selected(*args, tolerance=0.1)]
+    xla = [t.numpy() for t in tf.function(
+        lambda: refresh_selected(*args, tolerance=0.1), jit_compile=True)()]
+    assert list(eager[2]) == list(xla[2]) == [KEPT, EIGH, POWER_QR, EIGH]
+    np.testing.assert_array_equal(eager[0][0], q_in_use[0])
+    for n in (1, 2, 3):  # columns up to sign (XLA's eigh may flip one), eigenvalues
+        inner = np.abs(np.sum(eager[0][n] * xla[0][n], axis=0))
+        np.testing.assert_allclose(inner, 1.0, atol=1e-4)
+        np.testing.assert_allclose(eager[1][n], xla[1][n], rtol=1e-4, atol=1e-6)
+    ref = _np_eigh_ramped(fs[2].astype(np.float32).astype(np.float64))[1]
+    assert _misalignment(ref, eager[0][2]) < 1e-2
+
+
 def test_refresh_eigh_is_eigh_selected_and_options_are_checked():
     from thor_tf.rules.eigenbasis_ops import eigh_selected
 

@@ -43,7 +43,7 @@ from keras import ops
 from thor_tf import lean
 from thor_tf.buckets import per_size_bucket, size_buckets
 from thor_tf.rules.base import UpdateRule, keras_serializable
-from thor_tf.rules.eigenbasis_ops import (REFRESHES, TIE_BREAK, basis_change, newton_schulz,
+from thor_tf.rules.eigenbasis_ops import (REFRESHES, TIE_BREAK, basis_change, newton_schulz_many,
                                           refresh_selected, rotate_first_moment, rotate_in,
                                           rotate_out, rotate_second_moment)
 from thor_tf.rules.inverse import identity_blocks
@@ -243,6 +243,9 @@ class Eigenbasis(UpdateRule):
 
         out = per_size_bucket(factors_flat, dims, held, decompose)
         new = [(out[2 * k], out[2 * k + 1]) for k in range(len(layers))]
+        # Before the first step the moments are their initial zeros, which every rotation keeps:
+        # the first refresh (every layer's, from the identity) carries nothing.
+        started = refresher.engine.optimizer.iterations > 0
         for layer, flag, ((q_a, w_a), (q_g, w_g)) in zip(layers, refresh, new):
             held = s.layers[layer.index]
 
@@ -262,7 +265,7 @@ class Eigenbasis(UpdateRule):
                         rotate_second_moment(v, r_a, r_g, block.a_dim, block.g_dim))
 
             changed = tf.logical_not(tf.logical_and(tf.reduce_all(same_a), tf.reduce_all(same_g)))
-            m, v = tf.cond(tf.logical_and(flag, changed), carried,
+            m, v = tf.cond(flag & changed & started, carried,
                            lambda held=held: (tf.identity(held.m), tf.identity(held.v)))
             held.m.assign(m)
             held.v.assign(v)
@@ -340,7 +343,9 @@ class Eigenbasis(UpdateRule):
         on the heights and on the widths). Zero rows and columns stay zero through the iteration
         and do not change a matrix's norm, so padding changes nothing but round-off; a model's
         many small layers (a Transformer's query/key/value/output, a few shapes each) then cost a
-        few batched products instead of a few per shape (the iteration's ~30 ops each)."""
+        few batched products instead of a few per shape (the iteration's ~30 ops each); evaluated
+        through ``eigh``, the gain's scalar recursion runs once for all buckets
+        (:func:`thor_tf.rules.eigenbasis_ops.newton_schulz_many`)."""
         wide = [u if u.shape[0] <= u.shape[1] else tf.transpose(u) for u in updates]
         heights = size_buckets([int(u.shape[0]) for u in wide])
         widths = size_buckets([int(u.shape[1]) for u in wide])
@@ -350,11 +355,11 @@ class Eigenbasis(UpdateRule):
             key = (to_bucket(heights, int(u.shape[0])), to_bucket(widths, int(u.shape[1])))
             groups.setdefault(key, []).append(n)
         out = [None] * len(updates)
-        for (rows, cols), members in sorted(groups.items()):
-            stacked = tf.stack([tf.pad(wide[n], [[0, rows - int(wide[n].shape[0])],
-                                                 [0, cols - int(wide[n].shape[1])]])
-                                for n in members])
-            ortho = newton_schulz(stacked)
+        buckets = sorted(groups.items())
+        stacks = [tf.stack([tf.pad(wide[n], [[0, rows - int(wide[n].shape[0])],
+                                             [0, cols - int(wide[n].shape[1])]])
+                            for n in members]) for (rows, cols), members in buckets]
+        for (_, members), stacked, ortho in zip(buckets, stacks, newton_schulz_many(stacks)):
             if self.scale == "graft":
                 norm = tf.sqrt(tf.reduce_sum(tf.square(stacked), axis=[1, 2], keepdims=True))
                 o_norm = tf.sqrt(tf.reduce_sum(tf.square(ortho), axis=[1, 2], keepdims=True))
@@ -396,8 +401,11 @@ class Eigenbasis(UpdateRule):
             update = update + ops.cast(config.weight_decay, variable.dtype) * variable
         step = lr * update
         if ok is not None:
-            # A skipped step's update may be NaN: select, never multiply by a zero rate.
-            step = tf.where(ok, step, tf.zeros_like(step))
+            # A skipped step's update may be NaN: select, never multiply by a zero rate. The
+            # zero is one broadcast scalar for all variables (a zeros_like is an op per variable).
+            zero = optimizer.once_per_apply(("zero", variable.dtype),
+                                            lambda: tf.zeros([], variable.dtype))
+            step = tf.where(ok, step, zero)
         optimizer.assign_sub(variable, step)
 
     def _adam_scalars(self, optimizer, dtype):

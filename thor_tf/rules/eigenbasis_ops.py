@@ -64,7 +64,7 @@ from thor_tf.algebra import BlockDiagonal
 
 __all__ = ["GRAM_RATIO", "NS_COEFFICIENTS", "NS_METHODS", "NS_STEPS", "REFRESHES", "SPECTRAL_MAX",
            "TIE_BREAK", "basis_change", "eigh_blocks", "eigh_selected", "newton_schulz",
-           "off_diagonal_ratio", "power_qr_step", "refresh_selected", "rotate_first_moment",
+           "newton_schulz_many", "off_diagonal_ratio", "power_qr_step", "refresh_selected", "rotate_first_moment",
            "rotate_in", "rotate_out", "rotate_second_moment"]
 
 
@@ -269,14 +269,28 @@ def refresh_selected(blocks, mask, q_in_use, w_in_use, selected, refresh="eigh",
         q, w = eigh_selected(blocks, mask, q_in_use, w_in_use, selected, tie_break)
         return q, w, tf.where(selected, EIGH, kept)
 
-    def renewed(blocks, mask, q_old, w_old, selected):
+    def renewed(blocks, mask, q_old, w_old, selected, gather):
         # A non-finite factor keeps its basis: LAPACK's eigh raises on NaN, so it never sees one
         # (the identity stands in; its result is discarded).
         usable = tf.reduce_all(tf.math.is_finite(blocks), axis=[1, 2])
         blocks = tf.where(lean.per_block(usable, 3), blocks, lean.eye(size, blocks.dtype))
         selected = selected & usable
-        q_p, w_p, residual, drift = power_qr_step(blocks, mask, q_old, tie_break)
         never = tf.reduce_all(tf.equal(w_old * mask, 0.0), axis=1)
+        if gather:
+            # The power step only where there is a basis to start from: at the first refresh
+            # (every block, from the identity) it would be computed and thrown away. The others
+            # get residual and drift +inf: neither accepted nor skipped.
+            tried = tf.where(selected & ~never)  # [K, 1]
+            q_t, w_t, residual_t, drift_t = power_qr_step(
+                tf.gather_nd(blocks, tried), tf.gather_nd(mask, tried), tf.gather_nd(q_old, tried),
+                tie_break)
+            inf = tf.fill(tf.shape(selected), float("inf"))
+            q_p = tf.tensor_scatter_nd_update(q_old, tried, q_t)
+            w_p = tf.tensor_scatter_nd_update(w_old, tried, w_t)
+            residual = tf.tensor_scatter_nd_update(inf, tried, residual_t)
+            drift = tf.tensor_scatter_nd_update(inf, tried, drift_t)
+        else:
+            q_p, w_p, residual, drift = power_qr_step(blocks, mask, q_old, tie_break)
         finite = tf.logical_and(tf.reduce_all(tf.math.is_finite(q_p), axis=[1, 2]),
                                 tf.reduce_all(tf.math.is_finite(w_p), axis=1))
         # NaN compares False: a non-finite step is neither skipped nor accepted.
@@ -291,12 +305,12 @@ def refresh_selected(blocks, mask, q_in_use, w_in_use, selected, refresh="eigh",
 
     if _keras_compat.in_xla_context():  # static shapes: every block, when one is selected
         return tf.cond(tf.reduce_any(selected),
-                       lambda: renewed(blocks, mask, q_in_use, w_in_use, selected),
+                       lambda: renewed(blocks, mask, q_in_use, w_in_use, selected, False),
                        lambda: (q_in_use, w_in_use, kept))
     due = tf.where(selected)  # [K, 1]
     q, w, kind = renewed(tf.gather_nd(blocks, due), tf.gather_nd(mask, due),
                          tf.gather_nd(q_in_use, due), tf.gather_nd(w_in_use, due),
-                         tf.ones(tf.shape(due)[:1], tf.bool))
+                         tf.ones(tf.shape(due)[:1], tf.bool), True)
     return (tf.tensor_scatter_nd_update(q_in_use, due, q),
             tf.tensor_scatter_nd_update(w_in_use, due, w),
             tf.tensor_scatter_nd_update(kept, due, kind))
@@ -396,7 +410,7 @@ def newton_schulz(x, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, epsilon=1e-7,
       ``A_0 = X Xᵀ = U diag(σ²) Uᵀ``. Every iterate is ``X_k = p_k(A_0) X_0`` with ``p_k`` a
       polynomial, so the iteration acts on each singular value alone:
       ``σ_{k+1} = σ_k (a + bσ_k² + cσ_k⁴)``, and the result is ``U diag(σ_K/σ_0) Uᵀ X_0``
-      (:func:`_spectral_iteration`). One float32 ``eigh`` of ``[r, r]`` and three products
+      (:func:`_spectral_iterations`). One float32 ``eigh`` of ``[r, r]`` and three products
       instead of ~4 products per iteration: on this CPU 0.6–0.8× the CPU time per step of the
       suite's buckets measured alone, and 0.74× the whole step of the autoencoder, whose
       buckets are large; small buckets' gain does not reach a step, where they overlap other
@@ -410,28 +424,44 @@ def newton_schulz(x, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, epsilon=1e-7,
     A matrix with a non-finite entry gives zeros under ``"spectral"`` (``eigh`` would raise;
     the rule discards such a step, see ``Eigenbasis.update_step``) and NaN under ``"iterate"``.
     """
+    return newton_schulz_many([x], steps, coefficients, epsilon, method)[0]
+
+
+def newton_schulz_many(xs, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, epsilon=1e-7,
+                       method="auto"):
+    """:func:`newton_schulz` of each tensor of ``xs`` (a list of ``[..., r_i, c_i]`` float32), as
+    a list. The same values; under ``"spectral"`` the scalar recursion of the gain runs once on
+    the eigenvalues of all of them concatenated (its ~30 elementwise ops per step once, not once
+    per tensor: the eigenbasis rule calls this with one tensor per bucket of shapes)."""
     if method not in NS_METHODS:
         raise ValueError(f"`method` must be one of {NS_METHODS}; got {method!r}.")
     if method == "auto":
         method = "iterate" if tf.config.list_logical_devices("GPU") else "spectral"
-    x = tf.convert_to_tensor(x, tf.float32)
-    tall = x.shape[-2] > x.shape[-1]
-    if tall:
-        x = tf.linalg.matrix_transpose(x)
     a, b, c = coefficients
-    norm = tf.sqrt(tf.reduce_sum(tf.square(x), axis=[-2, -1], keepdims=True))
-    x = x / (norm + epsilon)
-    if int(steps) <= 0:
-        pass
-    elif method == "spectral" and int(x.shape[-2]) <= SPECTRAL_MAX:
-        x = _spectral_iteration(x, int(steps), coefficients)
-    elif int(x.shape[-1]) >= GRAM_RATIO * int(x.shape[-2]):
-        x = _gram_space_iteration(x, int(steps), coefficients)
-    else:
-        for _ in range(int(steps)):
-            gram = tf.matmul(x, x, transpose_b=True)
-            x = a * x + tf.matmul(b * gram + c * tf.matmul(gram, gram), x)
-    return tf.linalg.matrix_transpose(x) if tall else x
+    out, spectral = [None] * len(xs), []
+    for n, x in enumerate(xs):
+        x = tf.convert_to_tensor(x, tf.float32)
+        if x.shape[-2] > x.shape[-1]:
+            x = tf.linalg.matrix_transpose(x)
+        norm = tf.sqrt(tf.reduce_sum(tf.square(x), axis=[-2, -1], keepdims=True))
+        x = x / (norm + epsilon)
+        if int(steps) <= 0:
+            pass
+        elif method == "spectral" and int(x.shape[-2]) <= SPECTRAL_MAX:
+            spectral.append(n)
+        elif int(x.shape[-1]) >= GRAM_RATIO * int(x.shape[-2]):
+            x = _gram_space_iteration(x, int(steps), coefficients)
+        else:
+            for _ in range(int(steps)):
+                gram = tf.matmul(x, x, transpose_b=True)
+                x = a * x + tf.matmul(b * gram + c * tf.matmul(gram, gram), x)
+        out[n] = x
+    if spectral:
+        for n, x in zip(spectral, _spectral_iterations([out[n] for n in spectral], int(steps),
+                                                       coefficients)):
+            out[n] = x
+    return [tf.linalg.matrix_transpose(x) if x_in.shape[-2] > x_in.shape[-1] else x
+            for x, x_in in zip(out, xs)]
 
 
 #: :func:`newton_schulz`'s ways of evaluating the iteration.
@@ -441,23 +471,35 @@ NS_METHODS = ("auto", "spectral", "iterate")
 SPECTRAL_MAX = 1024
 
 
-def _spectral_iteration(x, steps, coefficients):
-    """Muon's iteration on a wide, normalized ``x`` (``[..., r, c]``) through the eigenvalues of
-    ``A_0 = x xᵀ``: ``U diag(g(σ²)) Uᵀ x`` with ``g`` the iteration's gain on a singular value
-    ``σ = √λ`` (``Π_k (a + bσ_k² + cσ_k⁴)``, ``σ_{k+1}² = σ_k²(a + bσ_k² + cσ_k⁴)²``)."""
-    a, b, c = (tf.constant(value, x.dtype) for value in coefficients)  # once, not per use
-    finite = tf.reduce_all(tf.math.is_finite(x), axis=[-2, -1], keepdims=True)
-    x = tf.where(finite, x, tf.zeros_like(x))
-    w, u = tf.linalg.eigh(tf.matmul(x, x, transpose_b=True))  # ascending λ = σ², U's columns
-    s2 = tf.maximum(w, 0.0)  # round-off can make a null direction's λ slightly negative
+def _spectral_iterations(xs, steps, coefficients):
+    """Muon's iteration on each wide, normalized ``x`` of ``xs`` (``[..., r, c]``) through the
+    eigenvalues of ``A_0 = x xᵀ``: ``U diag(g(σ²)) Uᵀ x`` with ``g`` the iteration's gain on a
+    singular value ``σ = √λ`` (``Π_k (a + bσ_k² + cσ_k⁴)``, ``σ_{k+1}² = σ_k²(a + bσ_k² +
+    cσ_k⁴)²``), evaluated once on all the tensors' eigenvalues, concatenated."""
+    a, b, c = (tf.constant(value, tf.float32) for value in coefficients)  # once, not per use
+    bases, sizes, s2s = [], [], []
+    for x in xs:
+        finite = tf.reduce_all(tf.math.is_finite(x), axis=[-2, -1], keepdims=True)
+        x = tf.where(finite, x, tf.zeros_like(x))
+        w, u = tf.linalg.eigh(tf.matmul(x, x, transpose_b=True))  # ascending λ = σ², U's columns
+        bases.append((x, u))
+        sizes.append(int(np.prod(w.shape)))
+        s2s.append(tf.reshape(w, [-1]))
+    # Round-off can make a null direction's λ slightly negative.
+    s2 = tf.maximum(s2s[0] if len(s2s) == 1 else tf.concat(s2s, 0), 0.0)
     gain = None
     for k in range(steps):
         f = a + s2 * (b + c * s2)
         gain = f if gain is None else gain * f
         if k + 1 < steps:
             s2 = s2 * tf.square(f)
-    coordinates = tf.matmul(u, x, transpose_a=True)  # Uᵀ x: [..., r, c]
-    return tf.matmul(u, coordinates * tf.expand_dims(gain, -1))
+    gains = [gain] if len(xs) == 1 else tf.split(gain, sizes)
+    out = []
+    for (x, u), g in zip(bases, gains):
+        coordinates = tf.matmul(u, x, transpose_a=True)  # Uᵀ x: [..., r, c]
+        g = tf.reshape(g, u.shape[:-1])
+        out.append(tf.matmul(u, coordinates * tf.expand_dims(g, -1)))
+    return out
 
 
 #: Width over height from which :func:`newton_schulz` iterates in the Gram space: the two forms'
