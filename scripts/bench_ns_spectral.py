@@ -7,14 +7,11 @@ iteration.
     python scripts/bench_ns_spectral.py --out docs/bench_ns_spectral.json
 
 The buckets are read from the rule itself: each workload's THOR step is traced once (one
-``train_on_batch``) with the rule's Newton–Schulz calls (``polar_factors``, or
-``newton_schulz_many`` where it rotates out first) recording the ``[blocks, rows, cols]`` of each
-batch they are given.
+``train_on_batch``) with ``newton_schulz_many`` recording the ``[blocks, rows, cols]`` of each
+batch it is given.
 
 ``--paired W1,W2`` measures the whole step instead: two wrapped models of each workload in one
-process, one traced as on a GPU (``"iterate"``: the step rotated out, then the iteration's
-products) and one as the default on a CPU (``"spectral"``: ``eigh`` of the Gram matrix of the
-step in the eigenbases, its factor folded into the rotation out), their steps alternating
+process, one traced with ``method="iterate"`` and one with ``"spectral"``, their steps alternating
 (cadence points at the same steps), each step's wall and process CPU time recorded; the medians
 and their ratios go to the JSON's ``paired`` list.
 
@@ -48,24 +45,18 @@ def buckets_of(workload_name):
     data = workload.load(False)
     keras.utils.set_random_seed(0)
     model = suite.compiled_model("thor", 0.0, workload, data, False, 100, {})
-    seen = []
-    real = {name: getattr(eigenbasis_module, name) for name in ("polar_factors",
-                                                                 "newton_schulz_many")}
+    seen, real = [], eigenbasis_module.newton_schulz_many
 
-    def recording(name):
-        def record(xs, *args, **kwargs):
-            seen.extend([int(d) for d in x.shape] for x in xs)
-            return real[name](xs, *args, **kwargs)
-        return record
+    def recording(xs, *args, **kwargs):
+        seen.extend([int(d) for d in x.shape] for x in xs)
+        return real(xs, *args, **kwargs)
 
-    for name in real:
-        setattr(eigenbasis_module, name, recording(name))
+    eigenbasis_module.newton_schulz_many = recording
     try:
         rows = np.arange(workload.batch_size) % data.num_train
         model.train_on_batch(data.x_train[rows], data.y_train[rows])
     finally:
-        for name, function in real.items():
-            setattr(eigenbasis_module, name, function)
+        eigenbasis_module.newton_schulz_many = real
     return seen
 
 
@@ -88,11 +79,13 @@ def float64_iteration(x, steps=5):
 
 def paired(workload_name, steps):
     """Steady-step medians of the two methods, trained side by side (module docstring)."""
+    import functools
     import statistics
     import time
 
     import keras
     from thor_tf.rules import eigenbasis as eigenbasis_module
+    from thor_tf.rules.eigenbasis_ops import newton_schulz_many
     from thor_tf_experiments import suite, workloads
 
     workload = workloads.WORKLOADS[workload_name]
@@ -100,16 +93,17 @@ def paired(workload_name, steps):
     order = suite.batch_order(data.num_train, workload.batch_size, workload.epochs, 0,
                               workload.single_pass)
     models, methods = [], ("iterate", "spectral")
-    real = eigenbasis_module.folds_through_eigh
+    real = eigenbasis_module.newton_schulz_many
     try:
         for method in methods:
             keras.utils.set_random_seed(0)
             model = suite.compiled_model("thor", 0.0, workload, data, False, len(order), {})
-            eigenbasis_module.folds_through_eigh = lambda method=method: method == "spectral"
+            eigenbasis_module.newton_schulz_many = functools.partial(newton_schulz_many,
+                                                                     method=method)
             model.train_on_batch(data.x_train[order[0]], data.y_train[order[0]])  # traced here
             models.append(model)
     finally:
-        eigenbasis_module.folds_through_eigh = real
+        eigenbasis_module.newton_schulz_many = real
     wall, cpu = ([], []), ([], [])
     for i in range(1, steps):
         batch = order[i % len(order)]

@@ -43,10 +43,9 @@ from keras import ops
 from thor_tf import lean
 from thor_tf.buckets import per_size_bucket, size_buckets
 from thor_tf.rules.base import UpdateRule, keras_serializable
-from thor_tf.rules.eigenbasis_ops import (REFRESHES, SPECTRAL_MAX, TIE_BREAK, basis_change,
-                                          newton_schulz_many, orthogonal_step_out,
-                                          polar_factors, refresh_selected, rotate_first_moment,
-                                          rotate_in, rotate_out, rotate_second_moment)
+from thor_tf.rules.eigenbasis_ops import (REFRESHES, TIE_BREAK, basis_change, newton_schulz_many,
+                                          refresh_selected, rotate_first_moment, rotate_in,
+                                          rotate_out, rotate_second_moment)
 from thor_tf.rules.inverse import identity_blocks
 
 
@@ -316,12 +315,12 @@ class Eigenbasis(UpdateRule):
             v_hat = v / correction_2
             floor = epsilon + relative_epsilon * tf.sqrt(tf.reduce_mean(v_hat))
             step = (m / correction_1) / (tf.sqrt(v_hat) + floor)
-            steps.append((b, k, step, q_a, q_g))  # Δ' in the eigenbases
-        orthogonal = ([n for n, (b, *_) in enumerate(steps) if b.kind not in self.adam_kinds]
-                      if self.step == "orthogonal" else [])
-        updates = dict(zip(orthogonal, self._orthogonalized([steps[n][2:] for n in orthogonal])))
-        for n, (b, k, step, q_a, q_g) in enumerate(steps):
-            update = updates[n] if n in updates else rotate_out(step, q_a, q_g)  # Q_A Δ' Q_Gᵀ
+            steps.append((b, k, rotate_out(step, q_a, q_g)))  # Q_A Δ' Q_Gᵀ
+        if self.step == "orthogonal":
+            chosen = [n for n, (b, _, _) in enumerate(steps) if b.kind not in self.adam_kinds]
+            for n, u in zip(chosen, self._orthogonalized([steps[n][2] for n in chosen])):
+                steps[n] = steps[n][:2] + (u,)
+        for b, k, update in steps:
             kernel_update, bias_update = b.from_matrix(update)
             kernel_update = tf.cast(kernel_update, grads[k].dtype)
             out[k] = out[k] + kernel_update if k in written else kernel_update  # tied: summed
@@ -333,29 +332,21 @@ class Eigenbasis(UpdateRule):
         opt.preconditioned = frozenset(opt._var_key(variables[k]) for k in written)
         return out
 
-    def _orthogonalized(self, steps):
-        """Each step ``U = Q_A Δ' Q_Gᵀ``'s Newton–Schulz orthogonal factor ``O``
-        (:func:`thor_tf.rules.eigenbasis_ops.newton_schulz`), scaled to ``U``'s Frobenius norm
-        (``scale="graft"``: the step's size stays Adam's, its singular values equal) or to
-        ``O·rms·√max(a, g)`` (``"rms"``: Muon's RMS, Moonlight's rule). ``steps``: ``[(Δ' [a, g],
-        Q_A, Q_G)]`` as :func:`~thor_tf.rules.eigenbasis_ops.rotate_out` takes them.
+    def _orthogonalized(self, updates):
+        """Each ``[a, g]`` update's Newton–Schulz orthogonal factor ``O``
+        (:func:`thor_tf.rules.eigenbasis_ops.newton_schulz`), scaled to the update's Frobenius
+        norm (``scale="graft"``: the step's size stays Adam's, its singular values equal) or to
+        ``O·rms·√max(a, g)`` (``"rms"``: Muon's RMS, Moonlight's rule).
 
-        ``orth(Q_A Δ' Q_Gᵀ) = Q_A orth(Δ') Q_Gᵀ`` (the block-diagonal bases are orthogonal), and
-        the norms are the same: the iteration runs on ``Δ'``, and where it is evaluated through
-        ``eigh`` (a CPU, the default) its factor ``P`` (``orth(Δ') = PΔ'`` or ``Δ'P``) is folded
-        into the rotation out (:func:`~thor_tf.rules.eigenbasis_ops.orthogonal_step_out`): two
-        ``[a, g]`` products fewer per layer than orthogonalizing the rotated step. Otherwise
-        (the products, on a GPU; a short side above ``SPECTRAL_MAX``) ``U`` is rotated out first.
-
-        One batched iteration per bucket of sizes, not per shape: each step is taken wide
+        One batched iteration per bucket of sizes, not per shape: each update is taken wide
         (``r ≤ c``) and zero-padded to its bucket's ``[R, C]`` (:func:`thor_tf.buckets.size_buckets`
         on the heights and on the widths). Zero rows and columns stay zero through the iteration
         and do not change a matrix's norm, so padding changes nothing but round-off; a model's
         many small layers (a Transformer's query/key/value/output, a few shapes each) then cost a
-        few batched products instead of a few per shape (the iteration's ~30 ops each); through
-        ``eigh``, the gain's scalar recursion runs once for all buckets."""
-        spectral = folds_through_eigh()
-        wide = [d if d.shape[0] <= d.shape[1] else tf.transpose(d) for d, _, _ in steps]
+        few batched products instead of a few per shape (the iteration's ~30 ops each); evaluated
+        through ``eigh``, the gain's scalar recursion runs once for all buckets
+        (:func:`thor_tf.rules.eigenbasis_ops.newton_schulz_many`)."""
+        wide = [u if u.shape[0] <= u.shape[1] else tf.transpose(u) for u in updates]
         heights = size_buckets([int(u.shape[0]) for u in wide])
         widths = size_buckets([int(u.shape[1]) for u in wide])
         to_bucket = lambda buckets, d: next(b for b, sizes in buckets.items() if d in sizes)
@@ -363,43 +354,22 @@ class Eigenbasis(UpdateRule):
         for n, u in enumerate(wide):
             key = (to_bucket(heights, int(u.shape[0])), to_bucket(widths, int(u.shape[1])))
             groups.setdefault(key, []).append(n)
-        folded = [(key, members) for key, members in sorted(groups.items())
-                  if spectral and key[0] <= SPECTRAL_MAX]
-        rotated = [(key, members) for key, members in sorted(groups.items())
-                   if not (spectral and key[0] <= SPECTRAL_MAX)]
-        for _, members in rotated:  # rotated out first: U itself is orthogonalized
-            for n in members:
-                u = rotate_out(*steps[n])
-                wide[n] = u if u.shape[0] <= u.shape[1] else tf.transpose(u)
-
-        def stack(key, members):
-            rows, cols = key
-            return tf.stack([tf.pad(wide[n], [[0, rows - int(wide[n].shape[0])],
+        out = [None] * len(updates)
+        buckets = sorted(groups.items())
+        stacks = [tf.stack([tf.pad(wide[n], [[0, rows - int(wide[n].shape[0])],
                                              [0, cols - int(wide[n].shape[1])]])
-                             for n in members])
-
-        def scale(members, norm, o_norm):
+                            for n in members]) for (rows, cols), members in buckets]
+        for (_, members), stacked, ortho in zip(buckets, stacks, newton_schulz_many(stacks)):
             if self.scale == "graft":
-                return norm / (o_norm + 1e-30)
-            rms = [self.rms * max(int(d) for d in steps[n][0].shape) ** 0.5 for n in members]
-            return tf.constant(rms, tf.float32)[:, None, None]
-
-        out = [None] * len(steps)
-        stacks = [stack(*group) for group in folded]
-        for (_, members), (p, norm, o_norm) in zip(folded, polar_factors(stacks)):
-            p = p * scale(members, norm, o_norm)
-            for n, p_n in zip(members, tf.unstack(p)):
-                r = int(wide[n].shape[0])
-                out[n] = orthogonal_step_out(steps[n][0], p_n[:r, :r], *steps[n][1:])
-        stacks = [stack(*group) for group in rotated]
-        for (_, members), stacked, ortho in zip(rotated, stacks,
-                                                newton_schulz_many(stacks, method="iterate")):
-            norm = tf.sqrt(tf.reduce_sum(tf.square(stacked), axis=[1, 2], keepdims=True))
-            o_norm = tf.sqrt(tf.reduce_sum(tf.square(ortho), axis=[1, 2], keepdims=True))
-            ortho = ortho * scale(members, norm, o_norm)
+                norm = tf.sqrt(tf.reduce_sum(tf.square(stacked), axis=[1, 2], keepdims=True))
+                o_norm = tf.sqrt(tf.reduce_sum(tf.square(ortho), axis=[1, 2], keepdims=True))
+                ortho = ortho * (norm / (o_norm + 1e-30))
+            else:
+                rms = [self.rms * max(int(d) for d in updates[n].shape) ** 0.5 for n in members]
+                ortho = ortho * tf.constant(rms, tf.float32)[:, None, None]
             for n, o in zip(members, tf.unstack(ortho)):
                 o = o[:int(wide[n].shape[0]), :int(wide[n].shape[1])]
-                out[n] = o if steps[n][0].shape[0] <= steps[n][0].shape[1] else tf.transpose(o)
+                out[n] = o if updates[n].shape[0] <= updates[n].shape[1] else tf.transpose(o)
         return out
 
     # -- the optimizer's chain ---------------------------------------------------------------------
@@ -447,13 +417,6 @@ class Eigenbasis(UpdateRule):
         return (1.0 - tf.pow(ops.cast(self.beta_1, dtype), t),
                 1.0 - tf.pow(ops.cast(self.beta_2, dtype), t), ops.cast(self.epsilon, dtype),
                 decays)
-
-
-def folds_through_eigh():
-    """Whether the orthogonal step is evaluated through ``eigh`` with its factor folded into the
-    rotation out (``Eigenbasis._orthogonalized``): where TensorFlow sees no GPU, as
-    :func:`~thor_tf.rules.eigenbasis_ops.newton_schulz`'s ``method="auto"`` chooses."""
-    return not tf.config.list_logical_devices("GPU")
 
 
 def _unchanged(q_old, q_new):

@@ -52,8 +52,6 @@ Conventions: matrices are ``[..., r, c]`` float32; the iteration runs on the wid
 (``r ≤ c``, transposing when needed) so that ``X Xᵀ`` is the small ``[r, r]`` Gram matrix. The
 polynomial acts on each singular value alone, so it is evaluated through one float32 ``eigh`` of
 that Gram matrix (:func:`newton_schulz`'s ``method="spectral"``) rather than by its ~20 products.
-The bases are orthogonal, so the rule orthogonalizes the step in the eigenbases and folds the
-iteration's factor into the rotation out (:func:`polar_factors`, :func:`orthogonal_step_out`).
 """
 
 from __future__ import annotations
@@ -66,9 +64,8 @@ from thor_tf.algebra import BlockDiagonal
 
 __all__ = ["GRAM_RATIO", "NS_COEFFICIENTS", "NS_METHODS", "NS_STEPS", "REFRESHES", "SPECTRAL_MAX",
            "TIE_BREAK", "basis_change", "eigh_blocks", "eigh_selected", "newton_schulz",
-           "newton_schulz_many", "off_diagonal_ratio", "orthogonal_step_out", "polar_factors",
-           "power_qr_step", "refresh_selected", "rotate_first_moment", "rotate_in", "rotate_out",
-           "rotate_second_moment"]
+           "newton_schulz_many", "off_diagonal_ratio", "power_qr_step", "refresh_selected", "rotate_first_moment",
+           "rotate_in", "rotate_out", "rotate_second_moment"]
 
 
 #: The diagonal ramp that breaks ties (see :func:`_padded_for_eigh`), relative to the block's mean
@@ -474,88 +471,35 @@ NS_METHODS = ("auto", "spectral", "iterate")
 SPECTRAL_MAX = 1024
 
 
-def _gains(s2s, steps, coefficients):
-    """The iteration's gain ``Π_k (a + bσ_k² + cσ_k⁴)`` on each ``σ² = λ`` of each tensor of
-    ``s2s`` (``σ_{k+1}² = σ_k²(a + bσ_k² + cσ_k⁴)²``), as a list of the same shapes: the scalar
-    recursion runs once on all of them, concatenated."""
+def _spectral_iterations(xs, steps, coefficients):
+    """Muon's iteration on each wide, normalized ``x`` of ``xs`` (``[..., r, c]``) through the
+    eigenvalues of ``A_0 = x xᵀ``: ``U diag(g(σ²)) Uᵀ x`` with ``g`` the iteration's gain on a
+    singular value ``σ = √λ`` (``Π_k (a + bσ_k² + cσ_k⁴)``, ``σ_{k+1}² = σ_k²(a + bσ_k² +
+    cσ_k⁴)²``), evaluated once on all the tensors' eigenvalues, concatenated."""
     a, b, c = (tf.constant(value, tf.float32) for value in coefficients)  # once, not per use
-    flat = [tf.reshape(s2, [-1]) for s2 in s2s]
+    bases, sizes, s2s = [], [], []
+    for x in xs:
+        finite = tf.reduce_all(tf.math.is_finite(x), axis=[-2, -1], keepdims=True)
+        x = tf.where(finite, x, tf.zeros_like(x))
+        w, u = tf.linalg.eigh(tf.matmul(x, x, transpose_b=True))  # ascending λ = σ², U's columns
+        bases.append((x, u))
+        sizes.append(int(np.prod(w.shape)))
+        s2s.append(tf.reshape(w, [-1]))
     # Round-off can make a null direction's λ slightly negative.
-    s2 = tf.maximum(flat[0] if len(flat) == 1 else tf.concat(flat, 0), 0.0)
+    s2 = tf.maximum(s2s[0] if len(s2s) == 1 else tf.concat(s2s, 0), 0.0)
     gain = None
     for k in range(steps):
         f = a + s2 * (b + c * s2)
         gain = f if gain is None else gain * f
         if k + 1 < steps:
             s2 = s2 * tf.square(f)
-    gains = [gain] if len(flat) == 1 else tf.split(gain, [int(np.prod(t.shape)) for t in s2s])
-    return [tf.reshape(g, t.shape) for g, t in zip(gains, s2s)]
-
-
-def _gram_eigh(x):
-    """``(x', w, U)``: ``x`` with its non-finite matrices zeroed (``eigh`` would raise) and the
-    eigendecomposition ``x' x'ᵀ = U diag(w) Uᵀ`` (ascending ``w``)."""
-    finite = tf.reduce_all(tf.math.is_finite(x), axis=[-2, -1], keepdims=True)
-    x = tf.where(finite, x, tf.zeros_like(x))
-    w, u = tf.linalg.eigh(tf.matmul(x, x, transpose_b=True))
-    return x, w, u
-
-
-def _spectral_iterations(xs, steps, coefficients):
-    """Muon's iteration on each wide, normalized ``x`` of ``xs`` (``[..., r, c]``) through the
-    eigenvalues of ``A_0 = x xᵀ``: ``U diag(g(σ²)) Uᵀ x`` with ``g`` the iteration's gain on a
-    singular value ``σ = √λ`` (:func:`_gains`, once for all the tensors)."""
-    if not xs:
-        return []
-    decomposed = [_gram_eigh(x) for x in xs]
+    gains = [gain] if len(xs) == 1 else tf.split(gain, sizes)
     out = []
-    for (x, _, u), g in zip(decomposed, _gains([w for _, w, _ in decomposed], steps, coefficients)):
+    for (x, u), g in zip(bases, gains):
         coordinates = tf.matmul(u, x, transpose_a=True)  # Uᵀ x: [..., r, c]
+        g = tf.reshape(g, u.shape[:-1])
         out.append(tf.matmul(u, coordinates * tf.expand_dims(g, -1)))
     return out
-
-
-def polar_factors(xs, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, epsilon=1e-7):
-    """Newton–Schulz as a left factor: for each wide ``x`` of ``xs`` (``[B, r, c]``, ``r ≤ c``,
-    ``r ≤`` :data:`SPECTRAL_MAX`), ``(P [B, r, r], norm [B, 1, 1], o_norm [B, 1, 1])`` with
-    ``newton_schulz(x, method="spectral") = P x``, ``norm = ‖x‖_F`` and ``o_norm = ‖P x‖_F``.
-
-    ``P = U diag(g) Uᵀ / (‖x‖_F + ε)`` from the same ``eigh`` of the normalized Gram matrix, and
-    ``‖P x‖_F² = Σ g² λ`` (``λ`` its eigenvalues): the caller can fold ``P`` into other
-    products instead of forming ``P x`` (the eigenbasis rule: ``orth(Q_A Δ Q_Gᵀ) =
-    Q_A orth(Δ) Q_Gᵀ``, :func:`orthogonal_step_out`). A matrix with a non-finite entry gets a
-    NaN ``P`` and ``norm`` (``eigh``, which would raise, sees zeros; the rule discards the step)."""
-    if not xs:
-        return []
-    normalized, norms = [], []
-    for x in xs:
-        x = tf.convert_to_tensor(x, tf.float32)
-        norm = tf.sqrt(tf.reduce_sum(tf.square(x), axis=[-2, -1], keepdims=True))
-        normalized.append(x / (norm + epsilon))
-        norms.append(norm)
-    decomposed = [_gram_eigh(x) for x in normalized]
-    gains = _gains([w for _, w, _ in decomposed], int(steps), coefficients)
-    out = []
-    for (_, w, u), g, norm in zip(decomposed, gains, norms):
-        p = tf.matmul(u * tf.expand_dims(g, -2), u, transpose_b=True) / (norm + epsilon)
-        o_norm = tf.sqrt(tf.reduce_sum(tf.square(g) * tf.maximum(w, 0.0), axis=-1))
-        out.append((p, norm, o_norm[:, None, None]))
-    return out
-
-
-def orthogonal_step_out(delta, p, q_a, q_g):
-    """``Q_A · orth(Δ) · Q_Gᵀ`` for a step ``Δ`` (``[a, g]``) in the eigenbases, where ``orth(Δ)``
-    is ``P Δ`` when ``a ≤ g`` and ``Δ P`` otherwise (``P`` ``[min(a, g)]²`` from
-    :func:`polar_factors` of ``Δ`` taken wide, symmetric): ``P`` is folded into the rotation on
-    its side (``(Q_A P) Δ Q_Gᵀ``, or ``Q_A Δ (P Q_Gᵀ)``), one ``[a, g]`` product fewer than
-    orthogonalizing ``Q_A Δ Q_Gᵀ`` after rotating it out, and two fewer than
-    :func:`newton_schulz` on it. Equal to float32 round-off: ``Q_A``, ``Q_G`` are orthogonal, so
-    ``orth(Q_A Δ Q_Gᵀ) = Q_A orth(Δ) Q_Gᵀ``. Shapes of the bases as :func:`rotate_in`."""
-    if delta.shape[0] <= delta.shape[1]:
-        left = _rows_by_blocks(q_a, p, transpose=False)  # Q_A P: [a, a]
-        return _columns_by_blocks(tf.matmul(left, delta), q_g, transpose=True)
-    right = _columns_by_blocks(p, q_g, transpose=True)  # P Q_Gᵀ: [g, g]
-    return _rows_by_blocks(q_a, tf.matmul(delta, right), transpose=False)
 
 
 #: Width over height from which :func:`newton_schulz` iterates in the Gram space: the two forms'
