@@ -356,19 +356,24 @@ class Eigenbasis(UpdateRule):
             groups.setdefault(key, []).append(n)
         out = [None] * len(updates)
         buckets = sorted(groups.items())
-        stacks = [tf.stack([tf.pad(wide[n], [[0, rows - int(wide[n].shape[0])],
+        # A bucket of one matrix is that matrix, unpadded: 2-D products are ~3x cheaper than a
+        # batch of one on this CPU (a small model's buckets are often single).
+        stacks = [wide[members[0]] if len(members) == 1 else
+                  tf.stack([tf.pad(wide[n], [[0, rows - int(wide[n].shape[0])],
                                              [0, cols - int(wide[n].shape[1])]])
                             for n in members]) for (rows, cols), members in buckets]
         for (_, members), stacked, ortho in zip(buckets, stacks, newton_schulz_many(stacks)):
             if self.scale == "graft":
-                norm = tf.sqrt(tf.reduce_sum(tf.square(stacked), axis=[1, 2], keepdims=True))
-                o_norm = tf.sqrt(tf.reduce_sum(tf.square(ortho), axis=[1, 2], keepdims=True))
+                norm = tf.sqrt(tf.reduce_sum(tf.square(stacked), axis=[-2, -1], keepdims=True))
+                o_norm = tf.sqrt(tf.reduce_sum(tf.square(ortho), axis=[-2, -1], keepdims=True))
                 ortho = ortho * (norm / (o_norm + 1e-30))
             else:
                 rms = [self.rms * max(int(d) for d in updates[n].shape) ** 0.5 for n in members]
-                ortho = ortho * tf.constant(rms, tf.float32)[:, None, None]
-            for n, o in zip(members, tf.unstack(ortho)):
-                o = o[:int(wide[n].shape[0]), :int(wide[n].shape[1])]
+                ortho = ortho * (rms[0] if len(members) == 1 else
+                                 tf.constant(rms, tf.float32)[:, None, None])
+            for n, o in zip(members, [ortho] if len(members) == 1 else tf.unstack(ortho)):
+                if o.shape != wide[n].shape:
+                    o = o[:int(wide[n].shape[0]), :int(wide[n].shape[1])]
                 out[n] = o if updates[n].shape[0] <= updates[n].shape[1] else tf.transpose(o)
         return out
 

@@ -481,7 +481,10 @@ def _spectral_iterations(xs, steps, coefficients):
     for x in xs:
         finite = tf.reduce_all(tf.math.is_finite(x), axis=[-2, -1], keepdims=True)
         x = tf.where(finite, x, tf.zeros_like(x))
-        w, u = tf.linalg.eigh(tf.matmul(x, x, transpose_b=True))  # ascending λ = σ², U's columns
+        if int(x.shape[-2]) == 1:  # a row: its Gram matrix is its squared norm, its basis 1
+            w, u = tf.reduce_sum(tf.square(x), axis=-1), None
+        else:
+            w, u = tf.linalg.eigh(tf.matmul(x, x, transpose_b=True))  # ascending λ = σ², U
         bases.append((x, u))
         sizes.append(int(np.prod(w.shape)))
         s2s.append(tf.reshape(w, [-1]))
@@ -496,8 +499,11 @@ def _spectral_iterations(xs, steps, coefficients):
     gains = [gain] if len(xs) == 1 else tf.split(gain, sizes)
     out = []
     for (x, u), g in zip(bases, gains):
+        g = tf.reshape(g, x.shape[:-1])
+        if u is None:
+            out.append(x * tf.expand_dims(g, -1))
+            continue
         coordinates = tf.matmul(u, x, transpose_a=True)  # Uᵀ x: [..., r, c]
-        g = tf.reshape(g, u.shape[:-1])
         out.append(tf.matmul(u, coordinates * tf.expand_dims(g, -1)))
     return out
 
