@@ -48,7 +48,8 @@ def buckets_of(workload_name):
     seen, real = [], eigenbasis_module.newton_schulz_many
 
     def recording(xs, *args, **kwargs):
-        seen.extend([int(d) for d in x.shape] for x in xs)
+        # A bucket of one matrix is passed as that matrix ([rows, cols]): a batch of one.
+        seen.extend([1] * (3 - len(x.shape)) + [int(d) for d in x.shape] for x in xs)
         return real(xs, *args, **kwargs)
 
     eigenbasis_module.newton_schulz_many = recording
