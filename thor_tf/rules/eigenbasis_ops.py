@@ -64,8 +64,8 @@ from thor_tf.algebra import BlockDiagonal
 
 __all__ = ["GRAM_RATIO", "NS_COEFFICIENTS", "NS_METHODS", "NS_STEPS", "REFRESHES", "SPECTRAL_MAX",
            "TIE_BREAK", "basis_change", "eigh_blocks", "eigh_selected", "newton_schulz",
-           "newton_schulz_many", "off_diagonal_ratio", "power_qr_step", "refresh_selected", "rotate_first_moment",
-           "rotate_in", "rotate_out", "rotate_second_moment"]
+           "newton_schulz_many", "off_diagonal_ratio", "power_qr_step", "refresh_selected",
+           "rotate_first_moment", "rotate_in", "rotate_out", "rotate_second_moment"]
 
 
 #: The diagonal ramp that breaks ties (see :func:`_padded_for_eigh`), relative to the block's mean
@@ -438,10 +438,11 @@ def newton_schulz_many(xs, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, epsilon
     if method == "auto":
         method = "iterate" if tf.config.list_logical_devices("GPU") else "spectral"
     a, b, c = coefficients
-    out, spectral = [None] * len(xs), []
+    out, spectral, tall = [None] * len(xs), [], []
     for n, x in enumerate(xs):
         x = tf.convert_to_tensor(x, tf.float32)
-        if x.shape[-2] > x.shape[-1]:
+        tall.append(x.shape[-2] > x.shape[-1])
+        if tall[-1]:
             x = tf.linalg.matrix_transpose(x)
         norm = tf.sqrt(tf.reduce_sum(tf.square(x), axis=[-2, -1], keepdims=True))
         x = x / (norm + epsilon)
@@ -460,8 +461,7 @@ def newton_schulz_many(xs, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, epsilon
         for n, x in zip(spectral, _spectral_iterations([out[n] for n in spectral], int(steps),
                                                        coefficients)):
             out[n] = x
-    return [tf.linalg.matrix_transpose(x) if x_in.shape[-2] > x_in.shape[-1] else x
-            for x, x_in in zip(out, xs)]
+    return [tf.linalg.matrix_transpose(x) if t else x for x, t in zip(out, tall)]
 
 
 #: :func:`newton_schulz`'s ways of evaluating the iteration.
@@ -475,7 +475,8 @@ def _spectral_iterations(xs, steps, coefficients):
     """Muon's iteration on each wide, normalized ``x`` of ``xs`` (``[..., r, c]``) through the
     eigenvalues of ``A_0 = x xᵀ``: ``U diag(g(σ²)) Uᵀ x`` with ``g`` the iteration's gain on a
     singular value ``σ = √λ`` (``Π_k (a + bσ_k² + cσ_k⁴)``, ``σ_{k+1}² = σ_k²(a + bσ_k² +
-    cσ_k⁴)²``), evaluated once on all the tensors' eigenvalues, concatenated."""
+    cσ_k⁴)²``), evaluated once on all the tensors' eigenvalues, concatenated. A row (``r = 1``)
+    needs no ``eigh``: its Gram matrix is its squared norm and ``U = 1``."""
     a, b, c = (tf.constant(value, tf.float32) for value in coefficients)  # once, not per use
     bases, sizes, s2s = [], [], []
     for x in xs:
