@@ -176,6 +176,15 @@ def test_non_finite_factor_keeps_its_basis():
     assert np.all(np.isfinite(q[2])) and not np.array_equal(q[2], q_in_use[2])
 
 
+def _sample_factors(rng, count, d):
+    """``count`` float64 ``[d, d]`` factors ``X Xᵀ / 3d`` of Gaussian ``X`` (``[d, 3d]``)."""
+    out = []
+    for _ in range(count):
+        x = rng.normal(size=(d, 3 * d))
+        out.append(x @ x.T / (3 * d))
+    return out
+
+
 def _np_eigh_ramped(f, tie_break=0.1):
     d = f.shape[0]
     return np.linalg.eigh(f + np.diag(tie_break * np.trace(f) / d * np.arange(d) / d))
@@ -188,10 +197,7 @@ def test_first_refresh_and_a_failed_check_fall_back_to_float64_eigh():
     relative. With the tolerance lifted, block 1 takes the power step and is far from them."""
     rng = np.random.default_rng(4)
     d = 10
-    fs = []
-    for _ in range(2):
-        x = rng.normal(size=(d, 3 * d))
-        fs.append(x @ x.T / (3 * d))
+    fs = _sample_factors(rng, 2, d)
     random_basis = _orthogonal(d, rng)
     product = np.linalg.qr((fs[1] + np.diag(0.1 * np.trace(fs[1]) / d * np.arange(d) / d))
                            @ random_basis)[0]
@@ -223,10 +229,7 @@ def test_power_step_only_on_blocks_with_a_basis_agrees_with_all_blocks():
     eigenvalues to float32 round-off; block 2's is its float64 eigenvectors to 1e-2."""
     rng = np.random.default_rng(7)
     d = 9
-    fs = []
-    for _ in range(4):
-        x = rng.normal(size=(d, 3 * d))
-        fs.append(x @ x.T / (3 * d))
+    fs = _sample_factors(rng, 4, d)
     near = _rotated(_np_eigh_ramped(fs[2].astype(np.float32).astype(np.float64))[1], 0.02, rng)
     q_in_use = np.stack([_orthogonal(d, rng), np.eye(d), near,
                          _orthogonal(d, rng)]).astype(np.float32)
