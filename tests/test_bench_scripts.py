@@ -167,8 +167,9 @@ def test_bench_ns_spectral_reads_the_rules_buckets_and_compares_both_methods(tmp
     out = tmp_path / "ns.json"
     bench.main(["--workloads", "tabular_mlp", "--repeats", "1", "--out", str(out)])
     (entry,) = json.loads(out.read_text())["workloads"]
-    # Each of the three a bucket of one, unpadded: [11, 64] (10 features and the bias, 64 units).
-    assert sorted(b["dims"] for b in entry["buckets"]) == [[1, 1, 65], [1, 11, 64], [1, 64, 65]]
+    # Each of the three a bucket of one, unpadded and in its own orientation: [11, 64] (10
+    # features and the bias, 64 units), the tall [65, 64] and the head's [65, 1].
+    assert sorted(b["dims"] for b in entry["buckets"]) == [[1, 11, 64], [1, 65, 1], [1, 65, 64]]
     for method in ("iterate", "spectral"):
         for bucket in entry["buckets"]:
             assert bucket[method]["max_difference"] < 3e-3

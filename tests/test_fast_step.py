@@ -124,7 +124,7 @@ def test_many_tensors_at_once_are_each_their_own_iteration():
     it per step): batches of different shapes (wide, tall, square; one with a NaN matrix) each
     give the float64 iteration of each matrix, the NaN one zeros; under ``"iterate"`` too."""
     rng = np.random.default_rng(11)
-    shapes = [(2, 6, 15), (3, 12, 5), (1, 7, 7)]
+    shapes = [(2, 6, 15), (3, 12, 5), (1, 7, 7), (2, 9, 1), (1, 1, 7)]
     xs = [np.stack([_spread(rng, shape[1:]) for _ in range(shape[0])]).astype(np.float32)
           for shape in shapes]
     xs[1][2, 0, 0] = np.nan
@@ -156,7 +156,8 @@ def test_bucketed_orthogonalization_matches_each_matrix():
     """Mixed shapes (two heights, two widths, tall and wide) share padded batches; each comes out
     as its own float64 iteration at its own scale."""
     rng = np.random.default_rng(3)
-    shapes = [(65, 64), (64, 65), (32, 64), (65, 256), (257, 64), (64, 64), (5, 3)]
+    shapes = [(65, 64), (64, 65), (32, 64), (65, 256), (257, 64), (64, 64), (5, 3), (66, 64),
+              (67, 63)]
     mats = [rng.normal(size=s) for s in shapes]
     for scale in ("graft", "rms"):
         rule = Eigenbasis(scale=scale)
@@ -167,6 +168,23 @@ def test_bucketed_orthogonalization_matches_each_matrix():
                     else ortho * 0.2 * np.sqrt(max(m.shape)))
             assert o.shape == m.shape
             np.testing.assert_allclose(o.numpy(), want, atol=2e-3 * np.abs(want).max(), rtol=0)
+
+
+def test_orthogonalization_transposes_only_a_buckets_minority():
+    """Tall updates are iterated as they are (the products' transpose flags): a lone tall update
+    and a bucket of tall ones trace no ``Transpose``; a wide update in a tall majority's bucket is
+    transposed in and out (two)."""
+    rule = Eigenbasis()
+
+    def transposes(shapes):
+        fn = tf.function(lambda *us: rule._orthogonalized(list(us)))
+        graph = fn.get_concrete_function(
+            *[tf.TensorSpec(s, tf.float32) for s in shapes]).graph
+        return sum(op.type == "Transpose" for op in graph.get_operations())
+
+    assert transposes([(257, 64)]) == 0
+    assert transposes([(65, 64), (66, 64), (67, 63)]) == 0
+    assert transposes([(65, 64), (66, 64), (64, 66)]) == 2
 
 
 def _mixed_model():

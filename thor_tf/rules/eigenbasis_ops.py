@@ -48,10 +48,11 @@ only matrix products. The eigenbasis rule orthogonalizes its step after Adam's d
 eigenbasis (SOAP-Muon), not the gradient: orthogonalizing the rotated gradient would be Muon,
 since ``orth(Q_Aᵀ M Q_G) = Q_Aᵀ orth(M) Q_G``.
 
-Conventions: matrices are ``[..., r, c]`` float32; the iteration runs on the wide orientation
-(``r ≤ c``, transposing when needed) so that ``X Xᵀ`` is the small ``[r, r]`` Gram matrix. The
-polynomial acts on each singular value alone, so it is evaluated through one float32 ``eigh`` of
-that Gram matrix (:func:`newton_schulz`'s ``method="spectral"``) rather than by its ~20 products.
+Conventions: matrices are ``[..., r, c]`` float32; the iteration works on the small Gram
+matrix, ``X Xᵀ`` (``[r, r]``) of a wide matrix and ``XᵀX`` (``[c, c]``) of a tall one, whose
+products then multiply ``X`` from the right (no transposes). The polynomial acts on each singular
+value alone, so it is evaluated through one float32 ``eigh`` of that Gram matrix
+(:func:`newton_schulz`'s ``method="spectral"``) rather than by its ~20 products.
 """
 
 from __future__ import annotations
@@ -399,15 +400,16 @@ def newton_schulz(x, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, epsilon=1e-7,
     Newton–Schulz iteration.
 
     ``X ← X / (‖X‖_F + ε)`` (spectral norm ≤ 1), then ``steps`` times ``A = X Xᵀ``,
-    ``X ← aX + (bA + cA²)X``, on the wide orientation. A zero matrix stays zero.
+    ``X ← aX + (bA + cA²)X`` (on a tall ``X``: ``A = XᵀX``, ``X ← aX + X(bA + cA²)``, the
+    same iteration on ``Xᵀ``). A zero matrix stays zero.
 
     ``method`` (``"auto"``, the default: ``"spectral"`` where TensorFlow sees no GPU,
     ``"iterate"`` where it sees one; a GPU's ``eigh`` of many small matrices was not measured,
     and its products are fast):
 
     * ``"spectral"`` (used up to :data:`SPECTRAL_MAX` rows on the short side): the same
-      polynomial, evaluated through the eigendecomposition of the ``[r, r]`` Gram matrix
-      ``A_0 = X Xᵀ = U diag(σ²) Uᵀ``. Every iterate is ``X_k = p_k(A_0) X_0`` with ``p_k`` a
+      polynomial, evaluated through the eigendecomposition of the small Gram matrix
+      (wide: ``A_0 = X Xᵀ = U diag(σ²) Uᵀ``). Every iterate is ``X_k = p_k(A_0) X_0`` with ``p_k`` a
       polynomial, so the iteration acts on each singular value alone:
       ``σ_{k+1} = σ_k (a + bσ_k² + cσ_k⁴)``, and the result is ``U diag(σ_K/σ_0) Uᵀ X_0``
       (:func:`_spectral_iterations`). One float32 ``eigh`` of ``[r, r]`` and three products
@@ -417,8 +419,8 @@ def newton_schulz(x, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, epsilon=1e-7,
       ops (docs/overhead.md). Within float32 round-off of the
       iteration: ``σ_K/σ_0`` is smooth in ``σ²`` (→ ``a^K`` at 0), so directions that ``eigh``
       mixes (clustered ``σ``) get the same factor either way.
-    * ``"iterate"``: the products themselves; on a matrix at least :data:`GRAM_RATIO` times as
-      wide as tall in the ``[r, r]`` Gram space (:func:`_gram_space_iteration`), narrower
+    * ``"iterate"``: the products themselves; on a matrix whose long side is at least
+      :data:`GRAM_RATIO` times its short side in the small Gram space (:func:`_gram_space_iteration`), narrower
       ones on ``X`` itself.
 
     A matrix with a non-finite entry gives zeros under ``"spectral"`` (``eigh`` would raise;
@@ -432,7 +434,12 @@ def newton_schulz_many(xs, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, epsilon
     """:func:`newton_schulz` of each tensor of ``xs`` (a list of ``[..., r_i, c_i]`` float32), as
     a list. The same values; under ``"spectral"`` the scalar recursion of the gain runs once on
     the eigenvalues of all of them concatenated (its ~30 elementwise ops per step once, not once
-    per tensor: the eigenbasis rule calls this with one tensor per bucket of shapes)."""
+    per tensor: the eigenbasis rule calls this with one tensor per bucket of shapes).
+
+    A tall tensor (``r > c``) is iterated as it is, on its ``[c, c]`` Gram matrix ``XᵀX`` with
+    the products on the right (``X ← aX + X(bA + cA²)``), the transpose of the wide iteration on
+    ``Xᵀ``: the products' transpose flags instead of two transposes (a ``Transpose`` of a small
+    matrix costs as much as a product on this CPU)."""
     if method not in NS_METHODS:
         raise ValueError(f"`method` must be one of {NS_METHODS}; got {method!r}.")
     if method == "auto":
@@ -442,26 +449,32 @@ def newton_schulz_many(xs, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, epsilon
     for n, x in enumerate(xs):
         x = tf.convert_to_tensor(x, tf.float32)
         tall.append(x.shape[-2] > x.shape[-1])
-        if tall[-1]:
-            x = tf.linalg.matrix_transpose(x)
+        short, long = sorted((int(x.shape[-2]), int(x.shape[-1])))
         norm = tf.sqrt(tf.reduce_sum(tf.square(x), axis=[-2, -1], keepdims=True))
         x = x / (norm + epsilon)
         if int(steps) <= 0:
             pass
-        elif method == "spectral" and int(x.shape[-2]) <= SPECTRAL_MAX:
+        elif method == "spectral" and short <= SPECTRAL_MAX:
             spectral.append(n)
-        elif int(x.shape[-1]) >= GRAM_RATIO * int(x.shape[-2]):
-            x = _gram_space_iteration(x, int(steps), coefficients)
+        elif long >= GRAM_RATIO * short:
+            x = _gram_space_iteration(x, int(steps), coefficients, tall[n])
         else:
             for _ in range(int(steps)):
-                gram = tf.matmul(x, x, transpose_b=True)
-                x = a * x + tf.matmul(b * gram + c * tf.matmul(gram, gram), x)
+                gram = _gram(x, tall[n])
+                poly = b * gram + c * tf.matmul(gram, gram)
+                x = a * x + (tf.matmul(x, poly) if tall[n] else tf.matmul(poly, x))
         out[n] = x
     if spectral:
         for n, x in zip(spectral, _spectral_iterations([out[n] for n in spectral], int(steps),
-                                                       coefficients)):
+                                                       coefficients,
+                                                       [tall[n] for n in spectral])):
             out[n] = x
-    return [tf.linalg.matrix_transpose(x) if t else x for x, t in zip(out, tall)]
+    return out
+
+
+def _gram(x, tall):
+    """``XᵀX`` (``[..., c, c]``) of a tall ``x``, ``XXᵀ`` (``[..., r, r]``) of a wide one."""
+    return tf.matmul(x, x, transpose_a=True) if tall else tf.matmul(x, x, transpose_b=True)
 
 
 #: :func:`newton_schulz`'s ways of evaluating the iteration.
@@ -471,22 +484,26 @@ NS_METHODS = ("auto", "spectral", "iterate")
 SPECTRAL_MAX = 1024
 
 
-def _spectral_iterations(xs, steps, coefficients):
-    """Muon's iteration on each wide, normalized ``x`` of ``xs`` (``[..., r, c]``) through the
-    eigenvalues of ``A_0 = x xᵀ``: ``U diag(g(σ²)) Uᵀ x`` with ``g`` the iteration's gain on a
-    singular value ``σ = √λ`` (``Π_k (a + bσ_k² + cσ_k⁴)``, ``σ_{k+1}² = σ_k²(a + bσ_k² +
-    cσ_k⁴)²``), evaluated once on all the tensors' eigenvalues, concatenated. A row (``r = 1``)
-    needs no ``eigh``: its Gram matrix is its squared norm and ``U = 1``."""
+def _spectral_iterations(xs, steps, coefficients, talls=None):
+    """Muon's iteration on each normalized ``x`` of ``xs`` (``[..., r, c]``) through the
+    eigenvalues of its small Gram matrix: for a wide ``x``, ``A_0 = x xᵀ = U diag(σ²) Uᵀ`` and
+    the result ``U diag(g(σ²)) Uᵀ x``; for a tall one (``talls``: per tensor, ``r > c``),
+    ``A_0 = xᵀx`` and ``x U diag(g(σ²)) Uᵀ``. ``g`` is the iteration's gain on a singular value
+    ``σ = √λ`` (``Π_k (a + bσ_k² + cσ_k⁴)``, ``σ_{k+1}² = σ_k²(a + bσ_k² + cσ_k⁴)²``),
+    evaluated once on all the tensors' eigenvalues, concatenated. A single row or column (short
+    side 1) needs no ``eigh``: its Gram matrix is its squared norm and ``U = 1``."""
+    if talls is None:
+        talls = [False] * len(xs)
     a, b, c = (tf.constant(value, tf.float32) for value in coefficients)  # once, not per use
     bases, sizes, s2s = [], [], []
-    for x in xs:
+    for x, tall in zip(xs, talls):
         finite = tf.reduce_all(tf.math.is_finite(x), axis=[-2, -1], keepdims=True)
         x = tf.where(finite, x, tf.zeros_like(x))
-        if int(x.shape[-2]) == 1:  # a row: its Gram matrix is its squared norm, its basis 1
-            w, u = tf.reduce_sum(tf.square(x), axis=-1), None
+        if int(x.shape[-1 if tall else -2]) == 1:  # its Gram matrix is its squared norm
+            w, u = tf.reduce_sum(tf.square(x), axis=-2 if tall else -1), None
         else:
-            w, u = tf.linalg.eigh(tf.matmul(x, x, transpose_b=True))  # ascending λ = σ², U
-        bases.append((x, u))
+            w, u = tf.linalg.eigh(_gram(x, tall))  # ascending λ = σ², U
+        bases.append((x, u, tall))
         sizes.append(int(np.prod(w.shape)))
         s2s.append(tf.reshape(w, [-1]))
     # Round-off can make a null direction's λ slightly negative.
@@ -499,13 +516,16 @@ def _spectral_iterations(xs, steps, coefficients):
             s2 = s2 * tf.square(f)
     gains = [gain] if len(xs) == 1 else tf.split(gain, sizes)
     out = []
-    for (x, u), g in zip(bases, gains):
-        g = tf.reshape(g, x.shape[:-1])
+    for (x, u, tall), g in zip(bases, gains):
+        # Each eigenvector's gain along the short side: [..., 1, c] tall, [..., r, 1] wide.
+        short = int(x.shape[-1] if tall else x.shape[-2])
+        g = tf.expand_dims(tf.reshape(g, x.shape[:-2] + [short]), -2 if tall else -1)
         if u is None:
-            out.append(x * tf.expand_dims(g, -1))
-            continue
-        coordinates = tf.matmul(u, x, transpose_a=True)  # Uᵀ x: [..., r, c]
-        out.append(tf.matmul(u, coordinates * tf.expand_dims(g, -1)))
+            out.append(x * g)
+        elif tall:
+            out.append(tf.matmul(tf.matmul(x, u) * g, u, transpose_b=True))  # x U diag(g) Uᵀ
+        else:
+            out.append(tf.matmul(u, tf.matmul(u, x, transpose_a=True) * g))  # U diag(g) Uᵀ x
     return out
 
 
@@ -515,16 +535,17 @@ def _spectral_iterations(xs, steps, coefficients):
 GRAM_RATIO = 2
 
 
-def _gram_space_iteration(x, steps, coefficients):
-    """Muon's iteration on a wide ``x`` (``[..., r, c]``, ``r ≤ c``, normalized) carried out on
-    ``[r, r]`` matrices: every iterate is ``X_k = S_k X_0`` with ``S_{k+1} = M_k S_k``,
+def _gram_space_iteration(x, steps, coefficients, tall=False):
+    """Muon's iteration on a normalized ``x`` (``[..., r, c]``) carried out on its small Gram
+    matrices. Wide (``r ≤ c``): every iterate is ``X_k = S_k X_0`` with ``S_{k+1} = M_k S_k``,
     ``M_k = aI + bA_k + cA_k²`` and ``A_{k+1} = X_{k+1} X_{k+1}ᵀ = M_k A_k M_k`` (``M_k`` is a
     polynomial of the symmetric ``A_k``), so only ``A_0 = X_0 X_0ᵀ`` and the final ``S X_0`` touch
-    the ``c`` columns. Equal to the plain iteration up to float32 round-off."""
+    the ``c`` columns. Tall (``tall``): the same on ``A_0 = X_0ᵀX_0`` with ``X_k = X_0 S_k`` (the
+    ``M_k`` commute). Equal to the plain iteration up to float32 round-off."""
     a, b, c = coefficients
-    gram = tf.matmul(x, x, transpose_b=True)  # A_0
+    gram = _gram(x, tall)  # A_0
     # Constants made once (a Python float is a new graph constant at each use); same values.
-    a_eye = tf.constant(a * np.eye(int(x.shape[-2]), dtype=np.float32))
+    a_eye = tf.constant(a * np.eye(int(gram.shape[-1]), dtype=np.float32))
     b, c = tf.constant(b, x.dtype), tf.constant(c, x.dtype)
     s = None
     for k in range(steps):
@@ -532,4 +553,4 @@ def _gram_space_iteration(x, steps, coefficients):
         s = m if s is None else tf.matmul(m, s)
         if k + 1 < steps:
             gram = tf.matmul(tf.matmul(m, gram), m)
-    return tf.matmul(s, x)
+    return tf.matmul(x, s) if tall else tf.matmul(s, x)
