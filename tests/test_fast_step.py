@@ -1,7 +1,7 @@
 """The eigenbasis rule's faster steady step (issue 33, item 2) against float64 references.
 
 * ``rotate_in`` / ``rotate_out`` (the bases' transposes taken by the products, 1×1 blocks
-  skipped) against ``Q_Aᵀ M Q_G`` / ``Q_A M Q_Gᵀ`` with the block-diagonal bases written out
+  skipped, a short last block at its true size) against ``Q_Aᵀ M Q_G`` / ``Q_A M Q_Gᵀ`` with the block-diagonal bases written out
   densely in float64, padding included.
 * Newton–Schulz in the Gram space (wide matrices, ``c >= GRAM_RATIO·r``) against the plain
   quintic iteration in float64; the Gram form squares the spread of the singular values, so its
@@ -53,8 +53,12 @@ def _orthogonal_blocks(rng, nb, d, n):
 
 
 @pytest.mark.parametrize("a,d_a,g,d_g", [(10, 10, 32, 32), (289, 128, 64, 64), (7, 3, 10, 4),
-                                         (65, 1, 64, 64), (129, 128, 10, 10), (40, 16, 50, 16)])
+                                         (65, 1, 64, 64), (129, 128, 10, 10), (40, 16, 50, 16),
+                                         (250, 32, 70, 8), (5, 8, 6, 8)])
 def test_rotations_match_dense_block_diagonal_products(a, d_a, g, d_g):
+    """Padded last blocks both ways: multiplied at their true size (over 1/8 of the product is
+    padding: 289 = 2·128 + 33, the bias row of 129, a single short block of 5 or 6) and padded
+    (250 of 256, 70 of 72)."""
     rng = np.random.default_rng(a + g)
     nb_a, nb_g = -(-a // d_a), -(-g // d_g)
     q_a = _orthogonal_blocks(rng, nb_a, d_a, a) if d_a > 1 else np.ones((a, 1, 1))
@@ -65,6 +69,14 @@ def test_rotations_match_dense_block_diagonal_products(a, d_a, g, d_g):
     tol = 1e-5 * np.abs(m).max() * np.sqrt(max(d_a, d_g))
     np.testing.assert_allclose(rotate_in(*args).numpy(), dense_a.T @ m @ dense_g, atol=tol, rtol=0)
     np.testing.assert_allclose(rotate_out(*args).numpy(), dense_a @ m @ dense_g.T, atol=tol, rtol=0)
+    # Which way each side went: a padded product pads x (a Pad op), one at true size does not.
+    def padded_product(n, d):
+        padding = -(-n // d) * d - n
+        return d > 1 and 0 < padding <= eigenbasis_ops.RAGGED_PADDING * (n + padding)
+
+    graph = tf.function(rotate_in).get_concrete_function(*args).graph
+    pads = sum(op.type == "Pad" for op in graph.get_operations())
+    assert pads == padded_product(a, d_a) + padded_product(g, d_g)
 
 
 def _spread(rng, shape, low=1e-4):
