@@ -456,19 +456,19 @@ def newton_schulz(x, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, epsilon=1e-7,
 
     * ``"spectral"`` (used up to :data:`SPECTRAL_MAX` rows on the short side): the same
       polynomial, evaluated through the eigendecomposition of the small Gram matrix
-      (wide: ``A_0 = X Xᵀ = U diag(σ²) Uᵀ``). Every iterate is ``X_k = p_k(A_0) X_0`` with ``p_k`` a
-      polynomial, so the iteration acts on each singular value alone:
+      (wide: ``A_0 = X Xᵀ = U diag(σ²) Uᵀ``). Every iterate is ``X_k = p_k(A_0) X_0`` with
+      ``p_k`` a polynomial, so the iteration acts on each singular value alone:
       ``σ_{k+1} = σ_k (a + bσ_k² + cσ_k⁴)``, and the result is ``U diag(σ_K/σ_0) Uᵀ X_0``
       (:func:`_spectral_iterations`). One float32 ``eigh`` of ``[r, r]`` and three products
-      instead of ~4 products per iteration: on this CPU 0.6–0.8× the CPU time per step of the
-      suite's buckets measured alone, and 0.74× the whole step of the autoencoder, whose
-      buckets are large; small buckets' gain does not reach a step, where they overlap other
-      ops (docs/overhead.md). Within float32 round-off of the
-      iteration: ``σ_K/σ_0`` is smooth in ``σ²`` (→ ``a^K`` at 0), so directions that ``eigh``
+      instead of ~4 products per iteration: 0.70× the CPU of the autoencoder's whole step,
+      whose buckets are large (r up to 785). On the suite's small buckets the two are within a
+      few percent of each other in a whole step (paired, CPU, spectral / iterate: tabular
+      0.96×, digits 1.01×, ViT 1.00×, Fashion CNN 1.03×, char GPT 1.04×; docs/overhead.md),
+      so one method serves all. Within float32 round-off of the iteration: ``σ_K/σ_0`` is smooth in ``σ²`` (→ ``a^K`` at 0), so directions that ``eigh``
       mixes (clustered ``σ``) get the same factor either way.
     * ``"iterate"``: the products themselves; on a matrix whose long side is at least
-      :data:`GRAM_RATIO` times its short side in the small Gram space (:func:`_gram_space_iteration`), narrower
-      ones on ``X`` itself.
+      :data:`GRAM_RATIO` times its short side in the small Gram space
+      (:func:`_gram_space_iteration`), narrower ones on ``X`` itself.
 
     A matrix with a non-finite entry gives zeros under ``"spectral"`` (``eigh`` would raise;
     the rule discards such a step, see ``Eigenbasis.update_step``) and NaN under ``"iterate"``.
