@@ -175,3 +175,29 @@ def test_bench_ns_spectral_reads_the_rules_buckets_and_compares_both_methods(tmp
             assert bucket[method]["max_difference"] < 3e-3
         assert entry[method + "_cpu_ms_per_step"] == pytest.approx(
             sum(b[method]["cpu_ms"] for b in entry["buckets"]), abs=2e-3)
+
+
+def test_bench_resnet50_step_ratios_and_quick_run(tmp_path):
+    """The ResNet-50 step benchmark: medians over repeats and ratios to each reference from
+    known numbers; its quick mode (a small CNN, SGD and both THOR variants) writes them."""
+    import json
+
+    bench = _load("bench_resnet50_step")
+    runs = [{"variant": v, "wall_ms": w, "cpu_ms": c}
+            for v, w, c in (("sgd", 10.0, 20.0), ("sgd", 30.0, 40.0), ("sgd", 20.0, 30.0),
+                            ("thor", 60.0, 90.0), ("thor", 50.0, 60.0), ("thor", 40.0, 120.0))]
+    summary = bench.summarize(runs, ["sgd", "thor"])
+    assert summary["sgd"]["cpu_ms"] == 30.0 and summary["thor"]["cpu_ms"] == 90.0
+    assert summary["thor"]["cpu_vs_sgd"] == 3.0 and summary["thor"]["wall_vs_sgd"] == 2.5
+    assert "cpu_vs_adam" not in summary["thor"]
+    with pytest.raises(SystemExit, match="unknown"):
+        bench.main(["--variants", "sgd,lbfgs", "--out", str(tmp_path / "x.json")])
+    out = tmp_path / "step.json"
+    bench.main(["--quick", "--variants", "sgd,thor,thor_conv_adam", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert sorted(result["summary"]) == ["sgd", "thor", "thor_conv_adam"]
+    assert len(result["runs"]) == 3
+    sgd_cpu = result["summary"]["sgd"]["cpu_ms"]
+    for row in result["summary"].values():
+        assert row["cpu_ms"] > 0
+        assert row["cpu_vs_sgd"] == pytest.approx(row["cpu_ms"] / sgd_cpu, abs=2e-3)
