@@ -1,8 +1,8 @@
 """The eigenbasis rule's faster steady step (issue 33, item 2) against float64 references.
 
 * ``rotate_in`` / ``rotate_out`` (the bases' transposes taken by the products, 1×1 blocks
-  skipped, a short last block at its true size) against ``Q_Aᵀ M Q_G`` / ``Q_A M Q_Gᵀ`` with the block-diagonal bases written out
-  densely in float64, padding included.
+  skipped, a short last block at its true size) against ``Q_Aᵀ M Q_G`` / ``Q_A M Q_Gᵀ`` with
+  the block-diagonal bases written out densely in float64, padding included.
 * Newton–Schulz in the Gram space (wide matrices, ``c >= GRAM_RATIO·r``) against the plain
   quintic iteration in float64; the Gram form squares the spread of the singular values, so its
   float32 round-off is larger than the plain iteration's (measured 1e-4…9e-4 of the largest entry
