@@ -338,8 +338,6 @@ def _rows_by_blocks(q, x, transpose):
         return x
     n = int(x.shape[0])
     pad = nb * d - n
-    if nb == 1 and not pad:
-        return tf.linalg.matmul(q[0], x, transpose_a=transpose)
     if pad > RAGGED_PADDING * nb * d:
         full, rest = divmod(n, d)
         parts = [_rows_by_full_blocks(q, x, full, transpose)] if full else []
@@ -350,17 +348,21 @@ def _rows_by_blocks(q, x, transpose):
         return parts[0] if len(parts) == 1 else tf.concat(parts, 0)
     if pad:
         x = tf.pad(x, [[0, pad], [0, 0]])
-    y = tf.linalg.matmul(q, tf.reshape(x, [nb, d, -1]), transpose_a=transpose)
-    y = tf.reshape(y, [nb * d, -1])
+    y = _rows_by_full_blocks(q, x, nb, transpose)
     return y[:n] if pad else y
 
 
 def _rows_by_full_blocks(q, x, full, transpose):
-    """The first ``full`` blocks of :func:`_rows_by_blocks`: ``[full·d, m]``."""
-    d = int(q.shape[-1])
+    """:func:`_rows_by_blocks` on the first ``full`` blocks of ``q`` and ``full·d`` rows of
+    ``x``: ``[full·d, m]``; one block is a 2-D product (~3x cheaper than a batch of one on this
+    CPU). Slices only where a part is left out."""
+    nb, d = int(q.shape[0]), int(q.shape[-1])
+    if int(x.shape[0]) != full * d:
+        x = x[:full * d]
     if full == 1:
-        return tf.linalg.matmul(q[0], x[:d], transpose_a=transpose)
-    y = tf.linalg.matmul(q[:full], tf.reshape(x[:full * d], [full, d, -1]), transpose_a=transpose)
+        return tf.linalg.matmul(q[0], x, transpose_a=transpose)
+    q = q if full == nb else q[:full]
+    y = tf.linalg.matmul(q, tf.reshape(x, [full, d, -1]), transpose_a=transpose)
     return tf.reshape(y, [full * d, -1])
 
 
@@ -371,8 +373,6 @@ def _columns_by_blocks(x, q, transpose):
         return x
     n = int(x.shape[1])
     pad = nb * d - n
-    if nb == 1 and not pad:
-        return tf.linalg.matmul(x, q[0], transpose_b=transpose)
     if pad > RAGGED_PADDING * nb * d:
         full, rest = divmod(n, d)
         parts = [_columns_by_full_blocks(x, q, full, transpose)] if full else []
@@ -383,19 +383,20 @@ def _columns_by_blocks(x, q, transpose):
         return parts[0] if len(parts) == 1 else tf.concat(parts, 1)
     if pad:
         x = tf.pad(x, [[0, 0], [0, pad]])
-    rows = tf.reshape(x, [-1, nb, d])
-    y = tf.einsum("mbj,bij->mbi" if transpose else "mbi,bij->mbj", rows, q)
-    y = tf.reshape(y, [-1, nb * d])
+    y = _columns_by_full_blocks(x, q, nb, transpose)
     return y[:, :n] if pad else y
 
 
 def _columns_by_full_blocks(x, q, full, transpose):
-    """The first ``full`` blocks of :func:`_columns_by_blocks`: ``[m, full·d]``."""
-    d = int(q.shape[-1])
+    """:func:`_columns_by_blocks` on the first ``full`` blocks: ``[m, full·d]``."""
+    nb, d = int(q.shape[0]), int(q.shape[-1])
+    if int(x.shape[1]) != full * d:
+        x = x[:, :full * d]
     if full == 1:
-        return tf.linalg.matmul(x[:, :d], q[0], transpose_b=transpose)
-    rows = tf.reshape(x[:, :full * d], [-1, full, d])
-    y = tf.einsum("mbj,bij->mbi" if transpose else "mbi,bij->mbj", rows, q[:full])
+        return tf.linalg.matmul(x, q[0], transpose_b=transpose)
+    q = q if full == nb else q[:full]
+    rows = tf.reshape(x, [-1, full, d])
+    y = tf.einsum("mbj,bij->mbi" if transpose else "mbi,bij->mbj", rows, q)
     return tf.reshape(y, [-1, full * d])
 
 
@@ -531,7 +532,7 @@ NS_METHODS = ("auto", "spectral", "iterate")
 SPECTRAL_MAX = 1024
 
 
-def _spectral_iterations(xs, steps, coefficients, talls=None):
+def _spectral_iterations(xs, steps, coefficients, talls):
     """Muon's iteration on each normalized ``x`` of ``xs`` (``[..., r, c]``) through the
     eigenvalues of its small Gram matrix: for a wide ``x``, ``A_0 = x xᵀ = U diag(σ²) Uᵀ`` and
     the result ``U diag(g(σ²)) Uᵀ x``; for a tall one (``talls``: per tensor, ``r > c``),
@@ -539,8 +540,6 @@ def _spectral_iterations(xs, steps, coefficients, talls=None):
     ``σ = √λ`` (``Π_k (a + bσ_k² + cσ_k⁴)``, ``σ_{k+1}² = σ_k²(a + bσ_k² + cσ_k⁴)²``),
     evaluated once on all the tensors' eigenvalues, concatenated. A single row or column (short
     side 1) needs no ``eigh``: its Gram matrix is its squared norm and ``U = 1``."""
-    if talls is None:
-        talls = [False] * len(xs)
     a, b, c = (tf.constant(value, tf.float32) for value in coefficients)  # once, not per use
     bases, sizes, s2s = [], [], []
     for x, tall in zip(xs, talls):
