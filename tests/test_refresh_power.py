@@ -18,7 +18,7 @@ import tensorflow as tf
 import thor_tf
 from thor_tf.rules import Eigenbasis
 from thor_tf.rules.eigenbasis_ops import (EIGH, KEPT, NON_FINITE, POWER_QR, SKIPPED,
-                                          power_qr_step, refresh_selected)
+                                          off_diagonal_ratio, power_qr_step, refresh_selected)
 
 
 def _orthogonal(d, rng):
@@ -104,6 +104,24 @@ def test_power_step_moves_a_near_basis_to_the_float64_eigenvectors(sizes, size):
             expected = np.linalg.norm(inner - np.diag(np.diag(inner))) / np.linalg.norm(f)
             np.testing.assert_allclose(got, expected, rtol=2e-3, atol=1e-6)
         assert residual[n] < 0.5 * drift[n]
+
+
+def test_off_diagonal_ratio_against_float64():
+    """``‖M − diag M‖_F / norm`` per block, from the entries off the diagonal in float64; a zero
+    norm gives 0 (floored), a non-finite diagonal a NaN (the caller treats it as not finite)."""
+    rng = np.random.default_rng(3)
+    m = rng.normal(size=(4, 7, 7)).astype(np.float32)
+    m[1] = np.diag(rng.normal(size=7))  # diagonal: ratio 0
+    m[2] = 0.0  # zero block, zero norm: 0, not NaN
+    m[3, 2, 2] = np.inf
+    norm = np.linalg.norm(m.astype(np.float64), axis=(1, 2))
+    norm[2] = 0.0
+    off = [np.sqrt(sum(float(m[b, i, j]) ** 2 for i in range(7) for j in range(7) if i != j))
+           for b in range(4)]
+    got = off_diagonal_ratio(tf.constant(m), tf.constant(norm, tf.float32)).numpy()
+    np.testing.assert_allclose(got[:2], [off[0] / norm[0], 0.0], rtol=1e-6, atol=0)
+    assert got[2] == 0.0
+    assert np.isnan(got[3])
 
 
 def test_power_step_keeps_the_columns_signed_like_the_old_basis():

@@ -177,8 +177,16 @@ KEPT, SKIPPED, POWER_QR, EIGH, NON_FINITE = 0, 1, 2, 3, 4
 def off_diagonal_ratio(matrix, norm):
     """``‖M − diag M‖_F / norm`` per matrix of ``matrix`` (``[B, d, d]``; ``norm`` ``[B]``,
     floored at 1e-30 so that a zero block has ratio 0)."""
-    off = matrix - tf.linalg.diag(tf.linalg.diag_part(matrix))
+    # The diagonal zeroed by one product with a constant mask, the same values as subtracting
+    # ``diag(diag_part M)`` (a MatrixDiag building another ``[B, d, d]``: 0.3–0.8 ms per call
+    # at a refresh on the suite's CNNs, and two more ops).
+    off = matrix * _off_diagonal_mask(int(matrix.shape[-1]), matrix.dtype)
     return tf.sqrt(tf.reduce_sum(tf.square(off), axis=[1, 2])) / tf.maximum(norm, 1e-30)
+
+
+def _off_diagonal_mask(d, dtype):
+    """``1 − I`` (``[d, d]``): ones off the diagonal."""
+    return 1.0 - lean.eye(d, dtype)
 
 
 def power_qr_step(blocks, mask, previous_q, tie_break=TIE_BREAK):
