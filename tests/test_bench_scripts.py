@@ -201,3 +201,38 @@ def test_bench_resnet50_step_ratios_and_quick_run(tmp_path):
     for row in result["summary"].values():
         assert row["cpu_ms"] > 0
         assert row["cpu_vs_sgd"] == pytest.approx(row["cpu_ms"] / sgd_cpu, abs=2e-3)
+
+
+def test_bench_cadence_share_ratios_and_quick_run(tmp_path):
+    """The cadence-share benchmark: THOR's median step away from its cadence points and its mean
+    step over the baseline's, from known per-step times (steps 1..20, cadence at 10 and 20, the
+    first 4 skipped); the suite's chosen baselines; its quick mode writes JSON and a PNG."""
+    import json
+
+    bench = _load("bench_cadence_share")
+    # steps 1-4 (skipped) 100 ms; of steps 5..20 the 14 plain ones 7 x 4 then 7 x 6 ms, the
+    # cadence points 10 and 20 25 and 45 ms: the plain median is 5 (6 with the cadence points in)
+    plain = [s for s in range(5, 21) if s % 10]
+    thor = [100.0] * 20
+    for n, step in enumerate(plain):
+        thor[step - 1] = 4.0 if n < 7 else 6.0
+    thor[9], thor[19] = 25.0, 45.0
+    base = [100.0] * 4 + [4.0] * 15 + [6.0]
+    r = bench.ratios(thor, base, [2 * t for t in thor], [2 * b for b in base])
+    assert r["thor_noncadence_median_ms"] == 5.0 and r["thor_cadence_mean_ms"] == 35.0
+    assert r["base_median_ms"] == 4.0 and r["noncadence_ratio"] == pytest.approx(5.0 / 4.0)
+    # steps 5..20: 7 of 4 ms, 7 of 6 ms and the two cadence points; the baseline 15 x 4 and one 6
+    assert r["amortized_ratio"] == pytest.approx(((7 * 4 + 7 * 6 + 70) / 16) / ((15 * 4 + 6) / 16))
+    assert r["cpu_amortized_ratio"] == pytest.approx(r["amortized_ratio"])
+    chosen = bench.best_baselines(os.path.join(ROOT, "docs", "suite.json"))
+    assert chosen["tabular_mlp"][0] in ("sgd", "adam", "adamw", "muon")
+    with pytest.raises(SystemExit):
+        bench.main(["--workloads", "mnist_gan", "--out", str(tmp_path / "x.json")])
+    out = tmp_path / "share.json"
+    bench.main(["--quick", "--out", str(out)])
+    result = json.loads(out.read_text())["results"]["tabular_mlp"]
+    assert len(result["repeats"]) == 2 and (tmp_path / "share.png").exists()
+    for run in result["repeats"]:
+        assert run["noncadence_ratio"] == pytest.approx(
+            run["thor_noncadence_median_ms"] / run["base_median_ms"])
+        assert run["thor_cadence_mean_ms"] > 0
