@@ -140,6 +140,9 @@ def main(argv=None):
     steps, repeats = args.steps, args.repeats
     if args.quick:
         names, steps, repeats = ["tabular_mlp"], 12, 2
+    if steps < 6 or repeats < 1:
+        parser.error(f"--steps must be >= 6 (the first 4 steps are skipped) and --repeats >= 1; "
+                     f"got {steps} and {repeats}")
     if steps < FREQUENCY + 5:
         print(f"note: --steps {steps} reaches at most one cadence point")
     chosen = best_baselines(args.suite)

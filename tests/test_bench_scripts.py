@@ -226,8 +226,9 @@ def test_bench_cadence_share_ratios_and_quick_run(tmp_path):
     assert r["cpu_amortized_ratio"] == pytest.approx(r["amortized_ratio"])
     chosen = bench.best_baselines(os.path.join(ROOT, "docs", "suite.json"))
     assert chosen["tabular_mlp"][0] in ("sgd", "adam", "adamw", "muon")
-    with pytest.raises(SystemExit):
-        bench.main(["--workloads", "mnist_gan", "--out", str(tmp_path / "x.json")])
+    for bad in (["--workloads", "mnist_gan"], ["--steps", "3"], ["--repeats", "0"]):
+        with pytest.raises(SystemExit):
+            bench.main(bad + ["--out", str(tmp_path / "x.json")])
     out = tmp_path / "share.json"
     bench.main(["--quick", "--out", str(out)])
     result = json.loads(out.read_text())["results"]["tabular_mlp"]
