@@ -10,7 +10,7 @@
   to carry ``A`` is far outside it.
 * The same polynomial evaluated through ``eigh`` of the Gram matrix (``method="spectral"``, the
   default), square and rectangular, against the same float64 iteration and tolerance; a
-  non-finite matrix gives zeros instead of raising.
+  non-finite matrix gives zeros instead of raising; ``X``'s long side in two products only.
 * The bucketed orthogonalization (mixed shapes, zero-padded to shared sizes) against each
   matrix's float64 iteration and scale.
 * A model with a Conv2D, a wide Dense (Gram path), an Embedding (1×1 A blocks) and a head,
@@ -197,6 +197,21 @@ def test_orthogonalization_transposes_only_a_buckets_minority():
     assert transposes([(257, 64)]) == 0
     assert transposes([(65, 64), (66, 64), (67, 63)]) == 0
     assert transposes([(65, 64), (66, 64), (64, 66)]) == 2
+
+
+@pytest.mark.parametrize("shape", [(300, 40), (40, 300), (4, 65, 256), (4, 256, 65)])
+def test_spectral_evaluation_multiplies_the_long_side_twice(shape):
+    """Through ``eigh`` the long side of ``X`` takes two products: its Gram matrix, and ``X``
+    times ``P = U diag(g) Uᵀ`` formed on the short side (not ``X U`` and then ``Uᵀ``: one
+    ``s²·l`` product more). The values are checked against float64 above."""
+    long = max(shape[-2:])
+    fn = tf.function(lambda x: newton_schulz(x, method="spectral"))
+    graph = fn.get_concrete_function(tf.TensorSpec(shape, tf.float32)).graph
+    products = [op for op in graph.get_operations() if op.type in ("MatMul", "BatchMatMulV2",
+                                                                    "BatchMatMulV3")]
+    touching = [op for op in products
+                if any(long in [int(d) for d in t.shape] for t in list(op.inputs) + op.outputs)]
+    assert len(products) == 3 and len(touching) == 2
 
 
 def _mixed_model():
