@@ -237,3 +237,44 @@ def test_bench_cadence_share_ratios_and_quick_run(tmp_path):
         assert run["noncadence_ratio"] == pytest.approx(
             run["thor_noncadence_median_ms"] / run["base_median_ms"])
         assert run["thor_cadence_mean_ms"] > 0
+
+
+def test_bench_interleaved_pairs_seeds_and_trains_as_the_suite(tmp_path):
+    """The interleaved benchmark: segment order alternates by segment and seed; the per-seed
+    ratios of seconds to the target and their median (a seed where one side never got there has
+    none); bad arguments are refused naming them; its quick run writes JSON and a PNG, and
+    THOR's evaluations there are those of the suite's own run of the same seed (training
+    interleaved with the baseline's changes no value)."""
+    import argparse
+    import json
+
+    bench = _load("bench_interleaved")
+    assert [bench.segment_order(i, 0) for i in range(3)] == [(0, 1), (1, 0), (0, 1)]
+    assert bench.segment_order(0, 1) == (1, 0)
+    summary = {"best_baseline": "muon", "optimizers": {
+        "thor": {"seeds": [0, 1, 2], "seconds_to_target": [2.0, None, 3.0]},
+        "muon": {"seeds": [0, 1, 2], "seconds_to_target": [4.0, 5.0, None]}}}
+    assert bench.paired(summary) == ([0.5, None, None], 0.5)
+    summary["optimizers"]["muon"]["seconds_to_target"] = [4.0, 5.0, 2.0]
+    summary["optimizers"]["thor"]["seconds_to_target"] = [2.0, 6.0, 3.0]
+    assert bench.paired(summary) == ([0.5, 1.2, 1.5], 1.2)
+    for bad in (["--workloads", "mnist_gan"], ["--seeds", "a"], ["--evals", "0"]):
+        with pytest.raises(SystemExit):
+            bench.main(bad + ["--out", str(tmp_path / "x.json")])
+    out = tmp_path / "interleaved.json"
+    bench.main(["--quick", "--out", str(out)])
+    result = json.loads(out.read_text())["results"]["tabular_mlp"]
+    assert (tmp_path / "interleaved.png").exists()
+    thor_rows = [r for r in result["rows"] if r["optimizer"] == "thor"]
+    base_rows = [r for r in result["rows"] if r["optimizer"] == result["baseline"]]
+    assert [r["step"] for r in thor_rows] == [r["step"] for r in base_rows]
+    assert len(thor_rows) == 5 and all(b["seconds"] > a["seconds"]
+                                       for a, b in zip(thor_rows[1:], thor_rows[2:]))
+
+    from thor_tf_experiments import suite, workloads
+
+    workload = workloads.WORKLOADS["tabular_mlp"].sized(True)
+    args = argparse.Namespace(quick=True, evals=4, thor_option={})
+    alone = suite.train_run(workload, workload.load(True), "thor", 0.0, 0, args, lambda row: None)
+    np.testing.assert_allclose([r["metric"] for r in thor_rows], [r["metric"] for r in alone],
+                               rtol=1e-6)

@@ -1,0 +1,206 @@
+"""Seconds to the target with THOR's and the best baseline's training interleaved in one process,
+segment by segment, so that both see the same host.
+
+On a shared machine the speed moves from one few-second window to the next, and the load that
+``experiments/timing.py`` measures does not show it (docs/timing.md, "What the load does not
+see"): the suite's runs of THOR and of the baseline, a minute apart, can meet hosts 25 % apart.
+Here, per workload and seed, THOR (defaults) and the workload's best baseline at its best rate
+(``docs/suite.json``'s choice, the suite's own schedule) are built in one process on the same
+weights and batches, and trained through the suite's segments (one Keras ``fit`` epoch between
+two evaluations, timed as the suite times them: ``timing.fit_segment``), alternating: segment 1
+of one, segment 1 of the other, segment 2 of the first... (which one goes first alternates by
+segment and seed). Evaluations are not timed. The rows are the suite's, so its summary gives
+the steps and seconds to the target (the baseline's median final in this run).
+
+Reported per workload:
+
+* ``seconds_ratio``: THOR's median seconds to the target over the baseline's (the suite's
+  statistic);
+* ``paired_ratios`` and ``paired_median``: per seed, THOR's seconds to the target over the
+  baseline's from the same seed's interleaved pair (None when one never reached it), and their
+  median;
+* the steps ratio, both sides' finals, first segments and steady steps.
+
+JSON in ``--out``, a PNG beside it.
+
+    python scripts/bench_interleaved.py --out docs/bench_interleaved.json   # ~15 min, 7 workloads
+    python scripts/bench_interleaved.py --quick     # the tabular MLP, one seed: the harness
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_cadence_share import best_baselines  # noqa: E402  (the suite's chosen baselines)
+
+WORKLOADS = "digits_cnn,tabular_mlp,fashion_cnn,char_gpt,vit,resnet20,autoencoder"
+
+
+def segment_order(index, seed):
+    """Which of (THOR, baseline) trains first in segment ``index`` of seed ``seed``."""
+    return (0, 1) if (index + seed) % 2 == 0 else (1, 0)
+
+
+def interleaved_rows(name, baseline, rate, seed, quick, evals):
+    """The suite's metric rows of THOR and the baseline on ``name``, seed ``seed``, trained
+    segment by segment in turn."""
+    import keras
+    from thor_tf_experiments import suite, timing, workloads
+
+    workload = workloads.WORKLOADS[name].sized(quick)  # the suite's --quick sizes under quick
+    data = workload.load(quick)
+    keras.backend.clear_session()
+    order = suite.batch_order(data.num_train, workload.batch_size, workload.epochs, seed,
+                              workload.single_pass)
+    runs = []
+    for optimizer, lr in (("thor", 0.0), (baseline, rate)):
+        keras.utils.set_random_seed(seed)
+        model = suite.compiled_model(optimizer, lr, workload, data, quick, len(order), {})
+        runs.append({"optimizer": optimizer, "lr": float(lr), "model": model,
+                     "clock": timing.RunClock(), "rows": []})
+    x_eval, y_eval = ((data.x_train, data.y_train) if workload.eval_split == "train"
+                      else (data.x_test, data.y_test))
+
+    def evaluate(run, step, train_loss):
+        result = run["model"].evaluate(x_eval, y_eval, batch_size=512, verbose=0,
+                                       return_dict=True)
+        run["rows"].append({"workload": name, "optimizer": run["optimizer"], "lr": run["lr"],
+                            "seed": int(seed), "step": step,
+                            "seconds": round(run["clock"].seconds, 4),
+                            "metric": float(result[workload.metric]), "train_loss": train_loss,
+                            **run["clock"].fields()})
+
+    for run in runs:
+        evaluate(run, 0, None)
+    done = 0
+    for index, stop in enumerate(suite.eval_steps(len(order), evals)):
+        idx = order[done:stop].reshape(-1)
+        for k in segment_order(index, seed):
+            _, loss = timing.fit_segment(runs[k]["model"], runs[k]["clock"], index,
+                                         data.x_train[idx], data.y_train[idx],
+                                         workload.batch_size)
+            evaluate(runs[k], stop, loss)
+        done = stop
+    for run in runs:
+        last = run["rows"][-1]
+        print(f"[{name} {run['optimizer']} seed={seed}] {len(order)} steps  {workload.metric} "
+              f"{last['metric']:.4f}  {run['clock'].seconds:.1f}s (first "
+              f"{run['clock'].first_seconds:.1f}s)", flush=True)
+    return runs[0]["rows"] + runs[1]["rows"]
+
+
+def paired(summary):
+    """Per seed, THOR's seconds to the target over the baseline's (None where one never got
+    there), and the median of those that exist (None when none)."""
+    thor, base = summary["optimizers"]["thor"], summary["optimizers"][summary["best_baseline"]]
+    by_seed = dict(zip(base["seeds"], base["seconds_to_target"]))
+    ratios = [None if t is None or by_seed.get(s) in (None, 0) else t / by_seed[s]
+              for s, t in zip(thor["seeds"], thor["seconds_to_target"])]
+    present = [r for r in ratios if r is not None]
+    return ratios, (statistics.median(present) if present else None)
+
+
+def workload_result(name, baseline, rate, seeds, quick, evals):
+    from thor_tf_experiments import suite, workloads
+
+    rows = []
+    for seed in seeds:
+        rows += interleaved_rows(name, baseline, rate, seed, quick, evals)
+    summary = suite.summarize_workload(workloads.WORKLOADS[name].sized(quick), rows)
+    ratios, median = paired(summary)
+    thor, base = summary["optimizers"]["thor"], summary["optimizers"][summary["best_baseline"]]
+    return {"workload": name, "baseline": baseline, "rate": rate, "target": summary["target"],
+            "steps_ratio": summary.get("steps_ratio"),
+            "seconds_ratio": summary.get("seconds_ratio"),
+            "paired_ratios": ratios, "paired_median": median,
+            "thor_final": thor["final"], "baseline_final": base["final"],
+            "first_seconds": [thor["median_first_seconds"], base["median_first_seconds"]],
+            "steady_seconds_per_step": [thor["median_steady_seconds_per_step"],
+                                        base["median_steady_seconds_per_step"]],
+            "timing": summary.get("timing"), "rows": rows}
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    for i, name in enumerate(names):
+        r = results[name]
+        points = [p for p in r["paired_ratios"] if p is not None]
+        ax.scatter([i] * len(points), points, color="0.5", s=12, zorder=3,
+                   label="per seed" if i == 0 else None)
+        if r["paired_median"] is not None:
+            ax.bar(i, r["paired_median"], 0.6, color="tab:blue", alpha=0.6,
+                   label="median of the per-seed ratios" if i == 0 else None)
+        if r["seconds_ratio"] is not None:
+            ax.scatter([i], [r["seconds_ratio"]], marker="x", color="k", s=40, zorder=4,
+                       label="ratio of the medians (the suite's)" if i == 0 else None)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.axhline(0.75, color="k", lw=0.6, ls=":")
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels([f"{n}\nvs {results[n]['baseline']}" for n in names], fontsize=8)
+    ax.set_ylabel("THOR seconds to target / baseline's")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default=WORKLOADS)
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--evals", type=int, default=10, help="evaluations per run (the suite's)")
+    parser.add_argument("--suite", default=str(ROOT / "docs" / "suite.json"))
+    parser.add_argument("--out", default="runs/bench_interleaved.json")
+    parser.add_argument("--quick", action="store_true",
+                        help="the tabular MLP, one seed, 4 evaluations: the harness")
+    args = parser.parse_args(argv)
+    chosen = best_baselines(args.suite)
+    names = ["tabular_mlp"] if args.quick else [n for n in args.workloads.split(",") if n]
+    unknown = [n for n in names if n not in chosen]
+    if unknown:
+        parser.error(f"--workloads: {unknown} have no best baseline in {args.suite}; "
+                     f"allowed: {sorted(chosen)}")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s]
+    except ValueError:
+        parser.error(f"--seeds must be comma-separated integers; got {args.seeds!r}")
+    if args.quick:
+        seeds, args.evals = seeds[:1], min(args.evals, 4)
+    if not seeds or args.evals < 1:
+        parser.error("--seeds needs at least one seed and --evals at least 1")
+    results = {}
+    for name in names:
+        baseline, rate = chosen[name]
+        r = workload_result(name, baseline, rate, seeds, args.quick, args.evals)
+        results[name] = r
+        fmt = lambda v: "never" if v is None else f"{v:.2f}x"
+        print(f"{name}: THOR vs {baseline} {rate:g}: steps {fmt(r['steps_ratio'])}, seconds "
+              f"(medians) {fmt(r['seconds_ratio'])}, per seed "
+              f"{[fmt(p) for p in r['paired_ratios']]}, their median {fmt(r['paired_median'])}",
+              flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"seeds": seeds, "evals": args.evals, "quick": args.quick,
+                               "machine": platform.platform(), "results": results}, indent=1))
+    plot(results, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
