@@ -572,18 +572,16 @@ def _spectral_iterations(xs, steps, coefficients, talls):
     gains = [gain] if len(xs) == 1 else tf.split(gain, sizes)
     out = []
     for (x, u, tall), g in zip(bases, gains):
-        short = int(x.shape[-1] if tall else x.shape[-2])
+        g = tf.reshape(g, x.shape[:-2] + [int(x.shape[-1] if tall else x.shape[-2])])
         if u is None:
             # A single row or column: its gain times it ([..., 1, c] tall, [..., r, 1] wide).
-            out.append(x * tf.expand_dims(tf.reshape(g, x.shape[:-2] + [short]),
-                                          -2 if tall else -1))
+            out.append(x * tf.expand_dims(g, -2 if tall else -1))
             continue
         # P = U diag(g) Uᵀ on the short side first ([..., s, s]: s³ multiply-adds), then one
         # product with x (s²·l): x P tall, P x wide. The same matrix as (x U) diag(g) Uᵀ, whose
         # two products with x cost 2·s²·l (the Fashion CNN's [3137, 128] dense step: 103 of 206
         # MFLOP fewer per step).
-        p = tf.matmul(u * tf.expand_dims(tf.reshape(g, x.shape[:-2] + [short]), -2), u,
-                      transpose_b=True)
+        p = tf.matmul(u * tf.expand_dims(g, -2), u, transpose_b=True)
         out.append(tf.matmul(x, p) if tall else tf.matmul(p, x))
     return out
 
