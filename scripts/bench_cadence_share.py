@@ -116,10 +116,17 @@ def plot(results, path):
                               (0.2, "amortized_ratio", "cadence points amortized")):
         ax.bar([i + shift for i in x], [results[n]["summary"][key]["median"] for n in names],
                0.4, yerr=[results[n]["summary"][key]["sd"] for n in names], label=label)
+    finish_workload_axes(fig, ax, results, "THOR step / best baseline's (wall)", path)
+
+
+def finish_workload_axes(fig, ax, results, ylabel, path):
+    """The workload plots' common end: parity line, one tick per workload of ``results`` (in its
+    order, with its baseline), ``ylabel``, legend; saved to ``path``."""
+    names = list(results)
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(list(x))
+    ax.set_xticks(range(len(names)))
     ax.set_xticklabels([f"{n}\nvs {results[n]['baseline']}" for n in names], fontsize=8)
-    ax.set_ylabel("THOR step / best baseline's (wall)")
+    ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -42,7 +42,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_cadence_share import best_baselines  # noqa: E402  (the suite's chosen baselines)
+from bench_cadence_share import (  # noqa: E402  (the suite's chosen baselines, plot end)
+    best_baselines, finish_workload_axes)
 
 WORKLOADS = "digits_cnn,tabular_mlp,fashion_cnn,char_gpt,vit,resnet20,autoencoder"
 
@@ -149,14 +150,8 @@ def plot(results, path):
         if r["seconds_ratio"] is not None:
             ax.scatter([i], [r["seconds_ratio"]], marker="x", color="k", s=40, zorder=4,
                        label="ratio of the medians (the suite's)" if i == 0 else None)
-    ax.axhline(1.0, color="k", lw=0.8)
     ax.axhline(0.75, color="k", lw=0.6, ls=":")
-    ax.set_xticks(range(len(names)))
-    ax.set_xticklabels([f"{n}\nvs {results[n]['baseline']}" for n in names], fontsize=8)
-    ax.set_ylabel("THOR seconds to target / baseline's")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    finish_workload_axes(fig, ax, results, "THOR seconds to target / baseline's", path)
 
 
 def main(argv=None):
