@@ -13,6 +13,8 @@
   non-finite matrix gives zeros instead of raising; ``X``'s long side in two products only.
 * The bucketed orthogonalization (mixed shapes, zero-padded to shared sizes) against each
   matrix's float64 iteration and scale.
+* Blocks of one shape rotated as one stack: each member against its own float64 products, and
+  a model with two such layers against the same model with every block preconditioned alone.
 * A model with a Conv2D, a wide Dense (Gram path), an Embedding (1×1 A blocks) and a head,
   6 steps with refreshes at every other step: the weights as the step before this change
   computed them (dense block-diagonal rotations, the plain iteration per shape, emulated here in
@@ -77,6 +79,80 @@ def test_rotations_match_dense_block_diagonal_products(a, d_a, g, d_g):
     graph = tf.function(rotate_in).get_concrete_function(*args).graph
     pads = sum(op.type == "Pad" for op in graph.get_operations())
     assert pads == padded_product(a, d_a) + padded_product(g, d_g)
+
+
+PRODUCTS = ("MatMul", "BatchMatMulV2", "Einsum", "Mul")
+
+
+@pytest.mark.parametrize("a,d_a,g,d_g", [(10, 10, 32, 32), (289, 128, 64, 64), (7, 3, 10, 4),
+                                         (65, 1, 64, 64), (129, 128, 10, 10), (250, 32, 70, 8),
+                                         (257, 128, 64, 64)])
+def test_stacked_rotations_are_each_blocks_rotations(a, d_a, g, d_g):
+    """Three blocks of one shape rotated as one stack (``[3, a, g]``, bases ``[3, nb, d, d]``,
+    as the rule does for a Transformer's query/key/value or a ResNet stage's convolutions): each
+    member equals its own dense block-diagonal products in float64, and the stack takes as many
+    products as one block does (not three times as many)."""
+    rng = np.random.default_rng(3 * a + g)
+    nb_a, nb_g, members = -(-a // d_a), -(-g // d_g), 3
+    q_a = np.stack([_orthogonal_blocks(rng, nb_a, d_a, a) if d_a > 1 else np.ones((a, 1, 1))
+                    for _ in range(members)])
+    q_g = np.stack([_orthogonal_blocks(rng, nb_g, d_g, g) for _ in range(members)])
+    m = rng.normal(size=(members, a, g))
+    args = [tf.constant(v, tf.float32) for v in (m, q_a, q_g)]
+    tol = 1e-5 * np.abs(m).max() * np.sqrt(max(d_a, d_g))
+    got_in, got_out = rotate_in(*args).numpy(), rotate_out(*args).numpy()
+    for n in range(members):
+        dense_a, dense_g = _dense_block_diag(q_a[n], a), _dense_block_diag(q_g[n], g)
+        np.testing.assert_allclose(got_in[n], dense_a.T @ m[n] @ dense_g, atol=tol, rtol=0)
+        np.testing.assert_allclose(got_out[n], dense_a @ m[n] @ dense_g.T, atol=tol, rtol=0)
+
+    def products(*xs):
+        graph = tf.function(rotate_in).get_concrete_function(*xs).graph
+        return sum(op.type in PRODUCTS for op in graph.get_operations())
+
+    assert products(*args) == products(*(x[0] for x in args)) > 0
+
+
+def _same_shape_model():
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
+
+
+def _run_same_shapes(steps=6):
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(16 * steps, 6)).astype("float32")
+    y = rng.integers(0, 3, 16 * steps)
+    model = thor_tf.wrap(_same_shape_model(), learning_rate=1e-2, split_dim=4, verbose=False,
+                         **EVERY_2)
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    start = [v.numpy() for v in model.trainable_variables]
+    for s in range(steps):
+        model.train_on_batch(x[16 * s:16 * (s + 1)], y[16 * s:16 * (s + 1)])
+    return start, [v.numpy() for v in model.trainable_variables], model
+
+
+def test_blocks_of_one_shape_take_the_steps_each_takes_alone(monkeypatch):
+    """Two hidden Dense layers of one shape (``[9, 8]``: A in blocks of 4, 4 and a bias row)
+    are preconditioned as one stack: 6 steps with refreshes at every other step train the same
+    weights, to float32 round-off of the step, as every block preconditioned alone."""
+    seen = []
+    with monkeypatch.context() as patch:
+        def recording(matrix, q_a, q_g):
+            seen.append(tuple(matrix.shape))
+            return rotate_in(matrix, q_a, q_g)
+
+        patch.setattr(eigenbasis_module, "rotate_in", recording)
+        start, stacked, model = _run_same_shapes()
+    assert (2, 9, 8) in seen and (7, 8) in seen and (9, 3) in seen, seen  # one stack of two
+    assert sum(s["refreshes"] for s in model.thor.layer_stats()) >= 8
+    with monkeypatch.context() as patch:
+        patch.setattr(Eigenbasis, "_stack_key", staticmethod(id))  # every block alone
+        _, alone, _ = _run_same_shapes()
+    moved = max(np.abs(a - s).max() for a, s in zip(alone, start))
+    assert moved > 1e-3
+    assert max(np.abs(t - a).max() for t, a in zip(stacked, alone)) < 1e-4 * moved
 
 
 def _spread(rng, shape, low=1e-4):
@@ -241,6 +317,8 @@ def _before_this_change(monkeypatch):
         out = (tf.matmul(tf.matmul(qa, m, transpose_a=True), qg) if inward
                else tf.matmul(tf.matmul(qa, m), qg, transpose_b=True))
         return tf.cast(out, tf.float32)
+
+    monkeypatch.setattr(Eigenbasis, "_stack_key", staticmethod(id))  # each block alone
 
     def orthogonalized(self, updates):
         out = []

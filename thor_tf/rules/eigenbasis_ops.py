@@ -340,79 +340,86 @@ def _rows_by_blocks(q, x, transpose):
     on ``x``'s rows cut into ``d``-blocks, the padding rows of the last block zero; where that
     padding is over :data:`RAGGED_PADDING` of the product, the full blocks' batched product and
     the last block's true ``[r, r]`` part by itself. 1×1 blocks hold the basis 1: ``x`` as it
-    is."""
-    nb, d = int(q.shape[0]), int(q.shape[-1])
+    is. A stack of ``L`` such products at once: ``q`` ``[L, nb, d, d]`` and ``x`` ``[L, n, m]``
+    (one leading axis, the same on both; see :func:`rotate_in`)."""
+    nb, d = int(q.shape[-3]), int(q.shape[-1])
     if d == 1:
         return x
-    n = int(x.shape[0])
+    n = int(x.shape[-2])
     pad = nb * d - n
     if pad > RAGGED_PADDING * nb * d:
         full, rest = divmod(n, d)
         parts = [_rows_by_full_blocks(q, x, full, transpose)] if full else []
-        last = q[full, :rest, :rest]
-        tail = x[full * d:]
+        last = q[..., full, :rest, :rest]
+        tail = x[..., full * d:, :]
         parts.append(last * tail if rest == 1 else
                      tf.linalg.matmul(last, tail, transpose_a=transpose))
-        return parts[0] if len(parts) == 1 else tf.concat(parts, 0)
+        return parts[0] if len(parts) == 1 else tf.concat(parts, -2)
     if pad:
-        x = tf.pad(x, [[0, pad], [0, 0]])
+        x = tf.pad(x, [[0, 0]] * (x.shape.rank - 2) + [[0, pad], [0, 0]])
     y = _rows_by_full_blocks(q, x, nb, transpose)
-    return y[:n] if pad else y
+    return y[..., :n, :] if pad else y
 
 
 def _rows_by_full_blocks(q, x, full, transpose):
     """:func:`_rows_by_blocks` on the first ``full`` blocks of ``q`` and ``full·d`` rows of
-    ``x``: ``[full·d, m]``; one block is a 2-D product (~3x cheaper than a batch of one on this
-    CPU). Slices only where a part is left out."""
-    nb, d = int(q.shape[0]), int(q.shape[-1])
-    if int(x.shape[0]) != full * d:
-        x = x[:full * d]
+    ``x``: ``[(L,) full·d, m]``; one block is a 2-D product (~3x cheaper than a batch of one on
+    this CPU). Slices only where a part is left out."""
+    nb, d = int(q.shape[-3]), int(q.shape[-1])
+    lead = x.shape[:-2].as_list()
+    if int(x.shape[-2]) != full * d:
+        x = x[..., :full * d, :]
     if full == 1:
-        return tf.linalg.matmul(q[0], x, transpose_a=transpose)
-    q = q if full == nb else q[:full]
-    y = tf.linalg.matmul(q, tf.reshape(x, [full, d, -1]), transpose_a=transpose)
-    return tf.reshape(y, [full * d, -1])
+        return tf.linalg.matmul(q[..., 0, :, :], x, transpose_a=transpose)
+    q = q if full == nb else q[..., :full, :, :]
+    y = tf.linalg.matmul(q, tf.reshape(x, lead + [full, d, -1]), transpose_a=transpose)
+    return tf.reshape(y, lead + [full * d, -1])
 
 
 def _columns_by_blocks(x, q, transpose):
     """``x Q`` (``x Qᵀ`` when ``transpose``): :func:`_rows_by_blocks` on ``x``'s columns."""
-    nb, d = int(q.shape[0]), int(q.shape[-1])
+    nb, d = int(q.shape[-3]), int(q.shape[-1])
     if d == 1:
         return x
-    n = int(x.shape[1])
+    n = int(x.shape[-1])
     pad = nb * d - n
     if pad > RAGGED_PADDING * nb * d:
         full, rest = divmod(n, d)
         parts = [_columns_by_full_blocks(x, q, full, transpose)] if full else []
-        last = q[full, :rest, :rest]
-        tail = x[:, full * d:]
+        last = q[..., full, :rest, :rest]
+        tail = x[..., full * d:]
         parts.append(tail * last if rest == 1 else
                      tf.linalg.matmul(tail, last, transpose_b=transpose))
-        return parts[0] if len(parts) == 1 else tf.concat(parts, 1)
+        return parts[0] if len(parts) == 1 else tf.concat(parts, -1)
     if pad:
-        x = tf.pad(x, [[0, 0], [0, pad]])
+        x = tf.pad(x, [[0, 0]] * (x.shape.rank - 1) + [[0, pad]])
     y = _columns_by_full_blocks(x, q, nb, transpose)
-    return y[:, :n] if pad else y
+    return y[..., :n] if pad else y
 
 
 def _columns_by_full_blocks(x, q, full, transpose):
-    """:func:`_columns_by_blocks` on the first ``full`` blocks: ``[m, full·d]``."""
-    nb, d = int(q.shape[0]), int(q.shape[-1])
-    if int(x.shape[1]) != full * d:
-        x = x[:, :full * d]
+    """:func:`_columns_by_blocks` on the first ``full`` blocks: ``[(L,) m, full·d]``."""
+    nb, d = int(q.shape[-3]), int(q.shape[-1])
+    lead = x.shape[:-2].as_list()
+    if int(x.shape[-1]) != full * d:
+        x = x[..., :full * d]
     if full == 1:
-        return tf.linalg.matmul(x, q[0], transpose_b=transpose)
-    q = q if full == nb else q[:full]
-    rows = tf.reshape(x, [-1, full, d])
-    y = tf.einsum("mbj,bij->mbi" if transpose else "mbi,bij->mbj", rows, q)
-    return tf.reshape(y, [-1, full * d])
+        return tf.linalg.matmul(x, q[..., 0, :, :], transpose_b=transpose)
+    q = q if full == nb else q[..., :full, :, :]
+    rows = tf.reshape(x, lead + [-1, full, d])
+    equation = "mbj,bij->mbi" if transpose else "mbi,bij->mbj"
+    y = tf.einsum(equation if not lead else equation.replace("m", "lm").replace(",b", ",lb"),
+                  rows, q)
+    return tf.reshape(y, lead + [-1, full * d])
 
 
 def rotate_in(matrix, q_a, q_g):
     """``Q_Aᵀ M Q_G``: a block's ``[a_dim, g_dim]`` gradient matrix in its eigenbases
     (``q_a`` ``[nb_a, d_a, d_a]``, ``q_g`` ``[nb_g, d_g, d_g]``, columns the eigenvectors, identity
     on padding). The transposes are the products' own (no copy of the bases), and a side of 1×1
-    blocks (an embedding's diagonal A) is skipped: its basis is 1."""
+    blocks (an embedding's diagonal A) is skipped: its basis is 1. Also ``L`` blocks of one
+    shape at once: ``matrix`` ``[L, a_dim, g_dim]``, ``q_a`` ``[L, nb_a, d_a, d_a]``, ``q_g``
+    ``[L, nb_g, d_g, d_g]`` (the same products, batched: one op where ``L`` were)."""
     return _columns_by_blocks(_rows_by_blocks(q_a, matrix, transpose=True), q_g, transpose=False)
 
 
