@@ -13,8 +13,10 @@
   non-finite matrix gives zeros instead of raising; ``X``'s long side in two products only.
 * The bucketed orthogonalization (mixed shapes, zero-padded to shared sizes) against each
   matrix's float64 iteration and scale.
-* Blocks of one shape rotated as one stack: each member against its own float64 products, and
-  a model with two such layers against the same model with every block preconditioned alone.
+* Blocks of one shape rotated as one stack: each member against its own float64 products, their
+  moments carried into new bases as one stack against float64 (and kept where a basis did not
+  change or a block did not refresh), and a model with two such layers against the same model
+  with every block preconditioned and carried alone.
 * A model with a Conv2D, a wide Dense (Gram path), an Embedding (1×1 A blocks) and a head,
   6 steps with refreshes at every other step: the weights as the step before this change
   computed them (dense block-diagonal rotations, the plain iteration per shape, emulated here in
@@ -135,7 +137,7 @@ def _run_same_shapes(steps=6):
 
 def test_blocks_of_one_shape_take_the_steps_each_takes_alone(monkeypatch):
     """Two hidden Dense layers of one shape (``[9, 8]``: A in blocks of 4, 4 and a bias row)
-    are preconditioned as one stack: 6 steps with refreshes at every other step train the same
+    are preconditioned (and their moments carried) as one stack: 6 steps with refreshes at every other step train the same
     weights, to float32 round-off of the step, as every block preconditioned alone."""
     seen = []
     with monkeypatch.context() as patch:
@@ -153,6 +155,48 @@ def test_blocks_of_one_shape_take_the_steps_each_takes_alone(monkeypatch):
     moved = max(np.abs(a - s).max() for a, s in zip(alone, start))
     assert moved > 1e-3
     assert max(np.abs(t - a).max() for t, a in zip(stacked, alone)) < 1e-4 * moved
+
+
+def test_stacked_moment_carry_against_float64_and_the_blocks_it_must_keep():
+    """The moments of three blocks of one shape carried into new bases as one stack: a block that
+    refreshed and changed its basis gets ``R_Aᵀ m R_G`` and ``(R_A∘R_A)ᵀ v (R_G∘R_G)`` with
+    ``R = Q_oldᵀ Q_new`` (float64, dense block-diagonal); one that refreshed to the same basis
+    and one not selected keep their moments bit for bit; before the first step nothing moves."""
+    import types
+
+    rng = np.random.default_rng(11)
+    a, d_a, g, d_g = 9, 4, 6, 6
+    nb_a = -(-a // d_a)
+    helds, new = [], []
+    for n in range(3):
+        q_a_old, q_g_old = _orthogonal_blocks(rng, nb_a, d_a, a), _orthogonal_blocks(rng, 1, d_g, g)
+        changed = n == 0 or n == 2
+        q_a = _orthogonal_blocks(rng, nb_a, d_a, a) if changed else q_a_old
+        q_g = _orthogonal_blocks(rng, 1, d_g, g) if changed else q_g_old
+        helds.append(types.SimpleNamespace(
+            Q_A=tf.Variable(q_a_old, dtype=tf.float32), Q_G=tf.Variable(q_g_old, dtype=tf.float32),
+            m=tf.Variable(rng.normal(size=(a, g)), dtype=tf.float32),
+            v=tf.Variable(rng.uniform(size=(a, g)), dtype=tf.float32)))
+        new.append(((tf.constant(q_a, tf.float32), None), (tf.constant(q_g, tf.float32), None)))
+    flags = [tf.constant(True), tf.constant(True), tf.constant(False)]  # block 2: not selected
+    out = Eigenbasis._carried_stacked(helds, new, flags, tf.constant(True))
+    h = helds[0]
+    q_a_old, q_g_old = (_dense_block_diag(q.numpy().astype(np.float64), n)
+                        for q, n in ((h.Q_A, a), (h.Q_G, g)))
+    q_a, q_g = (_dense_block_diag(q.numpy().astype(np.float64), n)
+                for q, n in ((new[0][0][0], a), (new[0][1][0], g)))
+    r_a, r_g = q_a_old.T @ q_a, q_g_old.T @ q_g
+    m, v = (t.numpy().astype(np.float64) for t in (h.m, h.v))
+    np.testing.assert_allclose(out[0][0].numpy(), r_a.T @ m @ r_g, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(out[0][1].numpy(), (r_a ** 2).T @ v @ r_g ** 2, atol=1e-5, rtol=0)
+    assert np.abs(out[0][0].numpy() - m).max() > 0.1  # it did move
+    for n in (1, 2):
+        assert np.array_equal(out[n][0].numpy(), helds[n].m.numpy())
+        assert np.array_equal(out[n][1].numpy(), helds[n].v.numpy())
+    before_first_step = Eigenbasis._carried_stacked(helds, new, flags, tf.constant(False))
+    for held, (m_n, v_n) in zip(helds, before_first_step):
+        assert np.array_equal(m_n.numpy(), held.m.numpy())
+        assert np.array_equal(v_n.numpy(), held.v.numpy())
 
 
 def _spread(rng, shape, low=1e-4):

@@ -246,33 +246,77 @@ class Eigenbasis(UpdateRule):
         # Before the first step the moments are their initial zeros, which every rotation keeps:
         # the first refresh (every layer's, from the identity) carries nothing.
         started = refresher.engine.optimizer.iterations > 0
-        for layer, flag, ((q_a, w_a), (q_g, w_g)) in zip(layers, refresh, new):
-            held = s.layers[layer.index]
+        groups = {}
+        for n, layer in enumerate(layers):
+            groups.setdefault(self._stack_key(s.layers[layer.index]), []).append(n)
+        for members in groups.values():
+            helds = [s.layers[layers[n].index] for n in members]
+            if len(members) == 1:
+                moments = [self._carried_alone(helds[0], new[members[0]], refresh[members[0]],
+                                               started)]
+            else:
+                moments = self._carried_stacked(helds, [new[n] for n in members],
+                                                [refresh[n] for n in members], started)
+            for held, (m, v), n in zip(helds, moments, members):
+                (q_a, w_a), (q_g, w_g) = new[n]
+                held.m.assign(m)
+                held.v.assign(v)
+                held.Q_A.assign(q_a)
+                held.Q_G.assign(q_g)
+                held.w_A.assign(w_a)
+                held.w_G.assign(w_g)
 
-            # A block that kept its basis (skipped, or a failed decomposition) has it bit for bit:
-            # its R is exactly I (Q_oldᵀ Q_old is I only to round-off, which v would accumulate).
-            same_a = _unchanged(held.Q_A, q_a)
-            same_g = _unchanged(held.Q_G, q_g)
+    @staticmethod
+    def _carried_alone(held, new, flag, started):
+        """``(m, v)`` of one block in its new bases (``new``: ``((q_A, w_A), (q_G, w_G))``), under
+        a ``tf.cond``: four block products only where a basis changed."""
+        (q_a, _), (q_g, _) = new
+        a_dim, g_dim = int(held.m.shape[0]), int(held.m.shape[1])
+        # A block that kept its basis (skipped, or a failed decomposition) has it bit for bit:
+        # its R is exactly I (Q_oldᵀ Q_old is I only to round-off, which v would accumulate).
+        same_a = _unchanged(held.Q_A, q_a)
+        same_g = _unchanged(held.Q_G, q_g)
 
-            def carried(held=held, q_a=q_a, q_g=q_g, same_a=same_a, same_g=same_g,
-                        block=layer.block):
-                # The moments in the new bases: four block products, only where a basis changed.
-                r_a = _identity_where(same_a, basis_change(held.Q_A, q_a))
-                r_g = _identity_where(same_g, basis_change(held.Q_G, q_g))
-                m = tf.convert_to_tensor(held.m)
-                v = tf.convert_to_tensor(held.v)
-                return (rotate_first_moment(m, r_a, r_g, block.a_dim, block.g_dim),
-                        rotate_second_moment(v, r_a, r_g, block.a_dim, block.g_dim))
+        def carried():
+            r_a = _identity_where(same_a, basis_change(held.Q_A, q_a))
+            r_g = _identity_where(same_g, basis_change(held.Q_G, q_g))
+            m = tf.convert_to_tensor(held.m)
+            v = tf.convert_to_tensor(held.v)
+            return (rotate_first_moment(m, r_a, r_g, a_dim, g_dim),
+                    rotate_second_moment(v, r_a, r_g, a_dim, g_dim))
 
-            changed = tf.logical_not(tf.logical_and(tf.reduce_all(same_a), tf.reduce_all(same_g)))
-            m, v = tf.cond(flag & changed & started, carried,
-                           lambda held=held: (tf.identity(held.m), tf.identity(held.v)))
-            held.m.assign(m)
-            held.v.assign(v)
-            held.Q_A.assign(q_a)
-            held.Q_G.assign(q_g)
-            held.w_A.assign(w_a)
-            held.w_G.assign(w_g)
+        changed = tf.logical_not(tf.logical_and(tf.reduce_all(same_a), tf.reduce_all(same_g)))
+        return tf.cond(flag & changed & started, carried,
+                       lambda: (tf.identity(held.m), tf.identity(held.v)))
+
+    @staticmethod
+    def _carried_stacked(helds, new, flags, started):
+        """:meth:`_carried_alone` for ``L`` blocks of one shape (:meth:`_stack_key`) as one stack
+        under one ``tf.cond`` (taken where any of them changed its basis): ``R_Aᵀ m R_G`` and
+        ``(R_A∘R_A)ᵀ v (R_G∘R_G)`` are :func:`rotate_in` by ``R`` and by ``R∘R``. A block that did
+        not change keeps its moments as they are (selected, not rotated by ``I``)."""
+        q_a_old = tf.stack([tf.convert_to_tensor(h.Q_A) for h in helds])  # [L, nb, d, d]
+        q_g_old = tf.stack([tf.convert_to_tensor(h.Q_G) for h in helds])
+        q_a = tf.stack([q for (q, _), _ in new])
+        q_g = tf.stack([q for _, (q, _) in new])
+        m_old = tf.stack([tf.convert_to_tensor(h.m) for h in helds])  # [L, a_dim, g_dim]
+        v_old = tf.stack([tf.convert_to_tensor(h.v) for h in helds])
+        same_a = tf.reduce_all(tf.equal(q_a_old, q_a), axis=[-2, -1])  # [L, nb]
+        same_g = tf.reduce_all(tf.equal(q_g_old, q_g), axis=[-2, -1])
+        changed = tf.logical_not(tf.logical_and(tf.reduce_all(same_a, axis=1),
+                                                tf.reduce_all(same_g, axis=1)))
+        carry = tf.logical_and(tf.logical_and(tf.stack(flags), changed), started)  # [L]
+
+        def carried():
+            r_a = _identity_where(same_a, basis_change(q_a_old, q_a))
+            r_g = _identity_where(same_g, basis_change(q_g_old, q_g))
+            m = rotate_in(m_old, r_a, r_g)
+            v = rotate_in(v_old, tf.square(r_a), tf.square(r_g))
+            keep = carry[:, None, None]
+            return tf.where(keep, m, m_old), tf.where(keep, v, v_old)
+
+        m, v = tf.cond(tf.reduce_any(carry), carried, lambda: (m_old, v_old))
+        return list(zip(tf.unstack(m), tf.unstack(v)))
 
     # -- precondition ------------------------------------------------------------------------------
     def precondition(self, engine, active, rows_per_term, grads, variables, ok, use_grads):
@@ -468,8 +512,10 @@ def _unchanged(q_old, q_new):
 
 
 def _identity_where(same, r):
-    """``r`` (``[nb, d, d]``) with the ``same`` blocks replaced by the identity."""
-    return tf.where(lean.per_block(same, 3), lean.eye(r.shape[-1], r.dtype), r)
+    """``r`` (``[nb, d, d]``, or a stack ``[L, nb, d, d]`` with ``same`` ``[L, nb]``) with the
+    ``same`` blocks replaced by the identity."""
+    mask = lean.per_block(same, 3) if same.shape.rank == 1 else same[..., None, None]
+    return tf.where(mask, lean.eye(r.shape[-1], r.dtype), r)
 
 
 def _clip(gradient, clip_norm):
