@@ -137,8 +137,9 @@ def _run_same_shapes(steps=6):
 
 def test_blocks_of_one_shape_take_the_steps_each_takes_alone(monkeypatch):
     """Two hidden Dense layers of one shape (``[9, 8]``: A in blocks of 4, 4 and a bias row)
-    are preconditioned (and their moments carried) as one stack: 6 steps with refreshes at every other step train the same
-    weights, to float32 round-off of the step, as every block preconditioned alone."""
+    are preconditioned, and their moments carried, as one stack: 6 steps with refreshes at every
+    other step train the same weights, to float32 round-off of the step, as every block
+    preconditioned and carried alone."""
     seen = []
     with monkeypatch.context() as patch:
         def recording(matrix, q_a, q_g):
@@ -169,7 +170,8 @@ def test_stacked_moment_carry_against_float64_and_the_blocks_it_must_keep():
     nb_a = -(-a // d_a)
     helds, new = [], []
     for n in range(3):
-        q_a_old, q_g_old = _orthogonal_blocks(rng, nb_a, d_a, a), _orthogonal_blocks(rng, 1, d_g, g)
+        q_a_old = _orthogonal_blocks(rng, nb_a, d_a, a)
+        q_g_old = _orthogonal_blocks(rng, 1, d_g, g)
         changed = n == 0 or n == 2
         q_a = _orthogonal_blocks(rng, nb_a, d_a, a) if changed else q_a_old
         q_g = _orthogonal_blocks(rng, 1, d_g, g) if changed else q_g_old

@@ -136,7 +136,8 @@ class Refresher:
 
         stacked = tf.cond(tf.reduce_any(flags), compute,
                           lambda: tuple(tf.zeros([count, *sh]) for sh in shapes))
-        return [(stacked[0][i], stacked[1][i]) for i in range(count)]
+        # One Unpack per factor, not a strided slice (and its three index constants) per member.
+        return list(zip(tf.unstack(stacked[0], num=count), tf.unstack(stacked[1], num=count)))
 
     def _factors_now(self, layer):
         """The factors in use (``(A, G)`` tensors): what a layer that does not refresh keeps."""
@@ -169,12 +170,13 @@ class Refresher:
         are those in use: writing them changes nothing)."""
         s = self.state
         traces_a, traces_g = [], []
+        both_axes = tf.constant([0, 1])  # once, not an axis constant per trace
         for layer, (fa, fg) in zip(layers, factors):
             held = s.layers[layer.index]
             held.A.assign(fa)
             held.G.assign(fg)
-            traces_a.append(tf.reduce_sum(tf.linalg.diag_part(fa)))
-            traces_g.append(tf.reduce_sum(tf.linalg.diag_part(fg)))
+            traces_a.append(tf.reduce_sum(tf.linalg.diag_part(fa), axis=both_axes))  # [nb, d]
+            traces_g.append(tf.reduce_sum(tf.linalg.diag_part(fg), axis=both_axes))
         index = tf.constant([[layer.index] for layer in layers], tf.int64)
         flags = tf.stack(refresh)
         for variable, new in ((s.trace_a, traces_a), (s.trace_g, traces_g)):

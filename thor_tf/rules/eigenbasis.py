@@ -377,7 +377,8 @@ class Eigenbasis(UpdateRule):
             floor = epsilon + relative_epsilon * tf.sqrt(
                 tf.reduce_mean(v_hat, axis=[-2, -1], keepdims=True) if stacked
                 else tf.reduce_mean(v_hat))
-            step = rotate_out((m / correction_1) / (tf.sqrt(v_hat) + floor), q_a, q_g)  # Q_A Δ' Q_Gᵀ
+            step = (m / correction_1) / (tf.sqrt(v_hat) + floor)
+            step = rotate_out(step, q_a, q_g)  # Q_A Δ' Q_Gᵀ
             for n, u in zip(members, tf.unstack(step) if stacked else [step]):
                 steps[n] = (blocks[n][0], blocks[n][1], u)
         if self.step == "orthogonal":
@@ -398,8 +399,9 @@ class Eigenbasis(UpdateRule):
 
     @staticmethod
     def _stack_key(held):
-        """Blocks with equal keys are preconditioned as one stack: the shapes of the moments
-        (``[a_dim, g_dim]``) and of both bases (``[nb, d, d]``)."""
+        """Blocks with equal keys are preconditioned, and their moments carried into new bases, as
+        one stack: the shapes of the moments (``[a_dim, g_dim]``) and of both bases
+        (``[nb, d, d]``)."""
         return tuple(held.m.shape), tuple(held.Q_A.shape), tuple(held.Q_G.shape)
 
     def _orthogonalized(self, updates):
@@ -485,7 +487,9 @@ class Eigenbasis(UpdateRule):
             optimizer.assign(v_var, v)
             update = (m / correction_1) / (tf.sqrt(v / correction_2) + epsilon)
         if config.weight_decay and optimizer._use_weight_decay(variable):
-            update = update + ops.cast(config.weight_decay, variable.dtype) * variable
+            decay = optimizer.once_per_apply(("weight_decay", variable.dtype), lambda: ops.cast(
+                config.weight_decay, variable.dtype))
+            update = update + decay * variable
         step = lr * update
         if ok is not None:
             # A skipped step's update may be NaN: select, never multiply by a zero rate. The
