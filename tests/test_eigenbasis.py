@@ -237,10 +237,19 @@ def _mlp(seed=0, d=5):
                              keras.layers.LayerNormalization(), keras.layers.Dense(2)])
 
 
-def test_bases_held_at_identity_are_keras_adamw():
+def test_bases_held_at_identity_are_keras_adamw(monkeypatch):
     """Bases at the identity: 6 steps equal Keras' AdamW (β2 0.95, weight decay 0.01, the same ε
-    up to Keras' ε·√(1−β2ᵗ)) on every variable, blocks and LayerNormalization alike, to float32
-    round-off."""
+    up to Keras' ε·√(1−β2ᵗ)) on every variable, blocks and LayerNormalization alike (its scale
+    and offset, of one shape, take Adam as one stack), to float32 round-off."""
+    stacked = []
+    first_order_adam = Eigenbasis._first_order_adam
+
+    def recording(*args):
+        out = first_order_adam(*args)
+        stacked.append(len(out))
+        return out
+
+    monkeypatch.setattr(Eigenbasis, "_first_order_adam", staticmethod(recording))
     x, y = _regression()
     plain = _mlp()
     plain.compile(optimizer=keras.optimizers.AdamW(LR, weight_decay=0.01, beta_2=B2, epsilon=EPS),
@@ -257,6 +266,7 @@ def test_bases_held_at_identity_are_keras_adamw():
     diff = max(np.abs(a.numpy() - b.numpy()).max()
                for a, b in zip(plain.trainable_variables, wrapped.trainable_variables))
     assert moved > 0.03 and diff < 1e-5 * max(moved, 1.0), (moved, diff)
+    assert stacked == [2], stacked  # traced once: gamma and beta as one stack
 
 
 def _rotation_run(rule, rotate, steps=6):
