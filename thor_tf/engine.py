@@ -152,7 +152,8 @@ class ThorEngine(Introspection):
         if unsupported:
             warnings.warn(
                 "thor_tf: no Kronecker block for " + ", ".join(unsupported)
-                + "; these layers get the first-order (momentum SGD) update.",
+                + "; these layers get the update rule's first-order step (AdamW under the "
+                "default eigenbasis rule, momentum SGD under the inverse rule).",
                 stacklevel=3)
         by_layer = {}
         for block in self.candidates:
