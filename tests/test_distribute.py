@@ -191,12 +191,15 @@ def test_replicas_take_the_single_device_step(replicas, assignment, rule):
         assert r["replicas_identical"], (name, r)
 
 
-@pytest.mark.parametrize("rule", ["eigenbasis", "power_qr"])
+@pytest.mark.parametrize("rule", ["power_qr"])
 def test_checkpoint_of_a_two_replica_run_resumes_exactly_on_one_and_two_replicas(rule):
     """model.save/load_model onto 1 and 2 replicas, tf.train.Checkpoint and BackupAndRestore
     (preempted in epoch 2) onto 1 device: epoch 2 ends where the uninterrupted one-device run
-    ends (weights within SAME_STEP of the step size, the same counters and decisions); also
-    with the refreshes by power step (the bases in use are what a power step starts from)."""
+    ends (weights within SAME_STEP of the step size, the same counters and decisions). Under the
+    eigenbasis rule with every later refresh a power step: the first refreshes are `eigh`'s, and
+    the bases restored are what the power steps after the resume start from, so a basis, moment
+    or eigenvalue not restored shows. (The rule's default on these small blocks, `eigh` at every
+    refresh, restores the same variables; that variant, 32 s, was left out for CI's time.)"""
     result = _run_file("checkpoint_replicas.py", RULE_ARG[rule])
     assert set(result) == {"keras_save_onto_1", "keras_save_onto_2", "checkpoint_onto_1",
                            "backup_onto_1"}, result
@@ -217,14 +220,14 @@ def _free_ports(n):
             s.close()
 
 
-def _start_workers(mode, out_dir, count=2):
+def _start_workers(out_dir, count=2):
     ports = _free_ports(count)
     workers = []
     for index in range(count):
         tf_config = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
                                 "task": {"type": "worker", "index": index}})
         workers.append(subprocess.Popen(
-            [sys.executable, os.path.join(SCRIPTS, "multi_worker.py"), out_dir, mode],
+            [sys.executable, os.path.join(SCRIPTS, "multi_worker.py"), out_dir],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env=_env(TF_CONFIG=tf_config)))
     return workers
@@ -237,14 +240,18 @@ def _stop(workers):
         w.wait(timeout=30)
 
 
-def test_two_worker_processes_match_one_process():
+def test_two_worker_processes_match_one_process_and_a_dead_worker_fails_the_other():
     """MultiWorkerMirroredStrategy, 2 processes on 127.0.0.1: the custom-loop recipe and
     ``ThorModel.fit`` (which Keras' own fit cannot do there: keras-team/keras#20585) both end,
-    on both workers, with identical weights equal to one process on the same global batches."""
+    on both workers, with identical weights equal to one process on the same global batches.
+    Then worker 1 exits abruptly before its third step of the custom loop: worker 0 stops with an
+    error naming the failed collective within a bounded time (seconds here), instead of waiting
+    forever. (One cluster for both: each start costs every worker its imports and traces.)"""
     out_dir = tempfile.mkdtemp()
-    workers = _start_workers("train", out_dir)
+    workers = _start_workers(out_dir)
     try:
         outputs = [w.communicate(timeout=300) for w in workers]
+        ended = time.time()
     finally:
         _stop(workers)
     results = [_result(*o) for o in outputs]
@@ -264,21 +271,14 @@ def test_two_worker_processes_match_one_process():
         # weights exact, History's loss within 3 %; README "Distributed training").
         np.testing.assert_allclose(results[0]["fit_loss"], results[0]["alone_loss"], rtol=1e-4)
 
-
-def test_a_dead_worker_makes_the_other_fail_not_hang():
-    """Worker 1 exits abruptly before its third step: worker 0 stops with an error naming the
-    failed collective within a bounded time (seconds here), instead of waiting forever."""
-    workers = _start_workers("die", tempfile.mkdtemp())
-    try:
-        started = time.time()
-        _, stderr = workers[0].communicate(timeout=240)
-        elapsed = time.time() - started
-    finally:
-        _stop(workers)
-    assert workers[1].returncode == 3
-    assert workers[0].returncode not in (0, None), stderr[-3000:]
+    # The dead worker.
+    (stdout, stderr), survivor = outputs[0], workers[0]
+    assert workers[1].returncode == 3, outputs[1][1][-3000:]
+    assert survivor.returncode not in (0, None), stdout[-2000:] + stderr[-3000:]
     assert "Collective" in stderr or "Unavailable" in stderr or "aborted" in stderr, stderr[-3000:]
-    assert elapsed < 200, elapsed
+    (started,) = [float(line.split()[1]) for line in stdout.splitlines()
+                  if line.startswith("DEAD_PHASE")]
+    assert ended - started < 200, ended - started
 
 
 LOOP_METRICS_SCRIPT = r"""

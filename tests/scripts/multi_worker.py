@@ -1,11 +1,13 @@
 """One worker of a MultiWorkerMirroredStrategy cluster on 127.0.0.1 (TF_CONFIG set by the test).
 
-argv: out_dir, mode. mode "train": the documented custom-loop recipe (``strategy.run(model.
-train_step, ...)`` in a ``tf.function`` over ``distribute_datasets_from_function``, each worker
-taking its half of every global batch) and ``ThorModel.fit`` on a sharded dataset, 8 steps each;
-worker 0 also trains one process without a strategy on the same global batches. Weights are
-saved to ``out_dir/worker<i>.npz``. mode "die": worker 1 exits abruptly before its third step;
-worker 0 must fail with an error, not hang.
+argv: out_dir. First the documented custom-loop recipe (``strategy.run(model.train_step, ...)``
+in a ``tf.function`` over ``distribute_datasets_from_function``, each worker taking its half of
+every global batch) and ``ThorModel.fit`` on a sharded dataset, 8 steps each; worker 0 also trains
+one process without a strategy on the same global batches. Weights are saved to
+``out_dir/worker<i>.npz`` and the result is reported. Then the same cluster goes on with the
+custom loop and worker 1 exits abruptly before its third step there (exit code 3): worker 0 must
+fail with an error, not hang. Its stdout says when that phase began (``DEAD_PHASE <time>``).
+One cluster for both checks: starting one costs each worker its imports and traces.
 """
 
 import json
@@ -15,7 +17,7 @@ import time
 
 import _dist_common as common
 
-out_dir, mode = sys.argv[1], sys.argv[2]
+out_dir = sys.argv[1]
 task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 tf = common.setup(1)
 import numpy as np  # noqa: E402
@@ -35,8 +37,6 @@ def dataset_fn(context):
     b = context.get_per_replica_batch_size(GLOBAL_BATCH)
     i = context.input_pipeline_id
     batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
-    if mode == "die":
-        batches = batches.repeat(100)
     return batches.map(lambda a, t: (a[i * b:(i + 1) * b], t[i * b:(i + 1) * b]))
 
 
@@ -48,13 +48,9 @@ def train_step(batch):
 steps = 0
 for epoch in range(2):
     for batch in strategy.distribute_datasets_from_function(dataset_fn):
-        if mode == "die" and task == 1 and steps == 2:
-            os._exit(3)  # no cleanup, no goodbye: as a killed process
         train_step(batch)
         steps += 1
         print(f"worker {task} step {steps} at {time.time():.1f}", flush=True)
-    if mode == "die":
-        break
 
 with strategy.scope():
     fitted = common.conv_model()
@@ -81,3 +77,13 @@ if task == 0:
     result["alone_refreshes"] = [s["refreshes"] for s in alone.thor.layer_stats()]
 np.savez(os.path.join(out_dir, f"worker{task}.npz"), **arrays)
 common.report(result)
+
+# The dead worker: the same traced step on, until worker 1 leaves before its third step.
+print(f"DEAD_PHASE {time.time():.3f}", flush=True)
+steps = 0
+for batch in strategy.distribute_datasets_from_function(dataset_fn):
+    if task == 1 and steps == 2:
+        os._exit(3)  # no cleanup, no goodbye: as a killed process
+    train_step(batch)
+    steps += 1
+print(f"worker {task}: the dead worker's steps ended without an error", flush=True)
