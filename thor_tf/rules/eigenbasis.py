@@ -415,7 +415,6 @@ class Eigenbasis(UpdateRule):
 
         ``skip``: positions already preconditioned; ``adam``: ``(1 − β1ᵗ, 1 − β2ᵗ, ε, β1,
         1 − β1, β2, 1 − β2)`` as float32 tensors."""
-        correction_1, correction_2, epsilon, b1, b1c, b2, b2c = adam
         groups = {}
         for k, (g, v) in enumerate(zip(grads, variables)):
             if (k in skip or g is None or isinstance(g, tf.IndexedSlices)
@@ -434,13 +433,11 @@ class Eigenbasis(UpdateRule):
             g = tf.stack([grads[k] for k in members])
             m_old = tf.stack([tf.convert_to_tensor(x) for x in m_vars])
             v_old = tf.stack([tf.convert_to_tensor(x) for x in v_vars])
-            m = b1 * m_old + b1c * g
-            v = b2 * v_old + b2c * tf.square(g)
-            for var, value in zip(m_vars, tf.unstack(tf.where(ok, m, m_old))):
+            m, v, direction = _adam(g, m_old, v_old, ok, adam)
+            for var, value in zip(m_vars, tf.unstack(m)):
                 var.assign(value)
-            for var, value in zip(v_vars, tf.unstack(tf.where(ok, v, v_old))):
+            for var, value in zip(v_vars, tf.unstack(v)):
                 var.assign(value)
-            direction = (m / correction_1) / (tf.sqrt(v / correction_2) + epsilon)
             out.update(zip(members, tf.unstack(direction)))
         return out
 
@@ -526,13 +523,10 @@ class Eigenbasis(UpdateRule):
                 ("eigenbasis_adam", variable.dtype), lambda: self._adam_scalars(
                     optimizer, variable.dtype))
             m_old, v_old = tf.convert_to_tensor(m_var), tf.convert_to_tensor(v_var)  # read once
-            m = b1 * m_old + b1c * update
-            v = b2 * v_old + b2c * tf.square(update)
-            if ok is not None:
-                m, v = tf.where(ok, m, m_old), tf.where(ok, v, v_old)
+            m, v, update = _adam(update, m_old, v_old, ok,
+                                 (correction_1, correction_2, epsilon, b1, b1c, b2, b2c))
             optimizer.assign(m_var, m)
             optimizer.assign(v_var, v)
-            update = (m / correction_1) / (tf.sqrt(v / correction_2) + epsilon)
         if config.weight_decay and optimizer._use_weight_decay(variable):
             decay = optimizer.once_per_apply(("weight_decay", variable.dtype), lambda: ops.cast(
                 config.weight_decay, variable.dtype))
@@ -555,6 +549,18 @@ class Eigenbasis(UpdateRule):
         return (1.0 - tf.pow(ops.cast(self.beta_1, dtype), t),
                 1.0 - tf.pow(ops.cast(self.beta_2, dtype), t), ops.cast(self.epsilon, dtype),
                 decays)
+
+
+def _adam(gradient, m_old, v_old, ok, adam):
+    """AdamW's moments and direction for the variables without a block (one variable, or a stack
+    of them): ``(m, v, m̂ / (√v̂ + ε))``. ``ok`` False (a skipped step): the moments as they were
+    (the caller discards the step). ``adam``: ``(1 − β1ᵗ, 1 − β2ᵗ, ε, β1, 1 − β1, β2, 1 − β2)``."""
+    correction_1, correction_2, epsilon, b1, b1c, b2, b2c = adam
+    m = b1 * m_old + b1c * gradient
+    v = b2 * v_old + b2c * tf.square(gradient)
+    if ok is not None:
+        m, v = tf.where(ok, m, m_old), tf.where(ok, v, v_old)
+    return m, v, (m / correction_1) / (tf.sqrt(v / correction_2) + epsilon)
 
 
 def _unchanged(q_old, q_new):
