@@ -598,14 +598,14 @@ def test_custom_loop_recipe_on_two_replicas_takes_the_one_device_step():
     assert result["points"] == 4 and min(result["refreshes"]) > 0, result
 
 
-# -- the README's recipes, run as written ----------------------------------------------------------
+# -- the recipes of docs/usage.md, run as written ----------------------------------------------------------
 def _readme_recipe(name):
     import os
     import re
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "usage.md")
     text = open(path).read()
     match = re.search(rf"<!-- recipe: {name} -->\s*```python\n(.*?)```", text, re.S)
-    assert match, f"README has no recipe {name!r}"
+    assert match, f"docs/usage.md has no recipe {name!r}"
     return match.group(1)
 
 

@@ -296,11 +296,11 @@ def test_the_tasks_preprocessor_runs_in_the_wrapped_fit_evaluate_and_predict():
     assert loss == pytest.approx(float(expected), rel=1e-5)
 
 
-# -- (f) the README's KerasHub recipes, run as written --------------------------------------------
+# -- (f) the KerasHub recipes of docs/usage.md, run as written --------------------------------------------
 def _readme_recipe(name):
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "usage.md")
     match = re.search(rf"<!-- recipe: {name} -->\s*```python\n(.*?)```", open(path).read(), re.S)
-    assert match, f"README has no recipe {name!r}"
+    assert match, f"docs/usage.md has no recipe {name!r}"
     return match.group(1)
 
 
