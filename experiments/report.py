@@ -294,8 +294,9 @@ def results_page(records, root=ROOT):
            "baseline's median final metric. THOR's and the baseline's figures are medians over the "
            "seeds. **Steps** and **seconds to the target**: THOR's median over the baseline's "
            "(\"never\": THOR's median run did not reach it). Seconds are compared only when THOR and "
-           "the baseline ran under the same machine load ([timing.md](timing.md)); the same run "
-           "repeated on this shared 2-core host has moved its seconds ratio by up to ±0.3. "
+           "the baseline ran under the same machine load ([timing.md](timing.md)); on this shared "
+           "2-core host read a seconds ratio to about ±0.2 (two suite runs with identical "
+           "trajectories gave digits 1.96× and 1.65×), its steps ratio exactly. "
            "Rebuild this page and README's table from the records: "
            "`python -m thor_tf_experiments.report`.", "",
            "## All workloads", ""]
