@@ -301,7 +301,12 @@ def results_page(records, root=ROOT):
            "`python -m thor_tf_experiments.report`.", "",
            "## All workloads", ""]
     out += _table(rows, strip="docs/")
-    out += ["", "## The suite, per seed", "",
+    out += ["", "The LM row is one seed of THOR and of Muon, side by side with seconds; over 3 seeds "
+            "(earlier code of the same rule, runs that shared the machine) THOR at the default's "
+            "peak for 2,000 steps ended at 1.6313 against Muon's 1.6489 ([lm.md](lm.md#results)). "
+            "The LoRA runs shared the machine with other jobs, so they compare steps only "
+            "([finetune.md](finetune.md)).",
+            "", "## The suite, per seed", "",
             f"`{RECORDS['suite'][1]}`: THOR and each workload's best baseline "
             "(its rate chosen by the suite's grid, [suite.md](suite.md)) trained in turn, segment "
             "by segment, in one process. Seconds per seed: THOR's seconds to the target over the "
