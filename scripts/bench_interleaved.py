@@ -23,7 +23,7 @@ Reported per workload:
 
 JSON in ``--out``, a PNG beside it.
 
-    python scripts/bench_interleaved.py --out docs/bench_interleaved.json   # ~15 min, 7 workloads
+    python scripts/bench_interleaved.py --out docs/results/suite.json   # ~17 min, 7 workloads; then python -m thor_tf_experiments.report
     python scripts/bench_interleaved.py --quick     # the tabular MLP, one seed: the harness
 """
 
@@ -34,7 +34,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -154,6 +156,19 @@ def plot(results, path):
     finish_workload_axes(fig, ax, results, "THOR seconds to target / baseline's", path)
 
 
+def git_commit():
+    """The commit the run's code is at (``+dirty`` with uncommitted changes), for the record
+    (``python -m thor_tf_experiments.report`` shows it); None outside a git checkout."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "thor_tf", "experiments",
+                                "scripts"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default=WORKLOADS)
@@ -190,8 +205,11 @@ def main(argv=None):
               flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"seeds": seeds, "evals": args.evals, "quick": args.quick,
-                               "machine": platform.platform(), "results": results}, indent=1))
+    out.write_text(json.dumps({"commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                               "seeds": seeds, "evals": args.evals, "quick": args.quick,
+                               "machine": f"{platform.machine()}, {os.cpu_count()} cores; "
+                                          f"{platform.platform()}",
+                               "results": results}, indent=1))
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return results

@@ -267,7 +267,7 @@ def test_two_worker_processes_match_one_process_and_a_dead_worker_fails_the_othe
             assert diff < SAME_STEP["eigenbasis"] * moved, (run, k, diff, moved)
     if tuple(int(v) for v in results[0]["keras"].split(".")[:2]) >= (3, 15):
         # The logged loss too (Keras 3.8 aggregates the loss metric across workers otherwise:
-        # weights exact, History's loss within 3 %; README "Distributed training").
+        # weights exact, History's loss within 3 %; docs/usage.md "Distributed training").
         np.testing.assert_allclose(results[0]["fit_loss"], results[0]["alone_loss"], rtol=1e-4)
 
     # The dead worker.

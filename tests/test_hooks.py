@@ -352,7 +352,7 @@ def test_custom_loop_recipe_takes_the_fit_steps(build, traced):
     x, y = _data()
     loss_fn = keras.losses.SparseCategoricalCrossentropy()
 
-    # The README recipe: wrap, compile (THOR is attached), then the user's own loop.
+    # The recipe of docs/usage.md: wrap, compile (THOR is attached), then the user's own loop.
     model = thor_tf.wrap(build(), frequency=2, verbose=False)
     model.compile()
     optimizer = model.optimizer
@@ -598,14 +598,14 @@ def test_custom_loop_recipe_on_two_replicas_takes_the_one_device_step():
     assert result["points"] == 4 and min(result["refreshes"]) > 0, result
 
 
-# -- the README's recipes, run as written ----------------------------------------------------------
-def _readme_recipe(name):
+# -- the recipes of docs/usage.md, run as written ----------------------------------------------------------
+def _usage_recipe(name):
     import os
     import re
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "usage.md")
     text = open(path).read()
     match = re.search(rf"<!-- recipe: {name} -->\s*```python\n(.*?)```", text, re.S)
-    assert match, f"README has no recipe {name!r}"
+    assert match, f"docs/usage.md has no recipe {name!r}"
     return match.group(1)
 
 
@@ -625,7 +625,7 @@ class _RecordingThor:
 
 
 @pytest.mark.parametrize("name", ["train_step", "loop", "gan"])
-def test_readme_recipes_run_as_written(name):
+def test_usage_recipes_run_as_written(name):
     """Each recipe, as written (THOR's defaults: lr 0.05, momentum 0.9, KL clip 0.001, split 128,
     a refresh at step 0), against float64 THOR steps: the train_step recipe's one step, the
     loop's two (the second reusing the first's inverses, with momentum), the GAN's one step of
@@ -640,7 +640,7 @@ def test_readme_recipes_run_as_written(name):
     namespace = {"keras": keras, "tf": tf, "thor_tf": recording, "np": np, "x": x, "y": y,
                  "GAN": gan_class, "discriminator": disc, "generator": gen, "latent_dim": 3,
                  "images": _real(32)}
-    exec(compile(_readme_recipe(name), f"README recipe {name}", "exec"), namespace)
+    exec(compile(_usage_recipe(name), f"docs/usage.md recipe {name}", "exec"), namespace)
     model = namespace["gan"].discriminator if name == "gan" else namespace["model"]
     stats = model.thor.layer_stats()
     assert stats and all(s["refreshes"] == 1 for s in stats)  # THOR's curvature was used

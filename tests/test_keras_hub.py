@@ -296,33 +296,33 @@ def test_the_tasks_preprocessor_runs_in_the_wrapped_fit_evaluate_and_predict():
     assert loss == pytest.approx(float(expected), rel=1e-5)
 
 
-# -- (f) the README's KerasHub recipes, run as written --------------------------------------------
-def _readme_recipe(name):
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+# -- (f) the KerasHub recipes of docs/usage.md, run as written --------------------------------------------
+def _usage_recipe(name):
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "usage.md")
     match = re.search(rf"<!-- recipe: {name} -->\s*```python\n(.*?)```", open(path).read(), re.S)
-    assert match, f"README has no recipe {name!r}"
+    assert match, f"docs/usage.md has no recipe {name!r}"
     return match.group(1)
 
 
-def test_readme_recipe_keras_hub_gpt2():
+def test_usage_recipe_keras_hub_gpt2():
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, V, size=(64, T + 1)).astype("int32")
     prompt = np.where(np.arange(T) < 4, tokens[:2, :T], 0).astype("int32")
     namespace = {"keras": keras, "thor_tf": thor_tf, "np": np, "tokens": tokens,
                  "mask": np.ones((64, T + 1), bool), "prompt": prompt,
                  "prompt_mask": np.repeat((np.arange(T) < 4)[None], 2, axis=0)}
-    exec(compile(_readme_recipe("keras_hub_gpt2"), "README recipe keras_hub_gpt2", "exec"), namespace)
+    exec(compile(_usage_recipe("keras_hub_gpt2"), "docs/usage.md recipe keras_hub_gpt2", "exec"), namespace)
     model = namespace["model"]
     assert isinstance(model.thor_optimizer, thor_tf.ThorOptimizer)
     assert sum(_refreshes(model).values()) > 0
     assert namespace["out"]["token_ids"].shape == (2, T)
 
 
-def test_readme_recipe_keras_hub_bert():
+def test_usage_recipe_keras_hub_bert():
     x, labels = _bert_data()
     namespace = {"keras": keras, "thor_tf": thor_tf, "np": np, "tokens": x["token_ids"],
                  "segments": x["segment_ids"], "mask": x["padding_mask"], "labels": labels}
-    exec(compile(_readme_recipe("keras_hub_bert"), "README recipe keras_hub_bert", "exec"), namespace)
+    exec(compile(_usage_recipe("keras_hub_bert"), "docs/usage.md recipe keras_hub_bert", "exec"), namespace)
     model = namespace["model"]
     assert isinstance(model.thor_optimizer, thor_tf.ThorOptimizer)
     refreshes = _refreshes(model)

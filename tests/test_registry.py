@@ -30,7 +30,7 @@ class NormalizedDense(keras.layers.Layer):
 
 
 class NormalizedDenseBlock(thor_tf.KroneckerBlock):
-    """The README's worked example: A's rows are the normalized inputs."""
+    """The worked example of docs/internals.md: A's rows are the normalized inputs."""
 
     kind = "normalized_dense"
 

@@ -1,0 +1,66 @@
+"""The results tables are built from the records in docs/results/ (``python -m
+thor_tf_experiments.report``): README's table and docs/results.md must equal what the records
+give, and a new suite record dropped in must change them. No training; JSON and CSV only."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from thor_tf_experiments import report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_readme_and_results_page_match_the_records():
+    stale = [path for path, text in report.render(ROOT).items()
+             if open(os.path.join(ROOT, path)).read() != text]
+    assert not stale, (f"{stale} differ from the records in docs/results/: run "
+                       "`python -m thor_tf_experiments.report` and commit the result")
+
+
+def test_every_record_says_its_commit_and_machine():
+    for name, record in report.load_records(ROOT).items():
+        assert record.get("commit"), name
+        assert record.get("machine") or record.get("platform"), name
+
+
+def test_readme_table_has_one_row_per_workload_with_its_record():
+    records = report.load_records(ROOT)
+    block = report.readme_block(records, ROOT)
+    rows = [line for line in block.splitlines() if line.startswith("| ") and "record" in line]
+    assert len(rows) == len(records["suite"]["results"]) + 5  # 2 main jobs, the LM, 2 LoRA ranks
+    for line in rows:
+        target = line.rsplit("](", 1)[1].split(")", 1)[0]
+        assert os.path.exists(os.path.join(ROOT, target)), line
+
+
+def test_a_new_suite_record_regenerates_the_table(tmp_path):
+    """What the lead does after `scripts/bench_interleaved.py --out docs/results/suite.json`:
+    the report picks the new record up (here: one workload's finals and ratios changed)."""
+    shutil.copytree(os.path.join(ROOT, "docs", "results"), tmp_path / "docs" / "results")
+    shutil.copy(os.path.join(ROOT, "README.md"), tmp_path / "README.md")
+    suite_path = tmp_path / "docs" / "results" / "suite.json"
+    record = json.loads(suite_path.read_text())
+    record.pop("commit")  # an older script's record: shown as such, not an error
+    fashion = record["results"]["fashion_cnn"]
+    fashion.update(thor_final=0.9123, steps_ratio=0.61, seconds_ratio=0.77)
+    suite_path.write_text(json.dumps(record))
+    rendered = report.render(tmp_path)
+    row = next(line for line in rendered["README.md"].splitlines()
+               if line.startswith("| Fashion-MNIST CNN |"))
+    cells = row.split(" | ")
+    assert cells[3] == "**91.23 %**" and cells[5:7] == ["0.61×", "0.77×"], row
+    assert "commit not recorded" in rendered["docs/results.md"]
+    assert rendered["README.md"] != open(os.path.join(ROOT, "README.md")).read()
+
+
+def test_check_mode_exits_zero_on_the_committed_files():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", "import sys; from thor_tf_experiments import report; "
+                           "sys.exit(report.main(['--check']))"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
