@@ -17,6 +17,7 @@ import pytest
 import thor_tf
 from thor_tf.rules.eigenbasis_ops import NS_COEFFICIENTS, newton_schulz
 from thor_tf.rules import Eigenbasis
+from thor_tf.split_plan import SplitPlan
 
 from reference import homogeneous, mean_outer
 from test_eigenbasis import (EVERY_2, LR, NumpyEigenbasis, _linear_targets, _plain_mlp,
@@ -73,8 +74,10 @@ def _scaled(update, ortho, scale, rms=0.2):
 
 
 @pytest.mark.parametrize("scale", ["graft", "rms"])
-@pytest.mark.parametrize("split_dim", [3, 128])
-def test_dense_orthogonal_steps_match_float64_first_principles(scale, split_dim):
+@pytest.mark.parametrize("split_dim,split_a,split_g",
+                         [(3, 3, 3), (128, 128, 128), (SplitPlan(2, ((7, 1),)), 1, 2)])
+def test_dense_orthogonal_steps_match_float64_first_principles(scale, split_dim, split_a,
+                                                               split_g):
     """Weights after every step within 2e-5 of the float64 rule (Adam in the eigenbasis, the
     update's Newton–Schulz factor, the scale); the reference without the iteration, and the one
     with the other scale, end more than 100x that tolerance away."""
@@ -98,7 +101,7 @@ def test_dense_orthogonal_steps_match_float64_first_principles(scale, split_dim)
         g_rows = 2.0 * (a_rows @ weights - yb) / 5  # dℓ/dz per example, ℓ = mean_k (z - y)²
         grad = a_rows.T @ g_rows / len(xb)
         if step % 2 == 0:
-            ref.refresh(mean_outer(a_rows), mean_outer(g_rows), split_dim, split_dim)
+            ref.refresh(mean_outer(a_rows), mean_outer(g_rows), split_a, split_g)
         update = ref.step(grad)
         ortho = np_newton_schulz(update)
         wrapped.train_on_batch(x[rows], y[rows])

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import numbers
-import os
 from typing import Any, Optional, Tuple
 
 import keras
@@ -23,6 +21,7 @@ import keras
 from thor_tf import rules
 from thor_tf.rules.inverse_ops import DAMPING_SPLITS
 from thor_tf.scheduler import PRESETS, TRACE_FILTERS, CadenceSchedule
+from thor_tf.split_plan import resolve_split_dim, split_config
 
 FISHER_TYPES = ("empirical", "sampled")
 #: Who inverts a refreshing layer's factors under a multi-replica strategy (README "Distributed").
@@ -58,25 +57,6 @@ def check_positive_or_schedule(name, value, allow_zero=False):
             f"got {value!r}.")
 
 
-def resolve_split_dim(split_dim):
-    """``split_dim`` as an int: an int >= 1, or the path of a calibration JSON with key ``split_dim``."""
-    if isinstance(split_dim, (str, os.PathLike)):
-        path = os.fspath(split_dim)
-        try:
-            with open(path) as fh:
-                value = json.load(fh)["split_dim"]
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise ValueError(
-                f"`split_dim` must be an int >= 1 or the path of a calibration JSON file with a "
-                f"'split_dim' key; could not read one from {path!r}: {err}") from err
-        split_dim = value
-    if isinstance(split_dim, bool) or not isinstance(split_dim, numbers.Integral) or split_dim < 1:
-        raise ValueError(
-            f"`split_dim` must be an int >= 1 or the path of a calibration JSON file; "
-            f"got {split_dim!r}.")
-    return int(split_dim)
-
-
 def resolve_omegas(preset, omega1, omega2):
     """``(ω1, ω2)`` from a preset name and/or explicit values (explicit values win)."""
     if preset is not None and preset not in PRESETS:
@@ -104,7 +84,8 @@ class ThorConfig:
 
     Derived, read-only: ``omegas`` (ω1, ω2 after the preset), ``cadence`` (the
     :class:`~thor_tf.scheduler.CadenceSchedule` of ``frequency``); ``split_dim`` is resolved to
-    an int (a calibration JSON path is read once, here).
+    an int, a :class:`~thor_tf.split_plan.SplitPlan` or ``"auto"`` (a calibration JSON path is
+    read once, here; ``"auto"`` becomes a plan at the start of ``fit``).
     """
 
     momentum: float = 0.9
@@ -215,6 +196,7 @@ class ThorConfig:
         out["frequency"] = DEFAULT_FREQUENCY if frequency is None else frequency
         out["weight_decay_exclude"] = list(self.weight_decay_exclude) if self.weight_decay_exclude else None
         out["update_rule"] = rules.serialize(self.update_rule)
+        out["split_dim"] = split_config(self.split_dim)
         return out
 
     @classmethod

@@ -24,6 +24,7 @@ import tensorflow as tf
 from thor_tf import _keras_compat, capture
 from thor_tf.blocks import block_class_for, registered_layer_class
 from thor_tf.algebra import split_layout
+from thor_tf.split_plan import AUTO
 
 class NormalizationByName(abc.ABC):
     """``isinstance(layer, NormalizationByName)``: a Keras layer whose class (or a base class) is
@@ -288,9 +289,12 @@ def registration_table(blocks, first_order, frozen_layers, split_dim):
 
     rows = [("layer", "block", "A", "G", "split A", "split G")]
     for b in blocks:
-        split_a, split_g = b.split_sizes(split_dim)
-        rows.append((b.name, b.kind, str(b.a_dim), str(b.g_dim), split_text(b.a_dim, split_a),
-                     split_text(b.g_dim, split_g)))
+        if split_dim == AUTO:  # chosen at the start of fit
+            texts = tuple("1" if size == 1 else "auto" for size in b.split_sizes(1 << 30))
+        else:
+            texts = tuple(split_text(dim, size)
+                          for dim, size in zip((b.a_dim, b.g_dim), b.split_sizes(split_dim)))
+        rows.append((b.name, b.kind, str(b.a_dim), str(b.g_dim)) + texts)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"thor_tf: {len(blocks)} layers with Kronecker blocks "
              f"(split_dim {split_dim}; split shown as size x blocks)"]

@@ -32,6 +32,7 @@ code (:meth:`ThorEngine.apply_gradients`, from ``ThorOptimizer.apply``). Either 
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import NamedTuple
 
@@ -42,6 +43,7 @@ from thor_tf import (_keras_compat, capture, discovery, distributed, fisher, los
 from thor_tf.blocks import TiedLookupBlock
 from thor_tf.introspection import Introspection
 from thor_tf.refresh import Refresher
+from thor_tf.split_plan import AUTO, DEFAULT_SPLIT
 from thor_tf.state import DecisionLog, ThorState
 
 def _values(gradient):
@@ -201,6 +203,14 @@ class ThorEngine(Introspection):
     def build_state(self, optimizer, var_list):
         """Create the curvature state on ``optimizer`` (called from its ``build``)."""
         self.optimizer = optimizer
+        if optimizer.config.split_dim == AUTO:
+            # "auto" is calibrated at the start of fit (ThorModel.calibrate_split): built
+            # before that (a custom loop, a restore), the optimizer takes the default split.
+            warnings.warn(
+                f"split_dim='auto' is calibrated at the start of fit (or by "
+                f"model.calibrate_split(batches) before the first step); this optimizer was built "
+                f"before either and uses split_dim={DEFAULT_SPLIT}.", stacklevel=2)
+            optimizer.config = dataclasses.replace(optimizer.config, split_dim=DEFAULT_SPLIT)
         #: The optimizer's validated options (:class:`thor_tf.config.ThorConfig`).
         self.config = optimizer.config
         if self.select_blocks(var_list) and self.verbose:

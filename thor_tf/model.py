@@ -21,16 +21,20 @@ Two ways a step runs:
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 from thor_tf import _keras_compat, fisher, graph_options, loss_terms, rules
 from thor_tf.engine import ThorEngine
 from thor_tf.config import is_schedule, split_options
 from thor_tf.optimizer import ThorOptimizer
 from thor_tf.schedules import EXPLICIT_SCHEDULE, FitWarmupCosine
+from thor_tf.split_calibration import auto_split
+from thor_tf.split_plan import AUTO, DEFAULT_SPLIT
 
 #: G's mean eigenvalue below this fraction of the per-factor damping in every refreshed layer:
 #: the damping swamps the curvature and THOR's step is SGD's divided by √λ (docs/internals.md).
@@ -333,6 +337,10 @@ class ThorModel(keras.Model):
     def _build_thor_state(self):
         # Create the optimizer's state eagerly: without a distribution strategy Keras would defer
         # it to the first trace, and the engine needs it before the optimizer's own ``apply``.
+        # Under split_dim="auto" the state's shapes wait for the calibration at fit's start.
+        thor = self.thor_optimizer
+        if thor is not None and thor.config.split_dim == AUTO:
+            return
         if self.thor_optimizer is not None and not self.optimizer.built:
             with self.distribute_strategy.scope():
                 self.optimizer.build(self.trainable_variables)
@@ -387,6 +395,9 @@ class ThorModel(keras.Model):
                 validation_data = self._preprocessed(
                     *_unpack_validation(validation_data), batch_size=kwargs.get(
                         "validation_batch_size"))
+        thor = self.thor_optimizer
+        if thor is not None and not thor.built and thor.config.split_dim == AUTO:
+            self.calibrate_split(_probe_batches(x, y, batch_size))
         # First, so that the logs it corrects (and the rate it sets) are what the user's
         # callbacks see.
         scheduled = self._fit_scheduled_optimizers()
@@ -401,6 +412,36 @@ class ThorModel(keras.Model):
         finally:
             for optimizer in scheduled:
                 optimizer._learning_rate.inside_fit = False
+
+    def calibrate_split(self, batches, **options):
+        """Calibrate the split for the rule in use on two ``(x, y)`` batches and build THOR's
+        state with it (:func:`thor_tf.split_calibration.auto_split`; ``options`` go there):
+        what ``split_dim="auto"`` does at the start of ``fit``. For a custom loop, call it before
+        the first step. Prints the plan and the registration table; returns the calibration's
+        report. ``batches`` None (data ``fit`` cannot sample): the default split, said so."""
+        thor = self.thor_optimizer
+        if thor is None:
+            raise ValueError("calibrate_split needs the model compiled with a ThorOptimizer.")
+        if thor.built:
+            raise ValueError(
+                f"THOR's state is built with split_dim={thor.config.split_dim}: the split can be "
+                f"calibrated only before the first step (wrap with split_dim='auto').")
+        if batches is None:
+            plan, report = DEFAULT_SPLIT, None
+            print(f"thor_tf: split_dim='auto' needs the training data as arrays or a "
+                  f"tf.data.Dataset to calibrate on; using split_dim={DEFAULT_SPLIT}.")
+        else:
+            options.setdefault("verbose", self.thor.verbose)
+            plan, report = auto_split(self, batches, **options)
+        for holder in (thor, self):
+            attribute = "config" if holder is thor else "_thor_config"
+            setattr(holder, attribute, dataclasses.replace(getattr(holder, attribute),
+                                                           split_dim=plan))
+        self.thor.split_dim = plan
+        self._build_thor_state()
+        if self.thor.verbose:
+            print(self.thor.registration_table(plan))
+        return report
 
     def _fit_scheduled_optimizers(self):
         """The ThorOptimizers this model's ``fit`` steps (its own, or one its user's
@@ -605,6 +646,26 @@ class ThorModel(keras.Model):
             learning_rate = keras.saving.serialize_keras_object(learning_rate)
         return {"learning_rate": learning_rate, **self._thor_config.get_config(),
                 **self._keras_options}
+
+
+def _probe_batches(x, y, batch_size):
+    """Two ``(x, y)`` batches of ``fit``'s data for the split calibration: the first two of a
+    ``tf.data.Dataset`` (its own batches), or the first ``2·batch_size`` rows of arrays cut in
+    two (``batch_size`` None: Keras' 32); None for other data (generators, PyDatasets)."""
+    if isinstance(x, tf.data.Dataset):
+        batches = []
+        for element in x.take(2):
+            element = tuple(element) if isinstance(element, (tuple, list)) else (element,)
+            batches.append((element[0], element[1] if len(element) > 1 else None))
+        return batches if len(batches) == 2 else (batches * 2 if batches else None)
+    leaves = tf.nest.flatten(x)
+    if not leaves or not all(isinstance(v, (np.ndarray, tf.Tensor)) for v in leaves):
+        return None
+    rows = int(leaves[0].shape[0])
+    size = min(int(batch_size or 32), max(1, rows // 2))
+    cut = lambda data, k: None if data is None else tf.nest.map_structure(
+        lambda v: v[k * size:(k + 1) * size], data)
+    return [(cut(x, 0), cut(y, 0)), (cut(x, 1), cut(y, 1))]
 
 
 def _loss_scale(optimizer, thor):

@@ -25,6 +25,7 @@ import tensorflow as tf
 from keras import ops
 
 from thor_tf.blocks.base import KroneckerBlock, joined_row_weights
+from thor_tf.split_plan import split_size
 
 
 class EmbeddingBlock(KroneckerBlock):
@@ -38,7 +39,7 @@ class EmbeddingBlock(KroneckerBlock):
         self.vocabulary = self.in_dim
 
     def split_sizes(self, split_dim):
-        return 1, split_dim
+        return 1, split_size(split_dim, self.g_dim)
 
     def pre_activation(self, inputs):
         if inputs.dtype != "int32" and inputs.dtype != "int64":

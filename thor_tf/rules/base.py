@@ -15,6 +15,16 @@ checkpoints. A rule says, in four places, what happens with them:
 * :meth:`build_slots` / :meth:`update_step`: the optimizer's per-variable chain (momentum, or
   Adam's moments for the variables without a block).
 
+And, for the split calibration (:mod:`thor_tf.split_calibration`, the H of THOR), what a split
+costs the rule and what it keeps:
+
+* :meth:`side_work`: the work that depends on one factor side's split, per step and per
+  refresh, as the traced functions training runs (the inverse rule: the product by the split
+  inverse and the batched Cholesky; the eigenbasis rule: the rotations in and out and the
+  basis refresh);
+* :meth:`information_curve`: per candidate split, how much of what the rule uses of a factor
+  the split keeps, in [0, 1].
+
 A rule is chosen with ``thor_tf.wrap(model, update_rule=...)`` (a name from
 :data:`thor_tf.rules.RULES` or an instance); a new rule is one new file with a subclass,
 registered in :data:`thor_tf.rules.RULES`.
@@ -22,7 +32,50 @@ registered in :data:`thor_tf.rules.RULES`.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable, Tuple
+
 import keras
+import numpy as np
+import tensorflow as tf
+
+from thor_tf.algebra import diagonal_blocks, split_layout
+from thor_tf.buckets import batched_layout
+
+
+@dataclasses.dataclass(frozen=True)
+class SideWork:
+    """The work one factor side of a block costs a rule at one split (:meth:`UpdateRule.
+    side_work`): ``step`` runs every step, ``refresh`` when the block's products are renewed.
+    Each is ``(fn, args)``: the rule's own ops as a Python function of tensors, and the tensors
+    it is called with. The calibration traces the works of one candidate into one
+    ``tf.function`` taking the tensors as arguments (not captured constants: nothing is folded
+    away when the graph is optimized), as training runs them inside one step."""
+
+    step: Tuple[Callable, tuple]
+    refresh: Tuple[Callable, tuple]
+
+
+def split_blocks(factor, split):
+    """``(blocks [nb, d, d] float32, mask [nb, d] float32)``: the diagonal blocks of a dense
+    ``[n, n]`` factor at ``split`` as training stores them (zero padding past ``n``) and the 1/0
+    mask of their true entries."""
+    factor = np.asarray(factor, np.float32)
+    n = factor.shape[0]
+    nb, d = split_layout(n, int(split))
+    blocks = diagonal_blocks(factor, d)
+    _, mask, _ = batched_layout([(0, nb, d, n)], d)
+    return tf.constant(blocks), tf.constant(mask)
+
+
+def side_matrix(dim, other_dim, side, seed=0):
+    """A random ``[dim, other_dim]`` (side ``"A"``) or ``[other_dim, dim]`` (``"G"``) float32
+    gradient matrix: what a step's work on one side is timed on (timing does not depend on
+    the values)."""
+    if side not in ("A", "G"):
+        raise ValueError(f"`side` must be 'A' or 'G'; got {side!r}.")
+    shape = (dim, other_dim) if side == "A" else (other_dim, dim)
+    return tf.constant(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
 
 
 class UpdateRule:
@@ -69,6 +122,26 @@ class UpdateRule:
         """Apply one variable's (preconditioned or raw) gradient (``ThorOptimizer.update_step``);
         ``optimizer.step_ok`` masks every change of a skipped step."""
         raise NotImplementedError
+
+    # -- what a split costs and keeps (the split calibration) -----------------------------------
+    def side_work(self, factor, previous, split, other_dim, side):
+        """:class:`SideWork` of one factor side at ``split``.
+
+        Args:
+          factor: ``[n, n]`` the factor a refresh sees (NumPy, undamped).
+          previous: ``[n, n]`` the factor the products in use came from (a refresh that starts
+            from them, e.g. a power step from the bases in use, is timed from there).
+          split: the candidate split ``b`` (int >= 1).
+          other_dim: the block's other side (the gradient matrix is ``[n, other_dim]`` for side
+            ``"A"``, ``[other_dim, n]`` for ``"G"``).
+          side: ``"A"`` or ``"G"``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not say what a split costs it")
+
+    def information_curve(self, pairs, cands):
+        """Per candidate split, what the split keeps of the factors ``pairs``
+        (``[(F_batch1, F_batch2)]``, NumPy ``[n, n]``, one dimension), in [0, 1]."""
+        raise NotImplementedError(f"{type(self).__name__} does not say what a split keeps")
 
     # -- config ------------------------------------------------------------------------------------
     def get_config(self):

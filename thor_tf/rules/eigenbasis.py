@@ -37,13 +37,17 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import tensorflow as tf
 from keras import ops
 
 from thor_tf import lean
 from thor_tf.buckets import per_size_bucket, size_buckets
-from thor_tf.rules.base import UpdateRule, keras_serializable
-from thor_tf.rules.eigenbasis_ops import (REFRESHES, TIE_BREAK, basis_change, newton_schulz_many,
+from thor_tf.basis_information import kept_curve
+from thor_tf.rules.base import (SideWork, UpdateRule, keras_serializable, side_matrix,
+                                split_blocks)
+from thor_tf.rules.eigenbasis_ops import (REFRESHES, TIE_BREAK, basis_change, eigh_blocks,
+                                          newton_schulz_many,
                                           refresh_selected, rotate_first_moment, rotate_in,
                                           rotate_out, rotate_second_moment)
 from thor_tf.rules.inverse import identity_blocks
@@ -504,6 +508,39 @@ class Eigenbasis(UpdateRule):
                     o = o[:int(m.shape[0]), :int(m.shape[1])]
                 out[n] = o if tall[n] == t else tf.transpose(o)
         return out
+
+    # -- what a split costs and keeps ------------------------------------------------------------
+    def side_work(self, factor, previous, split, other_dim, side):
+        """Per step: the side's rotations into its split basis and back (:func:`rotate_in` and
+        :func:`rotate_out` with the other side unrotated); Adam's moments and Newton–Schulz are
+        the same at every split and left out. Per refresh: the basis renewed from ``factor``'s
+        blocks by this rule's ``refresh`` (a power step and QR from ``previous``'s basis, with
+        its checks and ``eigh`` fallback, or ``eigh``), as :meth:`refresh` runs it."""
+        n = int(np.shape(factor)[0])
+        matrix = side_matrix(n, other_dim, side)
+        blocks, mask = split_blocks(factor, split)
+        q_old, w_old = eigh_blocks(*split_blocks(previous, split), tie_break=self.tie_break)
+        one = tf.ones([1, 1, 1])  # a side of 1×1 blocks is not rotated
+
+        def rotations(m, q):
+            q_a, q_g = (q, one) if side == "A" else (one, q)
+            return rotate_out(rotate_in(m, q_a, q_g), q_a, q_g)
+
+        def renew(blocks, mask, q, w):
+            selected = tf.ones(tf.shape(blocks)[:1], tf.bool)
+            return refresh_selected(blocks, mask, q, w, selected, self.refresh_method,
+                                    self.tie_break, self.refresh_tolerance, self.drift_tolerance,
+                                    self.refresh_min_size)[:2]
+
+        return SideWork(step=(rotations, (matrix, q_old)),
+                        refresh=(renew, (blocks, mask, q_old, w_old)))
+
+    def information_curve(self, pairs, cands):
+        """How well a split basis from one batch's factor diagonalizes the next batch's
+        (:func:`thor_tf.basis_information.kept_curve`), relative to the best candidate: 1 there."""
+        kept = kept_curve(pairs, cands)
+        best = max(kept)
+        return [1.0 if best == 0 else k / best for k in kept]
 
     # -- the optimizer's chain ---------------------------------------------------------------------
     def update_step(self, optimizer, gradient, variable, learning_rate):

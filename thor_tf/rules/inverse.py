@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import tensorflow as tf
 from keras import ops
 
 from thor_tf import distributed
 from thor_tf.buckets import per_size_bucket
-from thor_tf.rules.inverse_ops import (factor_dampings, invert_owned, invert_selected,
+from thor_tf.rules.inverse_ops import (factor_dampings, invert_blocks, invert_owned,
+                                       invert_selected,
                                        precondition_gradients)
-from thor_tf.rules.base import UpdateRule, keras_serializable
+from thor_tf.algebra import BlockDiagonal
+from thor_tf.rules.base import (SideWork, UpdateRule, keras_serializable, side_matrix,
+                                split_blocks)
 
 
 def identity_blocks(num_blocks, size):
@@ -170,6 +174,37 @@ class Inverse(UpdateRule):
         return out
 
     # -- the optimizer's chain ---------------------------------------------------------------------
+    # -- what a split costs and keeps ------------------------------------------------------------
+    #: The damping a factor is timed with (``sqrt`` of the default λ = 0.03): it changes the
+    #: time only where a Cholesky fails and takes the float64 retry.
+    TIMING_DAMPING = 0.03 ** 0.5
+
+    def side_work(self, factor, previous, split, other_dim, side):
+        """Per step: the product of the gradient matrix by the side's split inverse
+        (``A⁻¹ M`` or ``M G⁻¹``, :class:`thor_tf.algebra.BlockDiagonal`). Per refresh: the
+        damped blocks' batched Cholesky inverse with its float64 retry
+        (:func:`thor_tf.rules.inverse_ops.invert_blocks`)."""
+        del previous  # the inverse does not start from the one in use
+        n = int(np.shape(factor)[0])
+        matrix = side_matrix(n, other_dim, side)
+        blocks, _ = split_blocks(factor, split)
+        damping = tf.constant(self.TIMING_DAMPING, tf.float32)
+        inverse = invert_blocks(blocks, damping, n)
+
+        def product(m, inverse):
+            operator = BlockDiagonal(inverse, n)
+            return operator.matmul(m) if side == "A" else operator.rmatmul(m)
+
+        return SideWork(step=(product, (matrix, inverse)),
+                        refresh=(lambda b, d: invert_blocks(b, d, n), (blocks, damping)))
+
+    def information_curve(self, pairs, cands):
+        """The seed's curve: the fraction of the factors (each pair's first) whose information
+        loss ``1 − ‖Â‖₂/‖A‖₂`` is below 1 % (:func:`thor_tf.calibration.loss_fractions`)."""
+        from thor_tf.calibration import loss_fractions  # calibration imports the rules' ops
+
+        return loss_fractions([f for f, _ in pairs], cands)
+
     def build_slots(self, optimizer, var_list):
         optimizer._momentums = [
             optimizer.add_variable_from_reference(v, name="momentum") for v in var_list]

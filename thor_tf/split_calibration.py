@@ -1,0 +1,296 @@
+"""The split calibrated for the rule that runs, per factor dimension (the H of THOR).
+
+The seed's calibration (:mod:`thor_tf.calibration`) times the inverse rule's Cholesky and weighs
+it against the seed's information curve. What a split costs and keeps depends on the rule
+(:meth:`thor_tf.rules.UpdateRule.side_work`, :meth:`~thor_tf.rules.UpdateRule.
+information_curve`): the default eigenbasis rule never inverts; it rotates every step's gradient
+into its split bases and back and renews the bases at refreshes. This module calibrates the
+split for whichever rule the model trains with, on the model, the batch and the machine at hand:
+
+1. factors: the full ``A`` and ``G`` of every block on two probe batches
+   (:func:`thor_tf.factor_probe.batch_factors`; the weights are not touched). Each block gives two
+   *sides* (its ``A`` of dimension ``a_dim``, its ``G`` of ``g_dim``); sides are grouped by their
+   dimension ``n``, and each dimension gets its own split (a CNN's wide first Dense and its
+   64-wide convolutions need not share one);
+2. cost: per dimension ``n`` and candidate ``b`` (:func:`candidates_for`: ``1`` — no rotation,
+   Adam's coordinates on that side —, ``16, 32, …`` up to ``max_split``, and ``n`` itself when
+   it fits), the seconds of the rule's real traced work on every side of that dimension:
+   ``c_n(b) = Σ_sides [step(b) + rate·refresh(b)]``, ``rate`` the refreshes per step (the trace
+   rule's measured rate, or its upper bound ``1/frequency`` before training). The *speed curve*
+   is the step's speed against its fastest split, ``(T + min_b c_n(b)) / (T + c_n(b))``, with
+   ``T`` the model's forward and backward pass on the batch (what every split pays): 1 at the
+   cheapest split, falling as the side's work grows relative to the step;
+3. information: the rule's curve over the same candidates on the probe factors of that
+   dimension (the inverse rule: the seed's fraction of factors with loss < 1 %; the eigenbasis
+   rule: how well a split basis from batch 1 diagonalizes batch 2's factor, relative to the best
+   candidate: :mod:`thor_tf.basis_information`);
+4. the crossing of the two curves, as the seed takes it (:func:`thor_tf.calibration.
+   find_crossing`), is that dimension's split. The result is a :class:`thor_tf.split_plan.
+   SplitPlan` (``default`` for dimensions the probe did not see).
+
+``thor_tf.wrap(model, split_dim="auto")`` runs this at the start of ``fit`` on its first two
+batches and prints the table (:func:`format_report`); ``scripts/calibrate_split_dim.py`` runs it
+after a warm-up and writes the JSON ``split_dim=`` takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from thor_tf.calibration import candidates as _doubling_candidates
+from thor_tf.calibration import find_crossing
+from thor_tf.factor_probe import batch_factors, untouched
+from thor_tf.split_plan import DEFAULT_SPLIT, SplitPlan
+
+__all__ = ["Side", "auto_split", "calibrate_rule", "candidates_for", "format_report",
+           "probe_sides", "time_round_robin"]
+
+#: The largest split calibration times by default (a refresh of 512-blocks of a 3,137-wide
+#: factor is ~0.4 s of float64 ``eigh`` per call on a 2-core CPU, and its rotations cost ~5x
+#: those at 128); a dimension up to it also gets itself (unsplit) as a candidate.
+DEFAULT_MAX_SPLIT = 256
+
+
+@dataclasses.dataclass
+class Side:
+    """One factor side of a block, as the calibration sees it.
+
+    ``factor``/``previous``: the side's ``[dim, dim]`` factor on probe batches 2 and 1 (NumPy
+    float64); ``other_dim``: the block's other side; ``side``: ``"A"`` or ``"G"``."""
+
+    layer: str
+    side: str
+    dim: int
+    other_dim: int
+    factor: np.ndarray
+    previous: np.ndarray
+
+    @property
+    def label(self):
+        return f"{self.layer}/{self.side}"
+
+
+def probe_sides(model, batches) -> list:
+    """The :class:`Side` s of a wrapped model's blocks from two probe batches ``[(x, y), (x, y)]``:
+    every side of dimension > 1 that both batches reached (an Embedding's diagonal ``A`` is
+    never split and is left out)."""
+    batches = list(batches)
+    if len(batches) != 2:
+        raise ValueError(f"`batches` must be two (x, y) batches; got {len(batches)}.")
+    first, second = batch_factors(model, batches)
+    sides = []
+    for block in model.thor.blocks:
+        if block.name not in first or block.name not in second:
+            continue
+        fixed = block.split_sizes(1 << 30)
+        for k, (name, dim, other) in enumerate((("A", block.a_dim, block.g_dim),
+                                                ("G", block.g_dim, block.a_dim))):
+            if dim < 2 or fixed[k] == 1:
+                continue
+            sides.append(Side(block.name, name, dim, other, second[block.name][k],
+                              first[block.name][k]))
+    return sides
+
+
+def candidates_for(dim: int, max_split: int = DEFAULT_MAX_SPLIT) -> list:
+    """Candidate splits of a dimension: ``1`` (not rotated / diagonal), ``16, 32, …`` below
+    ``dim`` up to ``max_split``, and ``dim`` (unsplit) when ``dim <= max_split``."""
+    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < 2:
+        raise ValueError(f"`dim` must be an int >= 2; got {dim!r}.")
+    if isinstance(max_split, bool) or not isinstance(max_split, int) or max_split < 1:
+        raise ValueError(f"`max_split` must be an int >= 1; got {max_split!r}.")
+    cands = [c for c in _doubling_candidates(int(dim)) if c <= max_split and c < dim]
+    if dim <= max_split:
+        cands.append(int(dim))
+    return cands
+
+
+def _sync():
+    tf.test.experimental.sync_devices()
+
+
+def time_round_robin(works: Sequence, repeats: int = 3, warmup: int = 1) -> list:
+    """Median seconds of each ``(fn, args)`` in ``works``: each traced and run ``warmup`` times,
+    then ``repeats`` rounds that run every one once (round robin: a slow spell of a shared machine
+    hits all alike)."""
+    if int(repeats) < 1 or int(warmup) < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0; got {repeats}, {warmup}.")
+    logger = tf.get_logger()
+    level = logger.level
+    logger.setLevel("ERROR")  # one tf.function per candidate is the point: no retracing warning
+    try:
+        for fn, args in works:
+            for _ in range(1 + int(warmup)):
+                fn(*args)
+        _sync()
+        times = [[] for _ in works]
+        for _ in range(int(repeats)):
+            for k, (fn, args) in enumerate(works):
+                start = time.perf_counter()
+                fn(*args)
+                _sync()
+                times[k].append(time.perf_counter() - start)
+    finally:
+        logger.setLevel(level)
+    return [float(statistics.median(t)) for t in times]
+
+
+def calibrate_rule(sides: Sequence, rule, base_seconds: float, refresh_rate: float,
+                   max_split: int = DEFAULT_MAX_SPLIT, default: int = DEFAULT_SPLIT,
+                   repeats: int = 3, warmup: int = 1, timer=time_round_robin) -> dict:
+    """Steps 2–4 of the module docstring on given sides.
+
+    Args:
+      sides: :class:`Side` s (at least one).
+      rule: the :class:`~thor_tf.rules.UpdateRule` whose work and information are measured.
+      base_seconds: ``T``, the seconds of the step every split pays (> 0).
+      refresh_rate: refreshes per step of a block, in [0, 1].
+      max_split: see :func:`candidates_for`.
+      default: the plan's split of dimensions no side has (default 128).
+      repeats, warmup: timing (:func:`time_round_robin`).
+      timer: ``timer(works, repeats=, warmup=) → seconds`` (tests pass a known cost).
+
+    Returns:
+      dict: ``plan`` (:class:`SplitPlan`), ``dims`` (per dimension: ``candidates``,
+      ``information``, ``step_seconds``, ``refresh_seconds`` (summed over its sides),
+      ``cost_seconds``, ``speed``, ``crossing``, ``split``, ``reason``, ``sides``), ``layers``
+      (per side label: its dimension and split), ``base_seconds``, ``refresh_rate``, ``rule``.
+    """
+    sides = list(sides)
+    if not sides:
+        raise ValueError("no factor sides to calibrate on (no registered layer reached by the "
+                         "probe batches).")
+    if not base_seconds > 0:
+        raise ValueError(f"`base_seconds` must be > 0; got {base_seconds!r}.")
+    if not 0 <= refresh_rate <= 1:
+        raise ValueError(f"`refresh_rate` must be in [0, 1]; got {refresh_rate!r}.")
+    by_dim = {}
+    for s in sides:
+        by_dim.setdefault(s.dim, []).append(s)
+    # Per (dimension, candidate): one traced function runs the step work of every side of that
+    # dimension, one the refresh work (as one train step runs them: a call's overhead once).
+    # Sides of one dimension, side and other dimension do the same work: one of each is built
+    # and run that many times inside the function.
+    works, keys, per_side = [], [], {}
+    for dim, members in sorted(by_dim.items()):
+        shapes = {}
+        for s in members:
+            shapes.setdefault((s.side, s.other_dim), []).append(s)
+        for b in candidates_for(dim, max_split):
+            made = [(rule.side_work(group[0].factor, group[0].previous, b, other, side),
+                     len(group)) for (side, other), group in sorted(shapes.items())]
+            for kind in ("step", "refresh"):
+                works.append(_joined([(getattr(w, kind), count) for w, count in made]))
+                keys.append((dim, b, kind))
+    # A call of a traced function costs ~0.1-0.4 ms on a CPU whatever it does; training runs
+    # all of this inside one step, so that cost is measured on an empty function and taken off.
+    empty = (tf.function(lambda: tf.constant(0.0), autograph=False), ())
+    *seconds, overhead = timer(works + [empty], repeats=repeats, warmup=warmup)
+    seconds = [max(0.0, t - overhead) for t in seconds]
+    per_dim = {}
+    for (dim, b, kind), t in zip(keys, seconds):
+        per_dim.setdefault(dim, {}).setdefault(b, {})[kind] = t
+    dims, plan = {}, {}
+    for dim, members in sorted(by_dim.items()):
+        cands = candidates_for(dim, max_split)
+        step = [per_dim[dim][b]["step"] for b in cands]
+        refresh = [per_dim[dim][b]["refresh"] for b in cands]
+        cost = [s + refresh_rate * r for s, r in zip(step, refresh)]
+        speed = [(base_seconds + min(cost)) / (base_seconds + c) for c in cost]
+        info = [float(v) for v in rule.information_curve(
+            [(s.previous, s.factor) for s in members], cands)]
+        found = find_crossing(cands, info, speed)
+        plan[dim] = found.split_dim
+        dims[dim] = {"candidates": cands, "information": info, "step_seconds": step,
+                     "refresh_seconds": refresh, "cost_seconds": cost, "speed": speed,
+                     "crossing": found.crossing, "split": found.split_dim,
+                     "reason": found.reason, "sides": [s.label for s in members]}
+    layers = {s.label: {"dim": s.dim, "split": plan[s.dim]} for s in sides}
+    return {"plan": SplitPlan(default, tuple(plan.items())), "dims": dims, "layers": layers,
+            "base_seconds": float(base_seconds), "refresh_rate": float(refresh_rate),
+            "rule": rule.name}
+
+
+def _joined(works):
+    """One ``(tf.function, args)`` running each ``(fn, args)`` of ``[((fn, args), count)]``
+    ``count`` times."""
+    flat = [arg for (_, args), _ in works for arg in args]
+    sizes = [len(args) for (_, args), _ in works]
+
+    def run(*tensors):
+        out, k = [], 0
+        for ((fn, _), count), size in zip(works, sizes):
+            for _ in range(count):
+                out.append(fn(*tensors[k:k + size]))
+            k += size
+        return out
+
+    return tf.function(run, autograph=False), tuple(flat)
+
+
+def forward_backward_seconds(model, batch, repeats: int = 3) -> float:
+    """Median seconds of the model's traced forward pass and gradient on ``batch`` (``T``)."""
+    x, y = batch
+    variables = model.trainable_variables
+
+    @tf.function(autograph=False)
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            y_pred = model(x, training=True)
+            loss = model.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
+        return tape.gradient(loss, variables)
+
+    x = tf.nest.map_structure(tf.convert_to_tensor, x)
+    y = None if y is None else tf.nest.map_structure(tf.convert_to_tensor, y)
+    with untouched(model):
+        return time_round_robin([(step, (x, y))], repeats=repeats, warmup=1)[0]
+
+
+def auto_split(model, batches, refresh_rate: Optional[float] = None,
+               max_split: int = DEFAULT_MAX_SPLIT, repeats: int = 3, verbose: bool = True):
+    """Calibrate a wrapped, compiled model's split for its rule on two ``(x, y)`` batches.
+
+    ``refresh_rate`` None: ``1/frequency`` (every block refreshed at every cadence point: the
+    rate at the start of training, an upper bound after). Returns ``(plan, report)``; prints
+    :func:`format_report` when ``verbose``."""
+    start = time.perf_counter()
+    config = model.thor_optimizer.config
+    if refresh_rate is None:
+        refresh_rate = 1.0 / max(1, int(config.cadence.interval_base()))
+    batches = list(batches)
+    sides = probe_sides(model, batches)
+    base = forward_backward_seconds(model, batches[0], repeats=repeats)
+    report = calibrate_rule(sides, config.rule, base, refresh_rate, max_split=max_split,
+                            repeats=repeats)
+    report["calibration_seconds"] = time.perf_counter() - start
+    report["load_average_1min"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+    if verbose:
+        print(format_report(report))
+    return report["plan"], report
+
+
+def format_report(report) -> str:
+    """The calibration as a few lines: per dimension, the chosen split and its cost beside the
+    other candidates'."""
+    ms = lambda s: f"{1e3 * s:.2f}"
+    lines = [f"thor_tf: split calibrated for the {report['rule']} rule: split_dim="
+             f"{report['plan']} (forward+backward {ms(report['base_seconds'])} ms, "
+             f"refresh rate {report['refresh_rate']:.3g}/step"
+             + (f", {report['calibration_seconds']:.1f} s" if "calibration_seconds" in report
+                else "") + ")",
+             "  dim  sides  split  ms/step at split  per candidate (split: ms/step, information)"]
+    for dim, d in sorted(report["dims"].items()):
+        chosen = d["candidates"].index(d["split"])
+        per = ", ".join(f"{'none' if b == 1 else b}: {ms(c)} {i:.2f}" for b, c, i in
+                        zip(d["candidates"], d["cost_seconds"], d["information"]))
+        split = "none" if d["split"] == 1 else str(d["split"])
+        lines.append(f"  {dim:>4}  {len(d['sides']):>5}  {split:>5}  "
+                     f"{ms(d['cost_seconds'][chosen]):>16}  {per}")
+    return "\n".join(lines)
