@@ -1,23 +1,28 @@
 #!/usr/bin/env python
-"""Calibrate THOR's split dimension on this machine (DESIGN.md §2, "Hardware-aware splitting").
+"""Calibrate THOR's split dimension on this machine, for the update rule that trains (the H of THOR).
 
-Trains the model wrapped with THOR for a few warm-up steps with exact inverses (no split), collects
-the Kronecker factors A and G of every registered layer, then for each candidate split dimension
-(1, 16, 32, … up to the largest factor dimension):
+Trains the model wrapped with THOR for a few warm-up steps, then for each candidate split weighs
+what the split costs the rule against what it keeps, and takes the crossing of the two curves
+(DESIGN.md §2, "Hardware-aware splitting"):
 
-  * information: the fraction of factor matrices whose information loss
-    L = 1 − sqrt(λmax(ÂÂᵀ)/λmax(AAᵀ)) (Â: block-diagonal part) is below --threshold (1%);
-  * speed: the time to invert all the damped factors split at that candidate (as training does,
-    on the GPU when TensorFlow sees one), normalized p_1/p_n.
+  * --rule eigenbasis (the default rule; thor_tf/split_calibration.py): per factor dimension
+    and candidate (1 = that side not rotated, 16, 32, … up to --max-split), the seconds of the
+    rule's own traced work — the rotations into the split bases and back every step, the basis
+    refresh at the warm-up's measured refresh rate — against the step's forward and backward
+    pass; and how well a split basis from one batch's factor diagonalizes the next batch's. One
+    split per factor dimension (a plan), also what wrap(model, split_dim="auto") does in fit;
+  * --rule inverse (THOR's inverse rule, the seed's calibration; thor_tf/calibration.py): the
+    fraction of factor matrices whose information loss L = 1 − sqrt(λmax(ÂÂᵀ)/λmax(AAᵀ))
+    (Â: block-diagonal part) is below --threshold, against the time to invert all the damped
+    factors split at that candidate; one split for the model.
 
-The chosen split is the candidate nearest to where the rising information curve crosses the falling
-speed curve. Writes --out (JSON; pass it to ``thor_tf.wrap(model, split_dim="that.json")``) and a
-plot of both curves next to it (same stem, .png), and prints a table.
+Writes --out (JSON; pass it to ``thor_tf.wrap(model, split_dim="that.json")``) and a plot of the
+curves next to it (same stem, .png), and prints a table.
 
 Examples:
-  python scripts/calibrate_split_dim.py --model cnn --data auto --steps 50 --out docs/calibration_cnn.json
-  python scripts/calibrate_split_dim.py --model resnet20 --steps 30 --out docs/calibration_resnet20.json
-  python scripts/calibrate_split_dim.py --model resnet50 --image-size 64 --steps 5
+  python scripts/calibrate_split_dim.py --workload fashion_cnn --out docs/results/calibration_fashion_cnn.json
+  python scripts/calibrate_split_dim.py --model cnn --data auto --steps 50 --out runs/calibration_cnn.json
+  python scripts/calibrate_split_dim.py --rule inverse --model resnet20 --steps 30
   python scripts/calibrate_split_dim.py --model path/to/model.keras --data random
   python scripts/calibrate_split_dim.py --model cnn --quick --out /tmp/cal.json   # seconds, for CI
 """
@@ -33,6 +38,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 ZOO_MODELS = ("cnn", "resnet20", "resnet50")
+RULES = ("eigenbasis", "inverse")
 DATA_CHOICES = ("auto", "fashion_mnist", "digits", "mnist", "random")
 #: split_dim used during the warm-up: larger than any factor, so every inverse is exact.
 EXACT_SPLIT = 1 << 30
@@ -42,6 +48,15 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rule", choices=RULES, default="eigenbasis",
+                        help="the update rule to calibrate for (default: eigenbasis, thor_tf's "
+                             "default rule)")
+    parser.add_argument("--workload", default=None,
+                        help="a workload of experiments/workloads.py (its model, data, loss and "
+                             "batch size; --model, --data and --batch-size are then ignored), "
+                             "e.g. fashion_cnn, resnet20, char_gpt; --rule eigenbasis only")
+    parser.add_argument("--max-split", type=int, default=None,
+                        help="--rule eigenbasis: the largest candidate split (default 256)")
     parser.add_argument(
         "--model", default="cnn",
         help=f"a zoo model ({', '.join(ZOO_MODELS)}) or the path of a saved .keras model "
@@ -110,6 +125,10 @@ def parse_args(argv=None):
         if not args.candidates or any(c < 1 for c in args.candidates) or any(
                 b <= a for a, b in zip(args.candidates, args.candidates[1:])):
             parser.error("--candidates must be increasing ints >= 1")
+    if args.workload is not None and args.rule != "eigenbasis":
+        parser.error("--workload is for --rule eigenbasis")
+    if args.max_split is not None and args.max_split < 1:
+        parser.error("--max-split must be >= 1")
     if args.replot is not None and not os.path.exists(args.replot):
         parser.error(f"--replot: no such file {args.replot!r}")
     if args.model not in ZOO_MODELS and not os.path.exists(args.model):
@@ -297,16 +316,139 @@ def report(result):
           f"{'none' if result['crossing'] is None else format(result['crossing'], '.1f')})")
 
 
+# ------------------------------------------------------------------- the rule's calibration
+
+def workload_setup(name, seed):
+    """``(keras model, (x, y), loss, batch size, description)`` of a suite workload."""
+    import keras
+    from thor_tf_experiments import workloads as wl
+
+    if name not in wl.ALL_WORKLOADS:
+        raise SystemExit(f"--workload must be one of {sorted(wl.ALL_WORKLOADS)}; got {name!r}")
+    workload = wl.ALL_WORKLOADS[name]
+    data = workload.load(False)
+    keras.utils.set_random_seed(seed)
+    return (workload.build(data, False), (data.x_train, data.y_train), workload.loss(),
+            workload.batch_size, workload.title)
+
+
+def calibrate_rule_main(args, argv):
+    """``--rule eigenbasis``: warm up at the default split, probe two batches, calibrate."""
+    import keras
+    import numpy as np
+    import thor_tf
+    from thor_tf import calibration, split_calibration
+
+    start = time.time()
+    if args.workload is not None:
+        model, (x, y), loss, batch_size, description = workload_setup(args.workload, args.seed)
+    else:
+        keras.utils.set_random_seed(args.seed)
+        model, x, y, description = prepare(args)
+        loss, batch_size = "sparse_categorical_crossentropy", args.batch_size
+    steps = min(args.steps, max(1, len(x) // batch_size - 2))
+    print(f"calibrate_split_dim: {description}; {steps} THOR warm-up steps (batch {batch_size}, "
+          f"rule {args.rule})", flush=True)
+    wrapped = thor_tf.wrap(model, update_rule=args.rule, verbose=False)
+    wrapped.compile(loss=loss)
+    order = np.random.default_rng(args.seed).permutation(len(x))
+    take = lambda k: (x[order[k * batch_size:(k + 1) * batch_size]],
+                      y[order[k * batch_size:(k + 1) * batch_size]])
+    warm = order[:steps * batch_size]
+    wrapped.fit(x[warm], y[warm], batch_size=batch_size, epochs=1, shuffle=False, verbose=2)
+    stats = wrapped.thor.layer_stats()
+    rate = sum(r["refreshes"] for r in stats) / max(1, len(stats) * steps)
+    options = {} if args.max_split is None else {"max_split": args.max_split}
+    plan, report = split_calibration.auto_split(wrapped, [take(steps), take(steps + 1)],
+                                                refresh_rate=rate, repeats=args.repeats,
+                                                verbose=True, **options)
+    result = {
+        "rule": args.rule,
+        "split_plan": plan.get_config(),
+        "split_dim": plan.default,
+        "dims": {str(d): v for d, v in report["dims"].items()},
+        "layers": report["layers"],
+        "base_seconds": report["base_seconds"],
+        "refresh_rate": report["refresh_rate"],
+        "calibration_seconds": round(report["calibration_seconds"], 2),
+        "load_average_1min": report["load_average_1min"],
+        "device": calibration.device_description(),
+        "tensorflow_version": __import__("tensorflow").__version__,
+        "model": args.workload or args.model,
+        "data": description,
+        "steps": steps,
+        "batch_size": batch_size,
+        "seed": args.seed,
+        "quick": bool(args.quick),
+        "total_seconds": round(time.time() - start, 2),
+        "command": " ".join([os.path.basename(sys.argv[0])] + (sys.argv[1:] if argv is None else list(argv))),
+    }
+    stem = os.path.splitext(os.path.basename(args.workload or args.model))[0]
+    out = args.out or os.path.join("runs", f"calibration_{stem}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as fh:
+        json.dump(result, fh, indent=2)
+        fh.write("\n")
+    png = os.path.splitext(out)[0] + ".png"
+    plot_rule(result, png)
+    print(f"split_dim = {thor_tf.SplitPlan.from_config(result['split_plan'])}")
+    print(f"wrote {out} and {png} in {time.time() - start:.1f} s")
+    return result
+
+
+def plot_rule(result, path):
+    """One panel per factor dimension: the information and speed curves over its candidates
+    (log2 axis), the chosen split marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    dims = sorted(result["dims"].items(), key=lambda kv: int(kv[0]))
+    cols = min(4, len(dims))
+    rows = -(-len(dims) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.7 * rows), dpi=110,
+                             squeeze=False)
+    for ax, (dim, d) in zip(axes.flat, dims):
+        cands = np.asarray(d["candidates"], float)
+        ax.plot(cands, d["information"], "o-", color="tab:blue", label="information")
+        ax.plot(cands, d["speed"], "s-", color="tab:orange", label="speed")
+        ax.axvline(d["split"], color="green", ls=":", lw=2)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(cands)
+        ax.set_xticklabels(["none" if c == 1 else str(int(c)) for c in cands], fontsize=7)
+        ax.minorticks_off()
+        ax.set_ylim(-0.03, 1.08)
+        chosen = "none" if d["split"] == 1 else d["split"]
+        ax.set_title(f"dim {dim} ({len(d['sides'])} sides) → {chosen}", fontsize=9)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(dims):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"split calibrated for the {result['rule']} rule: {result['data']}\n"
+                 f"{result['device']}; step {1e3 * result['base_seconds']:.1f} ms, "
+                 f"refresh rate {result['refresh_rate']:.3f}/step", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.replot is not None:
         with open(args.replot) as fh:
             result = json.load(fh)
         png = os.path.splitext(args.replot)[0] + ".png"
-        plot(result, png, title_of(result))
-        report(result)
+        if "split_plan" in result:
+            plot_rule(result, png)
+        else:
+            plot(result, png, title_of(result))
+            report(result)
         print(f"wrote {png}")
         return result
+    if args.rule != "inverse":
+        return calibrate_rule_main(args, argv)
     import keras
 
     from thor_tf import calibration

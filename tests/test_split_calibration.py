@@ -189,6 +189,36 @@ def test_calibration_takes_the_hand_computed_crossing():
     assert report["layers"] == {"dense/A": {"dim": 64, "split": 32}}
 
 
+@pytest.mark.parametrize("fallback,expected", [("largest", 64), ("cheapest", 1)])
+def test_without_a_crossing_each_rule_takes_its_fallback(fallback, expected):
+    """Information below speed at every candidate: the inverse rule (the seed) takes the largest
+    split, the eigenbasis rule the cheapest (here: not rotated)."""
+    def timer(works, repeats, warmup):
+        costs = {1: 0.0, 16: 1e-3, 32: 2e-3, 64: 4e-3}
+        return [costs[int(fn(*args)[0].numpy())] for fn, args in works[:-1]] + [0.0]
+
+    rule = KnownCostRule({1: 0.0, 16: 0.05, 32: 0.1, 64: 0.2})
+    rule.split_fallback = fallback
+    side = sc.Side("dense", "G", 64, 10, np.eye(64), np.eye(64))
+    report = sc.calibrate_rule([side], rule, base_seconds=0.01, refresh_rate=0.0, timer=timer)
+    assert report["dims"][64]["crossing"] is None
+    assert report["plan"].size(64) == expected
+    assert Eigenbasis.split_fallback == "cheapest" and Inverse.split_fallback == "largest"
+
+
+def test_eigenbasis_information_is_relative_to_the_unsplit_basis():
+    """With the unsplit factor among the candidates the curve ends at exactly 1 (its own
+    held-out value is the reference); for a factor wider than every candidate the reference is
+    1 (the unsplit basis on its own batch) and the curve is the measure itself."""
+    f1, f2 = _psd(12, 7), _psd(12, 8)
+    curve = Eigenbasis().information_curve([(f1, f2)], [1, 4, 12])
+    raw = kept_curve([(f1, f2)], [1, 4, 12])
+    assert curve[-1] == 1.0
+    np.testing.assert_allclose(curve, [r / raw[-1] for r in raw], rtol=1e-12)
+    wide = Eigenbasis().information_curve([(f1, f2)], [1, 4, 8])
+    np.testing.assert_allclose(wide, kept_curve([(f1, f2)], [1, 4, 8]), rtol=1e-12)
+
+
 def test_candidates_and_argument_errors():
     assert sc.candidates_for(300) == [1, 16, 32, 64, 128, 256]
     assert sc.candidates_for(200) == [1, 16, 32, 64, 128, 200]

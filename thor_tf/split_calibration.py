@@ -45,7 +45,7 @@ import numpy as np
 import tensorflow as tf
 
 from thor_tf.calibration import candidates as _doubling_candidates
-from thor_tf.calibration import find_crossing
+from thor_tf.calibration import Crossing, find_crossing
 from thor_tf.factor_probe import batch_factors, untouched
 from thor_tf.split_plan import DEFAULT_SPLIT, SplitPlan
 
@@ -207,6 +207,13 @@ def calibrate_rule(sides: Sequence, rule, base_seconds: float, refresh_rate: flo
         info = [float(v) for v in rule.information_curve(
             [(s.previous, s.factor) for s in members], cands)]
         found = find_crossing(cands, info, speed)
+        if (found.crossing is None and getattr(rule, "split_fallback", "largest") == "cheapest"
+                and all(i < v for i, v in zip(info, speed))):
+            cheapest = cands[int(np.argmin(cost))]
+            found = Crossing(None, cheapest,
+                             f"no crossing: information < speed at every candidate (at most "
+                             f"{max(info):.2f} of the unsplit basis kept); the cheapest split "
+                             f"{cheapest}")
         plan[dim] = found.split_dim
         dims[dim] = {"candidates": cands, "information": info, "step_seconds": step,
                      "refresh_seconds": refresh, "cost_seconds": cost, "speed": speed,
@@ -253,6 +260,21 @@ def forward_backward_seconds(model, batch, repeats: int = 3) -> float:
         return time_round_robin([(step, (x, y))], repeats=repeats, warmup=1)[0]
 
 
+def step_base_seconds(model, batch, rule, repeats: int = 3) -> dict:
+    """``T``: the seconds of the step every split pays: the model's forward and backward pass
+    on ``batch`` and the rule's split-independent work on its blocks
+    (:meth:`~thor_tf.rules.UpdateRule.fixed_work`: the eigenbasis rule's moments and
+    Newton–Schulz). ``{"forward_backward": s, "rule_fixed": s, "total": s}``."""
+    forward_backward = forward_backward_seconds(model, batch, repeats=repeats)
+    work = rule.fixed_work([(b.a_dim, b.g_dim) for b in model.thor.blocks])
+    fixed = 0.0
+    if work is not None:
+        fn, args = work
+        fixed = time_round_robin([(tf.function(fn, autograph=False), args)], repeats=repeats)[0]
+    return {"forward_backward": forward_backward, "rule_fixed": fixed,
+            "total": forward_backward + fixed}
+
+
 def auto_split(model, batches, refresh_rate: Optional[float] = None,
                max_split: int = DEFAULT_MAX_SPLIT, repeats: int = 3, verbose: bool = True):
     """Calibrate a wrapped, compiled model's split for its rule on two ``(x, y)`` batches.
@@ -266,9 +288,10 @@ def auto_split(model, batches, refresh_rate: Optional[float] = None,
         refresh_rate = 1.0 / max(1, int(config.cadence.interval_base()))
     batches = list(batches)
     sides = probe_sides(model, batches)
-    base = forward_backward_seconds(model, batches[0], repeats=repeats)
-    report = calibrate_rule(sides, config.rule, base, refresh_rate, max_split=max_split,
-                            repeats=repeats)
+    base = step_base_seconds(model, batches[0], config.rule, repeats=repeats)
+    report = calibrate_rule(sides, config.rule, base["total"], refresh_rate,
+                            max_split=max_split, repeats=repeats)
+    report["base_parts"] = base
     report["calibration_seconds"] = time.perf_counter() - start
     report["load_average_1min"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     if verbose:
@@ -281,7 +304,7 @@ def format_report(report) -> str:
     other candidates'."""
     ms = lambda s: f"{1e3 * s:.2f}"
     lines = [f"thor_tf: split calibrated for the {report['rule']} rule: split_dim="
-             f"{report['plan']} (forward+backward {ms(report['base_seconds'])} ms, "
+             f"{report['plan']} (step without the splits' work {ms(report['base_seconds'])} ms, "
              f"refresh rate {report['refresh_rate']:.3g}/step"
              + (f", {report['calibration_seconds']:.1f} s" if "calibration_seconds" in report
                 else "") + ")",

@@ -93,6 +93,10 @@ class UpdateRule:
     reference_steps = None
     #: Whether the rule's step depends on ``damping`` (the "G below the damping" warning).
     uses_damping = False
+    #: The split calibration's choice when the information curve stays below the speed curve
+    #: at every candidate: ``"largest"`` (the seed's: the most exact split timed) or
+    #: ``"cheapest"`` (no candidate keeps enough to pay for its work: the least work).
+    split_fallback = "largest"
 
     # -- state -------------------------------------------------------------------------------------
     def create_layer_state(self, optimizer, block, prefix, layout_a, layout_g):
@@ -137,6 +141,13 @@ class UpdateRule:
           side: ``"A"`` or ``"G"``.
         """
         raise NotImplementedError(f"{type(self).__name__} does not say what a split costs it")
+
+    def fixed_work(self, shapes):
+        """The rule's per-step work that no split changes, on blocks of ``shapes``
+        (``[(a_dim, g_dim)]``): ``(fn, args)`` as :attr:`SideWork.step`, or None (nothing worth
+        timing). Part of the step the speed curve weighs a side's work against."""
+        del shapes
+        return None
 
     def information_curve(self, pairs, cands):
         """Per candidate split, what the split keeps of the factors ``pairs``

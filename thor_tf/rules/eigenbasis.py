@@ -535,12 +535,39 @@ class Eigenbasis(UpdateRule):
         return SideWork(step=(rotations, (matrix, q_old)),
                         refresh=(renew, (blocks, mask, q_old, w_old)))
 
+    def fixed_work(self, shapes):
+        """Adam's moments and division on every block's ``[a_dim, g_dim]`` matrix and, under
+        ``step="orthogonal"``, their Newton–Schulz orthogonalization as :meth:`precondition`
+        batches it (:meth:`_orthogonalized`)."""
+        matrices = tuple(side_matrix(a, g, "A", seed=k) for k, (a, g) in enumerate(shapes))
+
+        def step(*grads):
+            b1, b2, eps = (tf.constant(v, tf.float32) for v in (self.beta_1, self.beta_2,
+                                                                self.epsilon))
+            updates = []
+            for g in grads:
+                m = b1 * g + (1.0 - b1) * g
+                v = b2 * tf.square(g) + (1.0 - b2) * tf.square(g)
+                updates.append(m / (tf.sqrt(v) + eps))
+            if self.step == "orthogonal":
+                updates = self._orthogonalized(updates)
+            return updates
+
+        return step, matrices
+
+    #: A side whose every affordable split keeps little of its unsplit basis is not rotated
+    #: (split 1): the rotations would cost time for directions that do not hold on the next batch.
+    split_fallback = "cheapest"
+
     def information_curve(self, pairs, cands):
         """How well a split basis from one batch's factor diagonalizes the next batch's
-        (:func:`thor_tf.basis_information.kept_curve`), relative to the best candidate: 1 there."""
+        (:func:`thor_tf.basis_information.kept_curve`), relative to the unsplit basis: its own
+        held-out value when the unsplit factor is a candidate, else 1 (what it keeps of its own
+        batch; an ``n³`` decomposition of a wide factor is not worth timing for)."""
         kept = kept_curve(pairs, cands)
-        best = max(kept)
-        return [1.0 if best == 0 else k / best for k in kept]
+        dim = int(np.shape(pairs[0][0])[0])
+        reference = kept[-1] if cands[-1] >= dim and kept[-1] > 0 else 1.0
+        return [min(1.0, k / reference) for k in kept]
 
     # -- the optimizer's chain ---------------------------------------------------------------------
     def update_step(self, optimizer, gradient, variable, learning_rate):
