@@ -226,11 +226,13 @@ def test_wrap_reads_split_dim_from_calibration_json(tmp_path):
 # --------------------------------------------------------------------------- the script, e2e
 
 def test_calibration_script_quick_end_to_end(tmp_path):
+    """The inverse rule's calibration (the seed's): one split for the model."""
     out = tmp_path / "cal.json"
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", MPLBACKEND="Agg")
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", "calibrate_split_dim.py"), "--model", "cnn",
-         "--data", "digits", "--steps", "3", "--quick", "--out", str(out)],
+        [sys.executable, os.path.join(REPO, "scripts", "calibrate_split_dim.py"), "--rule",
+         "inverse", "--model", "cnn", "--data", "digits", "--steps", "3", "--quick", "--out",
+         str(out)],
         capture_output=True, text=True, env=env, timeout=240, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -250,6 +252,37 @@ def test_calibration_script_quick_end_to_end(tmp_path):
     # The file it wrote is what wrap accepts.
     model = thor_tf.wrap(_tiny_model(), split_dim=str(out), verbose=False)
     assert model._thor_config.split_dim == result["split_dim"]
+
+
+def test_calibration_script_for_the_eigenbasis_rule_end_to_end(tmp_path):
+    """The default rule's calibration: a split per factor dimension of the zoo CNN on digits,
+    JSON that wrap reads as that plan, one plot panel per dimension; --replot redraws it."""
+    out = tmp_path / "cal.json"
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", MPLBACKEND="Agg")
+    script = os.path.join(REPO, "scripts", "calibrate_split_dim.py")
+    proc = subprocess.run(
+        [sys.executable, script, "--model", "cnn", "--data", "digits", "--steps", "3", "--quick",
+         "--out", str(out)], capture_output=True, text=True, env=env, timeout=240,
+        cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["rule"] == "eigenbasis"
+    plan = thor_tf.SplitPlan.from_config(result["split_plan"])
+    assert {str(d) for d, _ in plan.by_dim} == set(result["dims"])
+    for dim, entry in result["dims"].items():
+        n = len(entry["candidates"])
+        assert len(entry["information"]) == len(entry["speed"]) == len(entry["cost_seconds"]) == n
+        assert entry["split"] in entry["candidates"] and entry["candidates"][0] == 1
+        assert max(entry["speed"]) == pytest.approx(1.0)
+    assert "split calibrated for the eigenbasis rule" in proc.stdout
+    png = out.with_suffix(".png")
+    assert png.stat().st_size > 1000
+    model = thor_tf.wrap(_tiny_model(), split_dim=str(out), verbose=False)
+    assert model._thor_config.split_dim == plan
+    png.unlink()
+    replot = subprocess.run([sys.executable, script, "--replot", str(out)], capture_output=True,
+                            text=True, env=env, timeout=120, cwd=str(tmp_path))
+    assert replot.returncode == 0 and png.stat().st_size > 1000, replot.stderr[-2000:]
 
 
 def test_calibrate_on_trained_model_needs_exact_factors():
