@@ -186,7 +186,7 @@ def test_calibration_takes_the_hand_computed_crossing():
     t = -d_lo / (d_hi - d_lo)
     assert dim["crossing"] == pytest.approx(2 ** (4 + t), rel=1e-9)
     assert dim["split"] == 32 and report["plan"] == SplitPlan(128, ((64, 32),))
-    assert report["layers"] == {"dense/A": {"dim": 64, "split": 32}}
+    assert report["layers"] == {"dense/A": {"dim": 64, "other_dim": 10, "split": 32}}
 
 
 @pytest.mark.parametrize("fallback,expected", [("largest", 64), ("cheapest", 1)])
@@ -217,6 +217,21 @@ def test_eigenbasis_information_is_relative_to_the_unsplit_basis():
     np.testing.assert_allclose(curve, [r / raw[-1] for r in raw], rtol=1e-12)
     wide = Eigenbasis().information_curve([(f1, f2)], [1, 4, 8])
     np.testing.assert_allclose(wide, kept_curve([(f1, f2)], [1, 4, 8]), rtol=1e-12)
+
+
+def test_work_within_the_timing_resolution_counts_as_equally_fast():
+    """Costs 0, 0.02, 0.04 ms against a 10 ms step (below 0.5 % of it): every speed is 1, so a
+    rising information curve keeps the unsplit side whatever the noise ordered."""
+    costs = {1: 0.0, 16: 4e-5, 24: 2e-5}
+
+    def timer(works, repeats, warmup):
+        return [costs[int(fn(*args)[0].numpy())] for fn, args in works[:-1]] + [0.0]
+
+    side = sc.Side("dense", "A", 24, 10, np.eye(24), np.eye(24))
+    report = sc.calibrate_rule([side], KnownCostRule({1: 0.3, 16: 0.8, 24: 1.0}), 0.01, 0.0,
+                               timer=timer)
+    assert report["dims"][24]["speed"] == [1.0, 1.0, 1.0]
+    assert report["plan"].size(24) == 24
 
 
 def test_candidates_and_argument_errors():
@@ -310,6 +325,10 @@ def test_auto_trains_as_its_plan_does(capsys):
     np.testing.assert_array_equal(moving[0], auto.non_trainable_variables[0].numpy())
     printed = capsys.readouterr().out
     assert "split calibrated for the eigenbasis rule" in printed and "split A" in printed
+    assert "AdamW ms/step" in printed  # the per-layer cost table
+    costs = report["layer_costs"]
+    assert set(costs) == {b.name for b in auto.thor.blocks}
+    assert all(c["first_order"] > 0 and c["rotations"] >= 0 for c in costs.values())
     plan = auto.thor_optimizer.config.split_dim
     assert isinstance(plan, SplitPlan) and plan == report["plan"]
     assert set(report["dims"]) == {13, 40, 41, 24, 25, 4}

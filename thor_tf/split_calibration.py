@@ -17,7 +17,8 @@ split for whichever rule the model trains with, on the model, the batch and the 
    it fits), the seconds of the rule's real traced work on every side of that dimension:
    ``c_n(b) = Σ_sides [step(b) + rate·refresh(b)]``, ``rate`` the refreshes per step (the trace
    rule's measured rate, or its upper bound ``1/frequency`` before training). The *speed curve*
-   is the step's speed against its fastest split, ``(T + min_b c_n(b)) / (T + c_n(b))``, with
+   is the step's speed against its fastest split, ``(T + min_b c_n(b)) / (T + c_n(b))`` (work
+   within 0.5 % of ``T`` of the cheapest counts as equally fast: timing noise), with
    ``T`` the model's forward and backward pass on the batch (what every split pays): 1 at the
    cheapest split, falling as the side's work grows relative to the step;
 3. information: the rule's curve over the same candidates on the probe factors of that
@@ -50,12 +51,16 @@ from thor_tf.factor_probe import batch_factors, untouched
 from thor_tf.split_plan import DEFAULT_SPLIT, SplitPlan
 
 __all__ = ["Side", "auto_split", "calibrate_rule", "candidates_for", "format_report",
-           "probe_sides", "time_round_robin"]
+           "layer_costs", "probe_sides", "step_base_seconds", "time_round_robin"]
 
 #: The largest split calibration times by default (a refresh of 512-blocks of a 3,137-wide
 #: factor is ~0.4 s of float64 ``eigh`` per call on a 2-core CPU, and its rotations cost ~5x
 #: those at 128); a dimension up to it also gets itself (unsplit) as a candidate.
 DEFAULT_MAX_SPLIT = 256
+
+
+#: Differences of a side's work below this share of the step count as equal speed.
+SPEED_RESOLUTION = 0.005
 
 
 @dataclasses.dataclass
@@ -161,7 +166,8 @@ def calibrate_rule(sides: Sequence, rule, base_seconds: float, refresh_rate: flo
       dict: ``plan`` (:class:`SplitPlan`), ``dims`` (per dimension: ``candidates``,
       ``information``, ``step_seconds``, ``refresh_seconds`` (summed over its sides),
       ``cost_seconds``, ``speed``, ``crossing``, ``split``, ``reason``, ``sides``), ``layers``
-      (per side label: its dimension and split), ``base_seconds``, ``refresh_rate``, ``rule``.
+      (per side label: its dimension, the other side's and its split), ``base_seconds``,
+      ``refresh_rate``, ``rule``.
     """
     sides = list(sides)
     if not sides:
@@ -203,7 +209,12 @@ def calibrate_rule(sides: Sequence, rule, base_seconds: float, refresh_rate: flo
         step = [per_dim[dim][b]["step"] for b in cands]
         refresh = [per_dim[dim][b]["refresh"] for b in cands]
         cost = [s + refresh_rate * r for s, r in zip(step, refresh)]
-        speed = [(base_seconds + min(cost)) / (base_seconds + c) for c in cost]
+        # A difference of work below SPEED_RESOLUTION of the step is timing noise, not speed:
+        # those candidates are equally fast (else noise of a few µs picks the split of a
+        # 32-wide side).
+        cheapest = min(cost)
+        speed = [1.0 if c - cheapest < SPEED_RESOLUTION * base_seconds
+                 else (base_seconds + cheapest) / (base_seconds + c) for c in cost]
         info = [float(v) for v in rule.information_curve(
             [(s.previous, s.factor) for s in members], cands)]
         found = find_crossing(cands, info, speed)
@@ -219,7 +230,8 @@ def calibrate_rule(sides: Sequence, rule, base_seconds: float, refresh_rate: flo
                      "refresh_seconds": refresh, "cost_seconds": cost, "speed": speed,
                      "crossing": found.crossing, "split": found.split_dim,
                      "reason": found.reason, "sides": [s.label for s in members]}
-    layers = {s.label: {"dim": s.dim, "split": plan[s.dim]} for s in sides}
+    layers = {s.label: {"dim": s.dim, "other_dim": s.other_dim, "split": plan[s.dim]}
+              for s in sides}
     return {"plan": SplitPlan(default, tuple(plan.items())), "dims": dims, "layers": layers,
             "base_seconds": float(base_seconds), "refresh_rate": float(refresh_rate),
             "rule": rule.name}
@@ -266,13 +278,62 @@ def step_base_seconds(model, batch, rule, repeats: int = 3) -> dict:
     (:meth:`~thor_tf.rules.UpdateRule.fixed_work`: the eigenbasis rule's moments and
     Newton–Schulz). ``{"forward_backward": s, "rule_fixed": s, "total": s}``."""
     forward_backward = forward_backward_seconds(model, batch, repeats=repeats)
-    work = rule.fixed_work([(b.a_dim, b.g_dim) for b in model.thor.blocks])
-    fixed = 0.0
+    shapes = [(b.a_dim, b.g_dim) for b in model.thor.blocks]
+    works = [_adamw_work(shapes)]
+    work = rule.fixed_work(shapes)
     if work is not None:
-        fn, args = work
-        fixed = time_round_robin([(tf.function(fn, autograph=False), args)], repeats=repeats)[0]
+        works.append((tf.function(work[0], autograph=False), work[1]))
+    seconds = time_round_robin(works, repeats=repeats)
+    fixed = seconds[1] if work is not None else 0.0
     return {"forward_backward": forward_backward, "rule_fixed": fixed,
-            "total": forward_backward + fixed}
+            "first_order": seconds[0], "total": forward_backward + fixed}
+
+
+def _adamw_work(shapes):
+    """AdamW's update of every block's ``[a_dim, g_dim]`` matrix (moments, division, decay):
+    what a first-order step costs the same weights."""
+    grads = tuple(tf.constant(np.full((a, g), 0.5, np.float32)) for a, g in shapes)
+
+    def step(*grads):
+        out = []
+        for g in grads:
+            m = 0.9 * g + 0.1 * g
+            v = 0.999 * tf.square(g) + 0.001 * tf.square(g)
+            out.append(g - 1e-3 * (m / (tf.sqrt(v) + 1e-7) + 4e-3 * g))
+        return out
+
+    return tf.function(step, autograph=False), grads
+
+
+def layer_costs(report, blocks) -> dict:
+    """Per block, what THOR's step costs it beside a first-order step, in seconds per step:
+    ``{"split": (A's, G's), "rotations": s, "fixed": s, "first_order": s}``. Rotations: its
+    sides' share of their dimension's measured work at the chosen split (shared by the other
+    side's width, which the work is linear in); fixed: its share of the rule's
+    split-independent work (by ``min(a, g)²·max(a, g)``, Newton–Schulz's products); first order:
+    its share of AdamW's update of all blocks (by size). Estimates from the calibration's
+    timings: a block's own work is not timed alone."""
+    parts = report.get("base_parts", {})
+    sizes = {b.name: b.a_dim * b.g_dim for b in blocks}
+    flops = {b.name: min(b.a_dim, b.g_dim) ** 2 * max(b.a_dim, b.g_dim) for b in blocks}
+    out = {}
+    for b in blocks:
+        rotations = 0.0
+        for side, dim, other in (("A", b.a_dim, b.g_dim), ("G", b.g_dim, b.a_dim)):
+            entry = report["dims"].get(dim)
+            if entry is None or f"{b.name}/{side}" not in entry["sides"]:
+                continue
+            widths = [report["layers"][label]["other_dim"] for label in entry["sides"]]
+            chosen = entry["candidates"].index(entry["split"])
+            rotations += entry["cost_seconds"][chosen] * other / sum(widths)
+        out[b.name] = {
+            "split": tuple(report["plan"].size(d) if report["plan"] is not None else None
+                           for d in (b.a_dim, b.g_dim)),
+            "rotations": rotations,
+            "fixed": parts.get("rule_fixed", 0.0) * flops[b.name] / max(1, sum(flops.values())),
+            "first_order": parts.get("first_order", 0.0) * sizes[b.name] / max(1, sum(sizes.values())),
+        }
+    return out
 
 
 def auto_split(model, batches, refresh_rate: Optional[float] = None,
@@ -292,6 +353,7 @@ def auto_split(model, batches, refresh_rate: Optional[float] = None,
     report = calibrate_rule(sides, config.rule, base["total"], refresh_rate,
                             max_split=max_split, repeats=repeats)
     report["base_parts"] = base
+    report["layer_costs"] = layer_costs(report, model.thor.blocks)
     report["calibration_seconds"] = time.perf_counter() - start
     report["load_average_1min"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     if verbose:
@@ -316,4 +378,14 @@ def format_report(report) -> str:
         split = "none" if d["split"] == 1 else str(d["split"])
         lines.append(f"  {dim:>4}  {len(d['sides']):>5}  {split:>5}  "
                      f"{ms(d['cost_seconds'][chosen]):>16}  {per}")
+    costs = report.get("layer_costs")
+    if costs:
+        name = max(len("layer"), *(len(k) for k in costs))
+        lines.append(f"  {'layer'.ljust(name)}  split A  split G  THOR ms/step (rotations + "
+                     f"moments/orthogonalization)  AdamW ms/step")
+        for layer, c in costs.items():
+            a, g = ("none" if v == 1 else str(v) for v in c["split"])
+            lines.append(f"  {layer.ljust(name)}  {a:>7}  {g:>7}  "
+                         f"{ms(c['rotations'] + c['fixed']):>8} ({ms(c['rotations'])} + "
+                         f"{ms(c['fixed'])}){'':>21}{ms(c['first_order']):>8}")
     return "\n".join(lines)
