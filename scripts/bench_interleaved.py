@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_cadence_share import (  # noqa: E402  (the suite's chosen baselines, plot end)
     best_baselines, finish_workload_axes)
+from thor_tf_experiments.cli import parse_thor_option  # noqa: E402
 
 WORKLOADS = "digits_cnn,tabular_mlp,fashion_cnn,char_gpt,vit,resnet20,autoencoder"
 
@@ -55,9 +56,10 @@ def segment_order(index, seed):
     return (0, 1) if (index + seed) % 2 == 0 else (1, 0)
 
 
-def interleaved_rows(name, baseline, rate, seed, quick, evals):
+def interleaved_rows(name, baseline, rate, seed, quick, evals, thor_options=()):
     """The suite's metric rows of THOR and the baseline on ``name``, seed ``seed``, trained
-    segment by segment in turn."""
+    segment by segment in turn (``thor_options``: ``[(name, value)]`` wrap options other than
+    the defaults, as the suite's ``--thor-option``)."""
     import keras
     from thor_tf_experiments import suite, timing, workloads
 
@@ -69,7 +71,8 @@ def interleaved_rows(name, baseline, rate, seed, quick, evals):
     runs = []
     for optimizer, lr in (("thor", 0.0), (baseline, rate)):
         keras.utils.set_random_seed(seed)
-        model = suite.compiled_model(optimizer, lr, workload, data, quick, len(order), {})
+        model = suite.compiled_model(optimizer, lr, workload, data, quick, len(order),
+                                     list(thor_options) if optimizer == "thor" else [])
         runs.append({"optimizer": optimizer, "lr": float(lr), "model": model,
                      "clock": timing.RunClock(), "rows": []})
     x_eval, y_eval = ((data.x_train, data.y_train) if workload.eval_split == "train"
@@ -114,12 +117,12 @@ def paired(summary):
     return ratios, (statistics.median(present) if present else None)
 
 
-def workload_result(name, baseline, rate, seeds, quick, evals):
+def workload_result(name, baseline, rate, seeds, quick, evals, thor_options=()):
     from thor_tf_experiments import suite, workloads
 
     rows = []
     for seed in seeds:
-        rows += interleaved_rows(name, baseline, rate, seed, quick, evals)
+        rows += interleaved_rows(name, baseline, rate, seed, quick, evals, thor_options)
     summary = suite.summarize_workload(workloads.WORKLOADS[name].sized(quick), rows)
     ratios, median = paired(summary)
     thor, base = summary["optimizers"]["thor"], summary["optimizers"][summary["best_baseline"]]
@@ -178,6 +181,10 @@ def main(argv=None):
     parser.add_argument("--out", default="runs/bench_interleaved.json")
     parser.add_argument("--quick", action="store_true",
                         help="the tabular MLP, one seed, 4 evaluations: the harness")
+    parser.add_argument("--thor-option", action="append", default=[], type=parse_thor_option,
+                        metavar="NAME=VALUE",
+                        help="a thor_tf.wrap option other than its default, as the suite's "
+                             "(e.g. split_dim=auto; repeatable)")
     args = parser.parse_args(argv)
     chosen = best_baselines(args.suite)
     names = ["tabular_mlp"] if args.quick else [n for n in args.workloads.split(",") if n]
@@ -196,7 +203,8 @@ def main(argv=None):
     results = {}
     for name in names:
         baseline, rate = chosen[name]
-        r = workload_result(name, baseline, rate, seeds, args.quick, args.evals)
+        r = workload_result(name, baseline, rate, seeds, args.quick, args.evals,
+                            args.thor_option)
         results[name] = r
         fmt = lambda v: "never" if v is None else f"{v:.2f}x"
         print(f"{name}: THOR vs {baseline} {rate:g}: steps {fmt(r['steps_ratio'])}, seconds "
@@ -207,6 +215,7 @@ def main(argv=None):
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                "seeds": seeds, "evals": args.evals, "quick": args.quick,
+                               "thor_options": dict(args.thor_option),
                                "machine": f"{platform.machine()}, {os.cpu_count()} cores; "
                                           f"{platform.platform()}",
                                "results": results}, indent=1))

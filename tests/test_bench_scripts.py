@@ -278,3 +278,16 @@ def test_bench_interleaved_pairs_seeds_and_trains_as_the_suite(tmp_path):
     alone = suite.train_run(workload, workload.load(True), "thor", 0.0, 0, args, lambda row: None)
     np.testing.assert_allclose([r["metric"] for r in thor_rows], [r["metric"] for r in alone],
                                rtol=1e-6)
+    # --thor-option reaches THOR's wrap (and only THOR's): the suite's run with the option.
+    split = tmp_path / "split.json"
+    bench.main(["--quick", "--thor-option", "split_dim=4", "--out", str(split)])
+    record = json.loads(split.read_text())
+    assert record["thor_options"] == {"split_dim": 4}
+    rows = record["results"]["tabular_mlp"]["rows"]
+    args = argparse.Namespace(quick=True, evals=4, thor_option=[("split_dim", 4)])
+    alone = suite.train_run(workload, workload.load(True), "thor", 0.0, 0, args, lambda row: None)
+    split_rows = [r["metric"] for r in rows if r["optimizer"] == "thor"]
+    np.testing.assert_allclose(split_rows, [r["metric"] for r in alone], rtol=1e-6)
+    assert split_rows[-1] != thor_rows[-1]["metric"]
+    np.testing.assert_allclose([r["metric"] for r in rows if r["optimizer"] != "thor"],
+                               [r["metric"] for r in base_rows], rtol=1e-6)
