@@ -61,10 +61,16 @@ def test_split_dim_forms_resolve(tmp_path):
     path.write_text(json.dumps({"split_dim": 32}))
     assert resolve_split_dim(path) == 32
     assert str(plan) == "64 (10: none, 785: 32)"
+    wide = SplitPlan(128, ((300, 32),), diagonal_above=256)
+    assert [wide.size(d) for d in (64, 256, 257, 300, 3137)] == [128, 128, 1, 32, 1]
+    assert wide.get_config() == {"default": 128, "by_dim": {"300": 32}, "diagonal_above": 256}
+    assert resolve_split_dim(wide.get_config()) == wide
+    assert str(wide) == "128 (300: 32, wider than 256: none)"
 
 
 @pytest.mark.parametrize("bad", [0, -3, True, 2.5, "fast", {"default": 0}, {"by_dim": {}},
-                                 {"default": 8, "splits": {}}, {"default": 8, "by_dim": {"4": 0}}])
+                                 {"default": 8, "splits": {}}, {"default": 8, "by_dim": {"4": 0}},
+                                 {"default": 8, "diagonal_above": 0}])
 def test_bad_split_dim_names_the_argument_and_its_forms(bad):
     with pytest.raises(ValueError, match=r"`split_dim` must be an int >= 1, 'auto', a "
                                          r"thor_tf.SplitPlan"):

@@ -4,9 +4,10 @@ Each Kronecker factor ``[n, n]`` is stored, inverted or eigendecomposed in diago
 split (DESIGN.md §2). ``thor_tf.wrap(model, split_dim=...)`` takes
 
 * an int ``b >= 1``: every factor is split at ``b`` (``b >= n``: not split);
-* a :class:`SplitPlan` (or its dict ``{"default": b, "by_dim": {n: b_n}}``): factors of
-  dimension ``n`` at ``b_n``, the others at ``b``. ``b_n = 1`` keeps that side unrotated (the
-  eigenbasis rule's basis is 1 on 1×1 blocks: Adam's coordinates on that side);
+* a :class:`SplitPlan` (or its dict ``{"default": b, "by_dim": {n: b_n}, "diagonal_above":
+  w}``): factors of dimension ``n`` at ``b_n``, those wider than ``w`` at 1, the others at
+  ``b``. A split of 1 keeps that factor's diagonal only: the eigenbasis rule leaves that side
+  unrotated (its basis is 1 on 1×1 blocks: Adam's coordinates on that side);
 * the path of a calibration JSON (``scripts/calibrate_split_dim.py``): its ``split_plan`` when
   it has one, else its ``split_dim``;
 * ``"auto"``: calibrated for the rule in use at the start of ``fit``
@@ -22,7 +23,7 @@ import dataclasses
 import json
 import numbers
 import os
-from typing import Mapping, Tuple
+from typing import Mapping, Optional, Tuple
 
 __all__ = ["AUTO", "DEFAULT_SPLIT", "SplitPlan", "resolve_split_dim", "split_size", "split_config"]
 
@@ -41,11 +42,13 @@ def _positive_int(value, what):
 
 @dataclasses.dataclass(frozen=True)
 class SplitPlan:
-    """Split per factor dimension: ``by_dim`` ``((n, b_n), ...)`` sorted by ``n``, ``default``
-    for every other dimension."""
+    """Split per factor dimension: ``by_dim`` ``((n, b_n), ...)`` sorted by ``n``; a dimension
+    not listed there takes 1 when it is wider than ``diagonal_above`` (if set: the factor kept
+    as its diagonal, an eigenbasis side not rotated), else ``default``."""
 
     default: int
     by_dim: Tuple[Tuple[int, int], ...] = ()
+    diagonal_above: Optional[int] = None
 
     def __post_init__(self):
         object.__setattr__(self, "default", _positive_int(self.default, "a SplitPlan's `default`"))
@@ -53,28 +56,41 @@ class SplitPlan:
                               _positive_int(b, f"the split of dimension {n}"))
                              for n, b in dict(self.by_dim).items()))
         object.__setattr__(self, "by_dim", pairs)
+        if self.diagonal_above is not None:
+            object.__setattr__(self, "diagonal_above", _positive_int(
+                self.diagonal_above, "a SplitPlan's `diagonal_above`"))
 
     def size(self, dim: int) -> int:
         """The split of a factor of dimension ``dim``."""
-        return dict(self.by_dim).get(int(dim), self.default)
+        dim = int(dim)
+        listed = dict(self.by_dim).get(dim)
+        if listed is not None:
+            return listed
+        if self.diagonal_above is not None and dim > self.diagonal_above:
+            return 1
+        return self.default
 
     def get_config(self) -> dict:
-        return {"default": self.default, "by_dim": {str(n): b for n, b in self.by_dim}}
+        config = {"default": self.default, "by_dim": {str(n): b for n, b in self.by_dim}}
+        if self.diagonal_above is not None:
+            config["diagonal_above"] = self.diagonal_above
+        return config
 
     @classmethod
     def from_config(cls, config: Mapping) -> "SplitPlan":
-        unknown = sorted(set(config) - {"default", "by_dim"})
+        unknown = sorted(set(config) - {"default", "by_dim", "diagonal_above"})
         if unknown or "default" not in config:
-            raise ValueError(f"a split plan is {{'default': int, 'by_dim': {{dim: split}}}}; got "
-                             f"{dict(config)!r}.")
+            raise ValueError(f"a split plan is {{'default': int, 'by_dim': {{dim: split}}, "
+                             f"'diagonal_above': int or None}}; got {dict(config)!r}.")
         return cls(config["default"], tuple((int(n), b) for n, b in
-                                            dict(config.get("by_dim") or {}).items()))
+                                            dict(config.get("by_dim") or {}).items()),
+                   config.get("diagonal_above"))
 
     def __str__(self):
-        if not self.by_dim:
-            return str(self.default)
-        sides = ", ".join(f"{n}: {'none' if b == 1 else b}" for n, b in self.by_dim)
-        return f"{self.default} ({sides})"
+        parts = [f"{n}: {'none' if b == 1 else b}" for n, b in self.by_dim]
+        if self.diagonal_above is not None:
+            parts.append(f"wider than {self.diagonal_above}: none")
+        return f"{self.default} ({', '.join(parts)})" if parts else str(self.default)
 
 
 def split_size(split_dim, dim: int) -> int:
