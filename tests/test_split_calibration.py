@@ -15,6 +15,7 @@ basis_information.py, the rules' side_work / information_curve, split_dim="auto"
 """
 
 import json
+import warnings
 
 import keras
 import numpy as np
@@ -350,9 +351,15 @@ def test_auto_trains_as_its_plan_does(capsys):
 def test_auto_in_fit_calibrates_before_the_first_step():
     x, y = _data()
     wrapped = thor_tf.wrap(_bn_model(), split_dim="auto", verbose=False, learning_rate=0.01)
-    wrapped.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    wrapped.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                    metrics=["accuracy"])
     assert not wrapped.optimizer.built  # the state's shapes wait for the plan
-    wrapped.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=1, verbose=0)
+    wrapped.evaluate(x, y, verbose=0)  # Keras builds optimizers here: not this one yet
+    assert not wrapped.optimizer.built
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no fallback to 128
+        wrapped.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=1, verbose=0,
+                    shuffle=False)
     assert isinstance(wrapped.thor_optimizer.config.split_dim, SplitPlan)
     with pytest.raises(ValueError, match="only before the first step"):
         wrapped.calibrate_split(_probe_batches(x, y, 16))

@@ -120,6 +120,9 @@ class ThorEngine(Introspection):
         self.loss_scaler = None
         #: ``split_dim`` given to ``wrap`` (reported before an optimizer is attached).
         self.split_dim = split_dim
+        #: True while Keras builds the model's state for evaluate/predict (ThorModel's
+        #: _symbolic_build): a split_dim="auto" optimizer is not built then.
+        self.defer_auto_build = False
         #: Print the registration table when the blocks change (set by ``wrap``'s ``verbose``).
         self.verbose = False
         self._exclude = list(exclude or ())

@@ -370,6 +370,15 @@ class ThorModel(keras.Model):
         with strategy.scope():
             _keras_compat.symbolic_build(self, data_batch)
 
+    def _symbolic_build(self, iterator=None, data_batch=None):
+        # Keras builds the optimizer here too (evaluate or predict before fit): under
+        # split_dim="auto" its state waits for fit's calibration (ThorOptimizer.build).
+        self.thor.defer_auto_build = True
+        try:
+            return super()._symbolic_build(iterator=iterator, data_batch=data_batch)
+        finally:
+            self.thor.defer_auto_build = False
+
     def _unbuilt_step_state(self):
         """Whether THOR's own train step would create variables in its first trace (compiled
         metrics or the loss's trackers not built yet). Only THOR's own step: a model training

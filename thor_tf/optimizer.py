@@ -28,6 +28,7 @@ from thor_tf import rules
 from thor_tf.config import (DEFAULT_FREQUENCY, DEFAULT_KL_CLIP, DEFAULT_MAX_BLOCK_AGE,
                             DEFAULT_TRACE_FILTER, REFUSED_KERAS_ARGUMENTS, split_options)
 from thor_tf.schedules import FitWarmupCosine
+from thor_tf.split_plan import AUTO
 
 
 @keras.saving.register_keras_serializable(package="thor_tf")
@@ -204,6 +205,11 @@ class ThorOptimizer(keras.optimizers.Optimizer):
 
     def build(self, var_list):
         if self.built:
+            return
+        if (self.config.split_dim == AUTO and self.engine is not None
+                and self.engine.defer_auto_build):
+            # Keras builds every optimizer before evaluate/predict: under split_dim="auto" the
+            # state's shapes wait for the calibration at the start of fit.
             return
         super().build(var_list)
         self.config.rule.build_slots(self, var_list)
