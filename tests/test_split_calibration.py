@@ -196,10 +196,11 @@ def test_calibration_takes_the_hand_computed_crossing():
     assert report["layers"] == {"dense/A": {"dim": 64, "other_dim": 10, "split": 32}}
 
 
-@pytest.mark.parametrize("fallback,expected", [("largest", 64), ("cheapest", 1)])
+@pytest.mark.parametrize("fallback,expected", [("largest", 64), ("cheapest", 1), ("default", 32)])
 def test_without_a_crossing_each_rule_takes_its_fallback(fallback, expected):
     """Information below speed at every candidate: the inverse rule (the seed) takes the largest
-    split, the eigenbasis rule the cheapest (here: not rotated)."""
+    split, "cheapest" the least work (here: not rotated), the eigenbasis rule's "default" the
+    largest candidate up to the default split (32 here)."""
     def timer(works, repeats, warmup):
         costs = {1: 0.0, 16: 1e-3, 32: 2e-3, 64: 4e-3}
         return [costs[int(fn(*args)[0].numpy())] for fn, args in works[:-1]] + [0.0]
@@ -207,10 +208,11 @@ def test_without_a_crossing_each_rule_takes_its_fallback(fallback, expected):
     rule = KnownCostRule({1: 0.0, 16: 0.05, 32: 0.1, 64: 0.2})
     rule.split_fallback = fallback
     side = sc.Side("dense", "G", 64, 10, np.eye(64), np.eye(64))
-    report = sc.calibrate_rule([side], rule, base_seconds=0.01, refresh_rate=0.0, timer=timer)
+    report = sc.calibrate_rule([side], rule, base_seconds=0.01, refresh_rate=0.0, timer=timer,
+                               default=32)
     assert report["dims"][64]["crossing"] is None
     assert report["plan"].size(64) == expected
-    assert Eigenbasis.split_fallback == "cheapest" and Inverse.split_fallback == "largest"
+    assert Eigenbasis.split_fallback == "default" and Inverse.split_fallback == "largest"
 
 
 def test_eigenbasis_information_is_relative_to_the_unsplit_basis():

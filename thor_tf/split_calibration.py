@@ -218,13 +218,17 @@ def calibrate_rule(sides: Sequence, rule, base_seconds: float, refresh_rate: flo
         info = [float(v) for v in rule.information_curve(
             [(s.previous, s.factor) for s in members], cands)]
         found = find_crossing(cands, info, speed)
-        if (found.crossing is None and getattr(rule, "split_fallback", "largest") == "cheapest"
+        fallback = getattr(rule, "split_fallback", "largest")
+        if (found.crossing is None and fallback != "largest"
                 and all(i < v for i, v in zip(info, speed))):
-            cheapest = cands[int(np.argmin(cost))]
-            found = Crossing(None, cheapest,
+            if fallback == "cheapest":
+                chosen, why = cands[int(np.argmin(cost))], "the cheapest split"
+            else:
+                chosen = max([c for c in cands if c <= default] or cands[:1])
+                why = f"the default split ({default})"
+            found = Crossing(None, chosen,
                              f"no crossing: information < speed at every candidate (at most "
-                             f"{max(info):.2f} of the unsplit basis kept); the cheapest split "
-                             f"{cheapest}")
+                             f"{max(info):.2f} kept); {why} {chosen}")
         plan[dim] = found.split_dim
         dims[dim] = {"candidates": cands, "information": info, "step_seconds": step,
                      "refresh_seconds": refresh, "cost_seconds": cost, "speed": speed,

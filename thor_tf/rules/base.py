@@ -94,8 +94,9 @@ class UpdateRule:
     #: Whether the rule's step depends on ``damping`` (the "G below the damping" warning).
     uses_damping = False
     #: The split calibration's choice when the information curve stays below the speed curve
-    #: at every candidate: ``"largest"`` (the seed's: the most exact split timed) or
-    #: ``"cheapest"`` (no candidate keeps enough to pay for its work: the least work).
+    #: at every candidate: ``"largest"`` (the seed's: the most exact split timed),
+    #: ``"cheapest"`` (no candidate keeps enough to pay for its work: the least work) or
+    #: ``"default"`` (the curves cannot decide: the largest candidate up to the default split).
     split_fallback = "largest"
 
     # -- state -------------------------------------------------------------------------------------
