@@ -417,11 +417,13 @@ def plot_rule(result, path):
         ax.axvline(d["split"], color="green", ls=":", lw=2)
         ax.set_xscale("log", base=2)
         ax.set_xticks(cands)
-        ax.set_xticklabels(["none" if c == 1 else str(int(c)) for c in cands], fontsize=7)
+        ax.set_xticklabels(["none" if c == 1 else str(int(c)) for c in cands], fontsize=7,
+                           rotation=45)
         ax.minorticks_off()
         ax.set_ylim(-0.03, 1.08)
         chosen = "none" if d["split"] == 1 else d["split"]
-        ax.set_title(f"dim {dim} ({len(d['sides'])} sides) → {chosen}", fontsize=9)
+        count = len(d["sides"])
+        ax.set_title(f"dim {dim} ({count} side{'s' if count > 1 else ''}) → {chosen}", fontsize=9)
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(dims):]:
         ax.axis("off")
