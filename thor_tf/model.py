@@ -341,7 +341,7 @@ class ThorModel(keras.Model):
         thor = self.thor_optimizer
         if thor is not None and thor.config.split_dim == AUTO:
             return
-        if self.thor_optimizer is not None and not self.optimizer.built:
+        if thor is not None and not self.optimizer.built:
             with self.distribute_strategy.scope():
                 self.optimizer.build(self.trainable_variables)
 
