@@ -47,7 +47,8 @@ from thor_tf_experiments import workloads  # noqa: E402
 VARIANTS = ("sgd", "adamw", "muon", "thor", "thor_adam_step", "thor_no_precondition",
             "thor_no_curvature", "thor_neither")
 #: Per model: the suite workload it comes from and random data of its shapes.
-MODELS = ("fashion_cnn", "resnet20", "vit", "autoencoder", "char_gpt")
+MODELS = ("fashion_cnn", "resnet20", "vit", "autoencoder", "char_gpt", "digits_cnn",
+          "tabular_mlp")
 
 
 class StepTimer(keras.callbacks.Callback):
@@ -80,7 +81,11 @@ def random_data(name, steps):
     if name == "autoencoder":
         x = rng.random((n, 784)).astype("float32")
         return w, workloads.Data(x, x, x[:8], x[:8], "random")
-    shape = (28, 28, 1)
+    if name == "tabular_mlp":
+        x = rng.standard_normal((n, 10)).astype("float32")
+        y = rng.standard_normal((n, 1)).astype("float32")
+        return w, workloads.Data(x, y, x[:8], y[:8], "random")
+    shape = (8, 8, 1) if name == "digits_cnn" else (28, 28, 1)
     x = rng.random((n,) + shape).astype("float32")
     y = rng.integers(0, 10, n)
     return w, workloads.Data(x, y, x[:8], y[:8], "random")

@@ -177,12 +177,16 @@ class Refresher:
             held.G.assign(fg)
             traces_a.append(tf.reduce_sum(tf.linalg.diag_part(fa), axis=both_axes))  # [nb, d]
             traces_g.append(tf.reduce_sum(tf.linalg.diag_part(fg), axis=both_axes))
-        index = tf.constant([[layer.index] for layer in layers], tf.int64)
+        positions = [layer.index for layer in layers]
         flags = tf.stack(refresh)
         for variable, new in ((s.trace_a, traces_a), (s.trace_g, traces_g)):
-            old = tf.gather(tf.convert_to_tensor(variable), index[:, 0])
+            old = tf.convert_to_tensor(variable)
+            if positions == list(range(int(old.shape[0]))):  # every block, in order: no scatter
+                variable.assign(tf.where(flags, tf.stack(new), old))
+                continue
+            index = tf.constant([[k] for k in positions], tf.int64)
             variable.assign(tf.tensor_scatter_nd_update(
-                tf.convert_to_tensor(variable), index, tf.where(flags, tf.stack(new), old)))
+                old, index, tf.where(flags, tf.stack(new), tf.gather(old, positions))))
 
     def inversion_cost(self, i):
         """Flops-proportional cost of inverting block ``i``'s factors: ``Σ nb·d³``."""
