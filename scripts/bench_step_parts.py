@@ -11,7 +11,11 @@ across repeats (a slow spell of a shared machine hits all of them alike):
   points (traces, factors, refreshes) and the apply;
 * ``thor_no_curvature``: THOR without its cadence points (no traces, factors or refreshes; the
   bases stay the identity, the rotations and Newton–Schulz still run);
-* ``thor_neither``: both removed.
+* ``thor_neither``: both removed;
+* ``thor_muon_set``: a method variant, not THOR's default: Newton–Schulz only on the blocks
+  whose kernels Keras' Muon orthogonalizes (Dense and Conv; EinsumDense and Embedding blocks
+  keep the eigenbasis Adam step, ``Eigenbasis(adam_kinds=("einsum_dense", "embedding"))``):
+  what the orthogonalization of the other blocks costs per step.
 
 Differences between them attribute the step: rotations + moments (``thor_adam_step`` −
 ``thor_no_precondition``), Newton–Schulz (``thor`` − ``thor_adam_step``), cadence points
@@ -45,9 +49,10 @@ import thor_tf  # noqa: E402
 from thor_tf_experiments import workloads  # noqa: E402
 
 VARIANTS = ("sgd", "adamw", "muon", "thor", "thor_adam_step", "thor_no_precondition",
-            "thor_no_curvature", "thor_neither")
+            "thor_no_curvature", "thor_neither", "thor_muon_set")
 #: Per model: the suite workload it comes from and random data of its shapes.
-MODELS = ("fashion_cnn", "resnet20", "vit", "autoencoder", "char_gpt")
+MODELS = ("fashion_cnn", "resnet20", "vit", "autoencoder", "char_gpt", "digits_cnn",
+          "tabular_mlp")
 
 
 class StepTimer(keras.callbacks.Callback):
@@ -80,7 +85,11 @@ def random_data(name, steps):
     if name == "autoencoder":
         x = rng.random((n, 784)).astype("float32")
         return w, workloads.Data(x, x, x[:8], x[:8], "random")
-    shape = (28, 28, 1)
+    if name == "tabular_mlp":
+        x = rng.standard_normal((n, 10)).astype("float32")
+        y = rng.standard_normal((n, 1)).astype("float32")
+        return w, workloads.Data(x, y, x[:8], y[:8], "random")
+    shape = (8, 8, 1) if name == "digits_cnn" else (28, 28, 1)
     x = rng.random((n,) + shape).astype("float32")
     y = rng.integers(0, 10, n)
     return w, workloads.Data(x, y, x[:8], y[:8], "random")
@@ -101,6 +110,8 @@ def build(variant, workload, data):
                       loss=loss)
         return model
     rule = "eigenbasis_adam" if variant == "thor_adam_step" else "eigenbasis"
+    if variant == "thor_muon_set":
+        rule = thor_tf.rules.Eigenbasis(adam_kinds=("einsum_dense", "embedding"))
     wrapped = thor_tf.wrap(model, learning_rate=1e-3, update_rule=rule, verbose=False)
     wrapped.compile(loss=loss)
     engine = wrapped.thor

@@ -512,8 +512,7 @@ class ThorEngine(Introspection):
         layer). Computed for every layer without a branch: a trace is a sum of squares, cheaper
         at run time than a ``tf.cond`` per layer is to trace and optimize."""
         traces = tf.stack([tf.stack(_traces(layer)) for layer in layers])
-        index = [layer.index for layer in layers]
-        frozen = tf.gather(tf.convert_to_tensor(self.state.frozen), index) > 0
+        frozen = per_block_rows(self.state.frozen, [layer.index for layer in layers]) > 0
         return tf.where(frozen[:, None], tf.zeros_like(traces), traces)
 
     def _judge(self, layers, traces, damping, step):
@@ -535,7 +534,7 @@ class ThorEngine(Introspection):
         index = [layer.index for layer in layers]
 
         def rows(v):
-            return tf.gather(tf.convert_to_tensor(v), index)
+            return per_block_rows(v, index)
 
         frozen = rows(s.frozen) > 0
         has_used = rows(s.refreshes) > 0
@@ -589,33 +588,45 @@ class ThorEngine(Introspection):
         Returns a boolean scalar: whether any layer refreshed.
         """
         s = self.state
-        index = tf.constant([[layer.index] for layer in layers], tf.int64)
+        positions = [layer.index for layer in layers]
+        # Every block active, in order (the usual step): the decisions are the whole vectors,
+        # written without gathers and scatters (the same values; fewer ops to trace and run).
+        every = positions == list(range(len(self.blocks)))
+        index = None if every else tf.constant([[k] for k in positions], tf.int64)
         frozen_before = tf.identity(s.frozen)
         refreshes_before = tf.identity(s.refreshes)
 
         def put(variable, values):
-            variable.assign(tf.tensor_scatter_nd_update(
-                tf.convert_to_tensor(variable), index, tf.cast(values, variable.dtype)))
+            values = tf.cast(values, variable.dtype)
+            variable.assign(values if every else tf.tensor_scatter_nd_update(
+                tf.convert_to_tensor(variable), index, values))
 
         def add(variable, flags):
-            variable.assign(tf.tensor_scatter_nd_add(
-                tf.convert_to_tensor(variable), index, tf.cast(flags, variable.dtype)))
+            flags = tf.cast(flags, variable.dtype)
+            if every:
+                variable.assign_add(flags)
+            else:
+                variable.assign(tf.tensor_scatter_nd_add(tf.convert_to_tensor(variable), index,
+                                                         flags))
 
-        was_frozen = tf.gather(tf.convert_to_tensor(s.frozen), index[:, 0]) > 0
+        def rows(variable):
+            return per_block_rows(variable, positions)
+
+        was_frozen = rows(s.frozen) > 0
         evaluated = tf.logical_not(was_frozen)
         reuse = tf.logical_and(evaluated, tf.logical_not(
             tf.logical_or(decisions.refresh, decisions.freeze)))
         put(s.calm, decisions.calm)
         for variable, values in zip(s.filter, decisions.filter):
             put(variable, values)
-        last_delta = tf.gather(tf.convert_to_tensor(s.last_delta), index[:, 0])
+        last_delta = rows(s.last_delta)
         put(s.last_delta, tf.where(evaluated, decisions.delta, last_delta))  # NaN: non-finite traces
         add(s.refreshes, decisions.refresh)
         add(s.reuses, reuse)
         step_vector = tf.fill(tf.shape(decisions.refresh), step)
-        last_refresh = tf.gather(tf.convert_to_tensor(s.last_refresh), index[:, 0])
+        last_refresh = rows(s.last_refresh)
         put(s.last_refresh, tf.where(decisions.refresh, step_vector, last_refresh))
-        frozen_at = tf.gather(tf.convert_to_tensor(s.frozen_at), index[:, 0])
+        frozen_at = rows(s.frozen_at)
         put(s.frozen_at, tf.where(decisions.freeze, step_vector, frozen_at))
         add(s.frozen, decisions.freeze)
         s.nonfinite_traces.assign_add(tf.reduce_sum(tf.cast(decisions.nonfinite, tf.int64)))
@@ -638,6 +649,15 @@ class ThorEngine(Introspection):
     def block_position(self, name):
         """Index of block ``name`` in :attr:`blocks` and in the state's per-block vectors."""
         return self._block_index[name]
+
+
+def per_block_rows(variable, positions):
+    """Rows ``positions`` (a list of block positions) of a per-block state vector (``[n, ...]``):
+    the vector itself when ``positions`` is every block in order (the usual step: no gather)."""
+    value = tf.convert_to_tensor(variable)
+    if positions == list(range(int(value.shape[0]))):
+        return value
+    return tf.gather(value, positions)
 
 
 def _rows_per_example(block, record):

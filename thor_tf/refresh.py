@@ -67,11 +67,8 @@ class Refresher:
     def _refreshed_factors(self, layers, refresh, new):
         """``[(A, G)]`` after this point: the batch's factors ``new`` in use (blended, checked)
         for the refreshing layers, the factors in use for the others."""
-        out = []
-        for layer, flag, (fa, fg) in zip(layers, refresh, new):
-            out.append(tuple(tf.where(flag, fresh, now) for fresh, now in
-                             zip(self._factors_in_use(layer, fa, fg), self._factors_now(layer))))
-        return out
+        return [self._factors_in_use(layer, flag, fa, fg)
+                for layer, flag, (fa, fg) in zip(layers, refresh, new)]
 
     def _local_factors_where(self, layers, refresh):
         """``[(A, G)]`` of this replica's batch for the refreshing layers, zeros for the others.
@@ -139,11 +136,6 @@ class Refresher:
         # One Unpack per factor, not a strided slice (and its three index constants) per member.
         return list(zip(tf.unstack(stacked[0], num=count), tf.unstack(stacked[1], num=count)))
 
-    def _factors_now(self, layer):
-        """The factors in use (``(A, G)`` tensors): what a layer that does not refresh keeps."""
-        state = self.state.layers[layer.index]
-        return tf.identity(state.A), tf.identity(state.G)
-
     def _local_factors(self, layer):
         """This replica's diagonal factor blocks ``(A [nb, d, d], G [nb, d, d])``."""
         split = self.config.split_dim
@@ -153,17 +145,21 @@ class Refresher:
         return (layer.block.factor_a(layer.records, split),
                 layer.block.factor_g(layer.grads, split))
 
-    def _factors_in_use(self, layer, factor_a, factor_g):
-        """The batch's factors blended with the old ones (``factor_decay``); a non-finite factor
-        (e.g. a sampled-Fisher overflow) keeps the one in use."""
+    def _factors_in_use(self, layer, flag, factor_a, factor_g):
+        """The factors in use after this point: where ``flag`` (the layer refreshes), the batch's
+        factors blended with the old ones (``factor_decay``), unless a factor is not finite
+        (e.g. a sampled-Fisher overflow: it keeps the one in use); elsewhere those in use. One
+        select per factor (the refresh flag and the finiteness together), the old factors read
+        once."""
         s, i, beta = self.state, layer.index, self.config.factor_decay
+        old_a, old_g = tf.convert_to_tensor(s.layers[i].A), tf.convert_to_tensor(s.layers[i].G)
         if beta > 0:
             has_used = s.refreshes[i] > 0
-            factor_a = tf.where(has_used, beta * s.layers[i].A + (1 - beta) * factor_a, factor_a)
-            factor_g = tf.where(has_used, beta * s.layers[i].G + (1 - beta) * factor_g, factor_g)
-        factor_a = tf.where(tf.reduce_all(tf.math.is_finite(factor_a)), factor_a, s.layers[i].A)
-        factor_g = tf.where(tf.reduce_all(tf.math.is_finite(factor_g)), factor_g, s.layers[i].G)
-        return factor_a, factor_g
+            factor_a = tf.where(has_used, beta * old_a + (1 - beta) * factor_a, factor_a)
+            factor_g = tf.where(has_used, beta * old_g + (1 - beta) * factor_g, factor_g)
+        take_a = tf.logical_and(flag, tf.reduce_all(tf.math.is_finite(factor_a)))
+        take_g = tf.logical_and(flag, tf.reduce_all(tf.math.is_finite(factor_g)))
+        return tf.where(take_a, factor_a, old_a), tf.where(take_g, factor_g, old_g)
 
     def _install(self, layers, refresh, factors):
         """Write the refreshing layers' factors and used traces (``factors`` of the other layers
@@ -177,12 +173,16 @@ class Refresher:
             held.G.assign(fg)
             traces_a.append(tf.reduce_sum(tf.linalg.diag_part(fa), axis=both_axes))  # [nb, d]
             traces_g.append(tf.reduce_sum(tf.linalg.diag_part(fg), axis=both_axes))
-        index = tf.constant([[layer.index] for layer in layers], tf.int64)
+        positions = [layer.index for layer in layers]
         flags = tf.stack(refresh)
         for variable, new in ((s.trace_a, traces_a), (s.trace_g, traces_g)):
-            old = tf.gather(tf.convert_to_tensor(variable), index[:, 0])
+            old = tf.convert_to_tensor(variable)
+            if positions == list(range(int(old.shape[0]))):  # every block, in order: no scatter
+                variable.assign(tf.where(flags, tf.stack(new), old))
+                continue
+            index = tf.constant([[k] for k in positions], tf.int64)
             variable.assign(tf.tensor_scatter_nd_update(
-                tf.convert_to_tensor(variable), index, tf.where(flags, tf.stack(new), old)))
+                old, index, tf.where(flags, tf.stack(new), tf.gather(old, positions))))
 
     def inversion_cost(self, i):
         """Flops-proportional cost of inverting block ``i``'s factors: ``Σ nb·d³``."""

@@ -140,27 +140,27 @@ class EinsumDenseBlock(KroneckerBlock):
 
     # -- gradients <-> block matrix -------------------------------------------------------------
     def to_matrix(self, kernel_value, bias_value=None):
-        k = tf.transpose(tf.cast(kernel_value, tf.float32), self._kernel_perm)
+        k = _transpose(tf.cast(kernel_value, tf.float32), self._kernel_perm)
         m = tf.reshape(k, [self.in_dim, self.g_dim])
         if self.bias is not None:
             b = tf.reshape(tf.cast(bias_value, tf.float32), self._bias_compact)
-            b = tf.reshape(tf.transpose(b, self._bias_perm), [1, self.g_dim])
+            b = tf.reshape(_transpose(b, self._bias_perm), [1, self.g_dim])
             m = tf.concat([m, b], axis=0)
         return m
 
     def from_matrix(self, matrix):
         k = tf.reshape(matrix[: self.in_dim], self._matrix_kernel_shape)
-        kernel = tf.transpose(k, self._kernel_inverse)
+        kernel = _transpose(k, self._kernel_inverse)
         bias = None
         if self.bias is not None:
             compact = [self._bias_compact[i] for i in self._bias_perm]
             b = tf.reshape(matrix[self.in_dim], compact)
-            bias = tf.reshape(tf.transpose(b, self._bias_inverse), self._bias_shape)
+            bias = tf.reshape(_transpose(b, self._bias_inverse), self._bias_shape)
         return kernel, bias
 
     # -- statistics -----------------------------------------------------------------------------
     def input_rows(self, inputs):
-        x = tf.transpose(tf.cast(inputs, tf.float32), self._input_perm)
+        x = _transpose(tf.cast(inputs, tf.float32), self._input_perm)
         return tf.reshape(x, [-1, self.in_dim])
 
     def input_sq_norm_sum(self, inputs):
@@ -168,7 +168,7 @@ class EinsumDenseBlock(KroneckerBlock):
         return tf.reduce_sum(tf.square(x)), tf.cast(tf.size(x) // self.in_dim, tf.float32)
 
     def output_rows(self, g):
-        g = tf.transpose(tf.cast(g, tf.float32), self._output_perm)
+        g = _transpose(tf.cast(g, tf.float32), self._output_perm)
         return tf.reshape(g, [-1, self.g_dim])
 
     def trace_g(self, output_grads, masks=None):
@@ -178,3 +178,11 @@ class EinsumDenseBlock(KroneckerBlock):
         count = tf.add_n([tf.cast(tf.size(g) // self.g_dim, tf.float32) for g in output_grads])
         return total / count
 
+
+def _transpose(x, perm):
+    """``tf.transpose(x, perm)``, or ``x`` itself for the identity permutation (a Transformer's
+    query/key/value/output projections: every permutation here is the identity, and each
+    Transpose is an op to trace and run at every step; the same values)."""
+    if list(perm) == list(range(len(perm))):
+        return x
+    return tf.transpose(x, perm)
