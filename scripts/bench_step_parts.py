@@ -15,7 +15,9 @@ across repeats (a slow spell of a shared machine hits all of them alike):
 * ``thor_muon_set``: a method variant, not THOR's default: Newton–Schulz only on the blocks
   whose kernels Keras' Muon orthogonalizes (Dense and Conv; EinsumDense and Embedding blocks
   keep the eigenbasis Adam step, ``Eigenbasis(adam_kinds=("einsum_dense", "embedding"))``):
-  what the orthogonalization of the other blocks costs per step.
+  what the orthogonalization of the other blocks costs per step;
+* ``thor_split128``: THOR with every factor split at 128 (the default before factors wider than
+  512 were left unrotated).
 
 Differences between them attribute the step: rotations + moments (``thor_adam_step`` −
 ``thor_no_precondition``), Newton–Schulz (``thor`` − ``thor_adam_step``), cadence points
@@ -49,7 +51,7 @@ import thor_tf  # noqa: E402
 from thor_tf_experiments import workloads  # noqa: E402
 
 VARIANTS = ("sgd", "adamw", "muon", "thor", "thor_adam_step", "thor_no_precondition",
-            "thor_no_curvature", "thor_neither", "thor_muon_set")
+            "thor_no_curvature", "thor_neither", "thor_muon_set", "thor_split128")
 #: Per model: the suite workload it comes from and random data of its shapes.
 MODELS = ("fashion_cnn", "resnet20", "vit", "autoencoder", "char_gpt", "digits_cnn",
           "tabular_mlp")
@@ -112,7 +114,10 @@ def build(variant, workload, data):
     rule = "eigenbasis_adam" if variant == "thor_adam_step" else "eigenbasis"
     if variant == "thor_muon_set":
         rule = thor_tf.rules.Eigenbasis(adam_kinds=("einsum_dense", "embedding"))
-    wrapped = thor_tf.wrap(model, learning_rate=1e-3, update_rule=rule, verbose=False)
+    # thor_split128: every factor split at 128, the eigenbasis rule's default split before
+    # factors wider than 512 were left unrotated (docs/split_dim.md).
+    split = {"split_dim": 128} if variant == "thor_split128" else {}
+    wrapped = thor_tf.wrap(model, learning_rate=1e-3, update_rule=rule, verbose=False, **split)
     wrapped.compile(loss=loss)
     engine = wrapped.thor
     # Replace parts of the traced step before its first trace (the engine's own methods).

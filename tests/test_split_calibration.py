@@ -386,4 +386,23 @@ def test_auto_outside_fit_uses_the_default_split_and_says_so():
     wrapped.compile(loss="mse")
     with pytest.warns(UserWarning, match=r"split_dim='auto' is calibrated at the start of fit"):
         wrapped.optimizer.build(wrapped.trainable_variables)
-    assert wrapped.thor_optimizer.config.split_dim == 128
+    assert wrapped.thor_optimizer.config.split_dim == Eigenbasis.default_split
+
+
+def test_the_default_split_is_the_rules():
+    """split_dim None: the eigenbasis rule's plan (factors wider than 512 unrotated, 128
+    otherwise), the inverse rule's 128; a saved config holds the resolved split, so a model
+    saved with an explicit 128 loads with 128."""
+    model = lambda: keras.Sequential([keras.Input((600,)), keras.layers.Dense(10)])
+    eigen = thor_tf.wrap(model(), verbose=False)
+    eigen.compile(loss="mse")
+    assert eigen.thor_optimizer.config.split_dim == SplitPlan(128, diagonal_above=512)
+    assert tuple(eigen.thor.state.layers[0].Q_A.shape) == (601, 1, 1)
+    assert tuple(eigen.thor.state.layers[0].Q_G.shape) == (1, 10, 10)
+    inverse = thor_tf.wrap(model(), update_rule="inverse", verbose=False)
+    inverse.compile(loss="mse")
+    assert inverse.thor_optimizer.config.split_dim == 128
+    saved = thor_tf.wrap(model(), split_dim=128, verbose=False)
+    assert saved.get_config()["thor_options"]["split_dim"] == 128
+    restored = thor_tf.ThorModel.from_config(saved.get_config())
+    assert restored._thor_config.split_dim == 128

@@ -97,7 +97,7 @@ class ThorConfig:
     preset: Optional[str] = "thor"
     omega1: Optional[float] = None
     omega2: Optional[float] = None
-    split_dim: Any = 128
+    split_dim: Any = None  # None: the update rule's default_split
     fisher: str = "empirical"
     factor_decay: float = 0.0
     trace_filter: str = DEFAULT_TRACE_FILTER
@@ -164,7 +164,8 @@ class ThorConfig:
         set_("kl_clip", None if self.kl_clip is None else float(self.kl_clip))
         set_("factor_examples", None if k is None else int(k))
         set_("max_block_age", None if age is None else int(age))
-        set_("split_dim", resolve_split_dim(self.split_dim))
+        set_("split_dim", resolve_split_dim(
+            self.update_rule.default_split if self.split_dim is None else self.split_dim))
         set_("_omegas", resolve_omegas(self.preset, self.omega1, self.omega2))
         set_("_cadence", CadenceSchedule(self.frequency))
 

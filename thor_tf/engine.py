@@ -43,7 +43,7 @@ from thor_tf import (_keras_compat, capture, discovery, distributed, fisher, los
 from thor_tf.blocks import TiedLookupBlock
 from thor_tf.introspection import Introspection
 from thor_tf.refresh import Refresher
-from thor_tf.split_plan import AUTO, DEFAULT_SPLIT
+from thor_tf.split_plan import AUTO
 from thor_tf.state import DecisionLog, ThorState
 
 def _values(gradient):
@@ -209,11 +209,12 @@ class ThorEngine(Introspection):
         if optimizer.config.split_dim == AUTO:
             # "auto" is calibrated at the start of fit (ThorModel.calibrate_split): built
             # before that (a custom loop, a restore), the optimizer takes the default split.
+            default = optimizer.config.rule.default_split
             warnings.warn(
                 f"split_dim='auto' is calibrated at the start of fit (or by "
                 f"model.calibrate_split(batches) before the first step); this optimizer was built "
-                f"before either and uses split_dim={DEFAULT_SPLIT}.", stacklevel=2)
-            optimizer.config = dataclasses.replace(optimizer.config, split_dim=DEFAULT_SPLIT)
+                f"before either and uses the rule's default split_dim={default}.", stacklevel=2)
+            optimizer.config = dataclasses.replace(optimizer.config, split_dim=default)
         #: The optimizer's validated options (:class:`thor_tf.config.ThorConfig`).
         self.config = optimizer.config
         if self.select_blocks(var_list) and self.verbose:

@@ -34,7 +34,7 @@ from thor_tf.config import is_schedule, split_options
 from thor_tf.optimizer import ThorOptimizer
 from thor_tf.schedules import EXPLICIT_SCHEDULE, FitWarmupCosine
 from thor_tf.split_calibration import auto_split
-from thor_tf.split_plan import AUTO, DEFAULT_SPLIT
+from thor_tf.split_plan import AUTO
 
 #: G's mean eigenvalue below this fraction of the per-factor damping in every refreshed layer:
 #: the damping swamps the curvature and THOR's step is SGD's divided by √λ (docs/internals.md).
@@ -436,9 +436,9 @@ class ThorModel(keras.Model):
                 f"THOR's state is built with split_dim={thor.config.split_dim}: the split can be "
                 f"calibrated only before the first step (wrap with split_dim='auto').")
         if batches is None:
-            plan, report = DEFAULT_SPLIT, None
+            plan, report = thor.config.rule.default_split, None
             print(f"thor_tf: split_dim='auto' needs the training data as arrays or a "
-                  f"tf.data.Dataset to calibrate on; using split_dim={DEFAULT_SPLIT}.")
+                  f"tf.data.Dataset to calibrate on; using the rule's default split_dim={plan}.")
         else:
             options.setdefault("verbose", self.thor.verbose)
             plan, report = auto_split(self, batches, **options)

@@ -68,7 +68,8 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         refreshed and halves (down to ``base``) after one where some did; ``"adaptive"`` is base 10.
       preset: ``"thor"`` (ω1, ω2) = (0.01, 0), ``"thor_stop"`` (0.01, 0.001), ``"thor_nt"`` (0, 0).
       omega1, omega2: explicit trace-rule thresholds (override the preset), 0 <= ω2 <= ω1.
-      split_dim: block size of the split inverse (int) or a calibration JSON path.
+      split_dim: the factors' diagonal block size: an int, a :class:`thor_tf.SplitPlan`,
+        ``"auto"`` or a calibration JSON path; None: the update rule's ``default_split``.
       fisher: ``"empirical"`` (labels from the data, THOR) or ``"sampled"`` (labels drawn from the
         model's predictive distribution, K-FAC's true Fisher; second backward on cadence steps only).
       factor_decay: 0 uses the current batch's factors (THOR); β in (0, 1) keeps a running average
@@ -114,7 +115,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         preset="thor",
         omega1=None,
         omega2=None,
-        split_dim=128,
+        split_dim=None,
         fisher="empirical",
         factor_decay=0.0,
         trace_filter=DEFAULT_TRACE_FILTER,

@@ -48,7 +48,7 @@ import tensorflow as tf
 from thor_tf.calibration import candidates as _doubling_candidates
 from thor_tf.calibration import Crossing, find_crossing
 from thor_tf.factor_probe import batch_factors, untouched
-from thor_tf.split_plan import DEFAULT_SPLIT, SplitPlan
+from thor_tf.split_plan import DEFAULT_SPLIT, SplitPlan, split_size
 
 __all__ = ["Side", "auto_split", "calibrate_rule", "candidates_for", "format_report",
            "layer_costs", "probe_sides", "step_base_seconds", "time_round_robin"]
@@ -148,7 +148,7 @@ def time_round_robin(works: Sequence, repeats: int = 3, warmup: int = 1) -> list
 
 
 def calibrate_rule(sides: Sequence, rule, base_seconds: float, refresh_rate: float,
-                   max_split: int = DEFAULT_MAX_SPLIT, default: int = DEFAULT_SPLIT,
+                   max_split: int = DEFAULT_MAX_SPLIT, default=None,
                    repeats: int = 3, warmup: int = 1, timer=time_round_robin) -> dict:
     """Steps 2–4 of the module docstring on given sides.
 
@@ -158,7 +158,8 @@ def calibrate_rule(sides: Sequence, rule, base_seconds: float, refresh_rate: flo
       base_seconds: ``T``, the seconds of the step every split pays (> 0).
       refresh_rate: refreshes per step of a block, in [0, 1].
       max_split: see :func:`candidates_for`.
-      default: the plan's split of dimensions no side has (default 128).
+      default: the split (int or :class:`SplitPlan`) the plan keeps for dimensions no side has,
+        and the ``"default"`` fallback's; None: the rule's ``default_split`` (else 128).
       repeats, warmup: timing (:func:`time_round_robin`).
       timer: ``timer(works, repeats=, warmup=) → seconds`` (tests pass a known cost).
 
@@ -169,6 +170,8 @@ def calibrate_rule(sides: Sequence, rule, base_seconds: float, refresh_rate: flo
       (per side label: its dimension, the other side's and its split), ``base_seconds``,
       ``refresh_rate``, ``rule``.
     """
+    if default is None:
+        default = getattr(rule, "default_split", DEFAULT_SPLIT)
     sides = list(sides)
     if not sides:
         raise ValueError("no factor sides to calibrate on (no registered layer reached by the "
@@ -224,8 +227,9 @@ def calibrate_rule(sides: Sequence, rule, base_seconds: float, refresh_rate: flo
             if fallback == "cheapest":
                 chosen, why = cands[int(np.argmin(cost))], "the cheapest split"
             else:
-                chosen = max([c for c in cands if c <= default] or cands[:1])
-                why = f"the default split ({default})"
+                target = split_size(default, dim)
+                chosen = max([c for c in cands if c <= target] or cands[:1])
+                why = f"the default split ({target})"
             found = Crossing(None, chosen,
                              f"no crossing: information < speed at every candidate (at most "
                              f"{max(info):.2f} kept); {why} {chosen}")
@@ -236,7 +240,9 @@ def calibrate_rule(sides: Sequence, rule, base_seconds: float, refresh_rate: flo
                      "reason": found.reason, "sides": [s.label for s in members]}
     layers = {s.label: {"dim": s.dim, "other_dim": s.other_dim, "split": plan[s.dim]}
               for s in sides}
-    return {"plan": SplitPlan(default, tuple(plan.items())), "dims": dims, "layers": layers,
+    base = default if isinstance(default, SplitPlan) else SplitPlan(int(default))
+    plan = SplitPlan(base.default, tuple(plan.items()), base.diagonal_above)
+    return {"plan": plan, "dims": dims, "layers": layers,
             "base_seconds": float(base_seconds), "refresh_rate": float(refresh_rate),
             "rule": rule.name}
 

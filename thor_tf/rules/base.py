@@ -93,6 +93,8 @@ class UpdateRule:
     reference_steps = None
     #: Whether the rule's step depends on ``damping`` (the "G below the damping" warning).
     uses_damping = False
+    #: ``split_dim`` when none is given (an int or a :class:`thor_tf.split_plan.SplitPlan`).
+    default_split = 128
     #: The split calibration's choice when the information curve stays below the speed curve
     #: at every candidate: ``"largest"`` (the seed's: the most exact split timed),
     #: ``"cheapest"`` (no candidate keeps enough to pay for its work: the least work) or
