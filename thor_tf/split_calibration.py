@@ -19,15 +19,20 @@ split for whichever rule the model trains with, on the model, the batch and the 
    rule's measured rate, or its upper bound ``1/frequency`` before training). The *speed curve*
    is the step's speed against its fastest split, ``(T + min_b c_n(b)) / (T + c_n(b))`` (work
    within 0.5 % of ``T`` of the cheapest counts as equally fast: timing noise), with
-   ``T`` the model's forward and backward pass on the batch (what every split pays): 1 at the
-   cheapest split, falling as the side's work grows relative to the step;
+   ``T`` the rest of the step every split pays (the model's forward and backward pass on the
+   batch and the rule's split-independent work, :meth:`~thor_tf.rules.UpdateRule.fixed_work`):
+   1 at the cheapest split, falling as the side's work grows relative to the step;
 3. information: the rule's curve over the same candidates on the probe factors of that
    dimension (the inverse rule: the seed's fraction of factors with loss < 1 %; the eigenbasis
-   rule: how well a split basis from batch 1 diagonalizes batch 2's factor, relative to the best
-   candidate: :mod:`thor_tf.basis_information`);
+   rule: how well a split basis from batch 1 diagonalizes batch 2's factor, relative to the
+   unsplit basis: :mod:`thor_tf.basis_information`);
 4. the crossing of the two curves, as the seed takes it (:func:`thor_tf.calibration.
-   find_crossing`), is that dimension's split. The result is a :class:`thor_tf.split_plan.
-   SplitPlan` (``default`` for dimensions the probe did not see).
+   find_crossing`), is that dimension's split; where the information stays below the speed at
+   every candidate, the rule's ``split_fallback`` decides (the inverse rule: the largest
+   candidate, the seed's; the eigenbasis rule: its default split for that dimension, since its
+   measure cannot tell there what the split does to training: docs/split_dim.md). The result is
+   a :class:`thor_tf.split_plan.SplitPlan` (the rule's default for dimensions the probe did not
+   see).
 
 ``thor_tf.wrap(model, split_dim="auto")`` runs this at the start of ``fit`` on its first two
 batches and prints the table (:func:`format_report`); ``scripts/calibrate_split_dim.py`` runs it
@@ -187,7 +192,7 @@ def calibrate_rule(sides: Sequence, rule, base_seconds: float, refresh_rate: flo
     # dimension, one the refresh work (as one train step runs them: a call's overhead once).
     # Sides of one dimension, side and other dimension do the same work: one of each is built
     # and run that many times inside the function.
-    works, keys, per_side = [], [], {}
+    works, keys = [], []
     for dim, members in sorted(by_dim.items()):
         shapes = {}
         for s in members:
