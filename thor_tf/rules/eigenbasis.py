@@ -27,6 +27,9 @@ Per block with gradient matrix ``M`` (``[a_dim, g_dim]``, bias row folded in; se
   chooses the variables); every variable without a block (or a block without a record in a step)
   takes AdamW with the same β1, β2, ε.
 
+By default (:attr:`Eigenbasis.default_split`) factors are split at 128 and those wider than 512
+keep their diagonal: that side of the layer is not rotated (Adam's coordinates there).
+
 With ``Q = I`` and ``step="adam"`` the step is Adam's. Either step does not depend on the loss's
 scale (a loss ×1000 gives the same steps up to ε) nor on an orthogonal change of the input
 features, and needs no damping (eigenvectors do not move with it). ``clip_norm`` clips each
@@ -133,6 +136,21 @@ class Eigenbasis(UpdateRule):
     #: large step, different per device and replica count: measured, 2 replicas against one
     #: device on the same batches, 9 % of the step apart (1e-4) against 2e-5 (1e-2).
     DEFAULT_RELATIVE_EPSILON = {"adam": 1e-4, "orthogonal": 1e-2}
+
+    #: Factors wider than 512 keep their diagonal (that side of the layer is not rotated: Adam's
+    #: coordinates), the others are split at 128. Measured with the suite's harness
+    #: (docs/split_dim.md): the Fashion CNN's 3,137-wide Dense input unrotated, 3 seeds, finals
+    #: 89.10 % against 88.95 % (median) at the same steps to the target, ~6 ms of its ~43 ms step
+    #: saved; the autoencoder's 784–1,001-wide sides unrotated reach its target in fewer steps;
+    #: ResNet-20's 576-wide convolutions within the seeds' spread. Unrotated at 289 the Fashion
+    #: CNN lost 0.45 points: the threshold sits above the widest factor where rotating paid.
+    default_split = SplitPlan(128, diagonal_above=512)
+    #: Where no candidate's information reaches its speed (factors wider than every affordable
+    #: split: the held-out measure grows like b/n there), the measure cannot tell what the split
+    #: does to training: leaving such sides unrotated took the deep autoencoder to its target in
+    #: 37 steps instead of 56 but cost the Fashion CNN 0.45 points (docs/split_dim.md). The
+    #: calibration then keeps the default split.
+    split_fallback = "default"
 
     STEPS = ("adam", "orthogonal")
     SCALES = ("graft", "rms")
@@ -555,21 +573,6 @@ class Eigenbasis(UpdateRule):
             return updates
 
         return step, matrices
-
-    #: Factors wider than 512 keep their diagonal (that side of the layer is not rotated: Adam's
-    #: coordinates), the others are split at 128. Measured with the suite's harness
-    #: (docs/split_dim.md): the Fashion CNN's 3,137-wide Dense input unrotated, 3 seeds, finals
-    #: 89.10 % against 88.95 % (median) at the same steps to the target, ~6 ms of its ~43 ms step
-    #: saved; the autoencoder's 784–1,001-wide sides unrotated reach its target in fewer steps;
-    #: ResNet-20's 576-wide convolutions within the seeds' spread. Unrotated at 289 the Fashion
-    #: CNN lost 0.45 points: the threshold sits above the widest factor where rotating paid.
-    default_split = SplitPlan(128, diagonal_above=512)
-    #: Where no candidate's information reaches its speed (factors wider than every affordable
-    #: split: the held-out measure grows like b/n there), the measure cannot tell what the split
-    #: does to training: leaving such sides unrotated took the deep autoencoder to its target in
-    #: 37 steps instead of 56 but cost the Fashion CNN 0.45 points (docs/split_dim.md). The
-    #: calibration then keeps the default split.
-    split_fallback = "default"
 
     def information_curve(self, pairs, cands):
         """How well a split basis from one batch's factor diagonalizes the next batch's
