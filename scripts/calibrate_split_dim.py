@@ -316,6 +316,18 @@ def report(result):
           f"{'none' if result['crossing'] is None else format(result['crossing'], '.1f')})")
 
 
+def write_result(result, args, name):
+    """Write ``result`` as JSON to ``--out`` (default ``runs/calibration_<name>.json``);
+    returns ``(json path, png path beside it)``."""
+    stem = os.path.splitext(os.path.basename(name))[0]
+    out = args.out or os.path.join("runs", f"calibration_{stem}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as fh:
+        json.dump(result, fh, indent=2)
+        fh.write("\n")
+    return out, os.path.splitext(out)[0] + ".png"
+
+
 # ------------------------------------------------------------------- the rule's calibration
 
 def workload_setup(name, seed):
@@ -383,13 +395,7 @@ def calibrate_rule_main(args, argv):
         "total_seconds": round(time.time() - start, 2),
         "command": " ".join([os.path.basename(sys.argv[0])] + (sys.argv[1:] if argv is None else list(argv))),
     }
-    stem = os.path.splitext(os.path.basename(args.workload or args.model))[0]
-    out = args.out or os.path.join("runs", f"calibration_{stem}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as fh:
-        json.dump(result, fh, indent=2)
-        fh.write("\n")
-    png = os.path.splitext(out)[0] + ".png"
+    out, png = write_result(result, args, args.workload or args.model)
     plot_rule(result, png)
     print(f"split_dim = {thor_tf.SplitPlan.from_config(result['split_plan'])}")
     print(f"wrote {out} and {png} in {time.time() - start:.1f} s")
@@ -487,13 +493,7 @@ def main(argv=None):
     if result["skipped_layers"]:
         print(f"warning: layers never refreshed, left out: {result['skipped_layers']}")
 
-    stem = os.path.splitext(os.path.basename(args.model))[0]
-    out = args.out or os.path.join("runs", f"calibration_{stem}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as fh:
-        json.dump(result, fh, indent=2)
-        fh.write("\n")
-    png = os.path.splitext(out)[0] + ".png"
+    out, png = write_result(result, args, args.model)
     plot(result, png, title_of(result))
     report(result)
     print(f"wrote {out} and {png} in {time.time() - start:.1f} s")

@@ -12,6 +12,9 @@
   kernel and bias to the block's matrix and back without a ``Transpose``, to the same values.
 """
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import keras
 import tensorflow as tf
@@ -68,27 +71,14 @@ def test_every_block_active_writes_decisions_without_scatter():
     assert refreshes.tolist() == [1, 1, 1]  # step 0 refreshes every block
 
 
-def _functions(fn, seen=None):
-    """The ``tf.function`` objects reachable from ``fn``'s closures (Keras' train function)."""
-    seen = set() if seen is None else seen
-    if id(fn) in seen:
-        return []
-    seen.add(id(fn))
-    found = []
-    if isinstance(fn, tf.types.experimental.PolymorphicFunction):
-        found.append(fn)
-        fn = getattr(fn, "_python_function", None)
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:
-            continue
-        if callable(value):
-            found += _functions(value, seen)
-    wrapped = getattr(fn, "__wrapped__", None)
-    if wrapped is not None:
-        found += _functions(wrapped, seen)
-    return found
+def _functions(fn):
+    """The ``tf.function`` objects reachable from ``fn``'s closures (Keras' train function):
+    scripts/bench_first_fit.py's walker."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_first_fit", Path(__file__).resolve().parents[1] / "scripts" / "bench_first_fit.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module._functions_in(fn)
 
 
 class _Switch(keras.Model):
