@@ -46,64 +46,23 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_cadence_share import (  # noqa: E402  (the suite's chosen baselines, plot end)
     best_baselines, finish_workload_axes)
+from thor_tf_experiments import interleave  # noqa: E402
 from thor_tf_experiments.cli import parse_thor_option  # noqa: E402
+
+segment_order = interleave.segment_order
 
 WORKLOADS = "digits_cnn,tabular_mlp,fashion_cnn,char_gpt,vit,resnet20,autoencoder"
 
 
-def segment_order(index, seed):
-    """Which of (THOR, baseline) trains first in segment ``index`` of seed ``seed``."""
-    return (0, 1) if (index + seed) % 2 == 0 else (1, 0)
-
-
 def interleaved_rows(name, baseline, rate, seed, quick, evals, thor_options=()):
-    """The suite's metric rows of THOR and the baseline on ``name``, seed ``seed``, trained
-    segment by segment in turn (``thor_options``: ``[(name, value)]`` wrap options other than
-    the defaults, as the suite's ``--thor-option``)."""
-    import keras
-    from thor_tf_experiments import suite, timing, workloads
+    """The suite's metric rows of THOR and the baseline on suite workload ``name``, seed
+    ``seed``, trained segment by segment in turn (``thor_options``: ``[(name, value)]`` wrap
+    options other than the defaults, as the suite's ``--thor-option``)."""
+    from thor_tf_experiments import workloads
 
     workload = workloads.WORKLOADS[name].sized(quick)  # the suite's --quick sizes under quick
-    data = workload.load(quick)
-    keras.backend.clear_session()
-    order = suite.batch_order(data.num_train, workload.batch_size, workload.epochs, seed,
-                              workload.single_pass)
-    runs = []
-    for optimizer, lr in (("thor", 0.0), (baseline, rate)):
-        keras.utils.set_random_seed(seed)
-        model = suite.compiled_model(optimizer, lr, workload, data, quick, len(order),
-                                     list(thor_options) if optimizer == "thor" else [])
-        runs.append({"optimizer": optimizer, "lr": float(lr), "model": model,
-                     "clock": timing.RunClock(), "rows": []})
-    x_eval, y_eval = ((data.x_train, data.y_train) if workload.eval_split == "train"
-                      else (data.x_test, data.y_test))
-
-    def evaluate(run, step, train_loss):
-        result = run["model"].evaluate(x_eval, y_eval, batch_size=512, verbose=0,
-                                       return_dict=True)
-        run["rows"].append({"workload": name, "optimizer": run["optimizer"], "lr": run["lr"],
-                            "seed": int(seed), "step": step,
-                            "seconds": round(run["clock"].seconds, 4),
-                            "metric": float(result[workload.metric]), "train_loss": train_loss,
-                            **run["clock"].fields()})
-
-    for run in runs:
-        evaluate(run, 0, None)
-    done = 0
-    for index, stop in enumerate(suite.eval_steps(len(order), evals)):
-        idx = order[done:stop].reshape(-1)
-        for k in segment_order(index, seed):
-            _, loss = timing.fit_segment(runs[k]["model"], runs[k]["clock"], index,
-                                         data.x_train[idx], data.y_train[idx],
-                                         workload.batch_size)
-            evaluate(runs[k], stop, loss)
-        done = stop
-    for run in runs:
-        last = run["rows"][-1]
-        print(f"[{name} {run['optimizer']} seed={seed}] {len(order)} steps  {workload.metric} "
-              f"{last['metric']:.4f}  {run['clock'].seconds:.1f}s (first "
-              f"{run['clock'].first_seconds:.1f}s)", flush=True)
-    return runs[0]["rows"] + runs[1]["rows"]
+    return interleave.interleaved_rows(workload, workload.load(quick), baseline, rate, seed,
+                                       evals, thor_options, quick)
 
 
 def paired(summary):

@@ -1,0 +1,639 @@
+"""Where second-order pays: steps and seconds to a target against the batch size.
+
+    python experiments/batch_scaling.py                       # fashion_cnn, resnet20, char_gpt
+    python experiments/batch_scaling.py --workloads char_gpt --multiples 1,4
+    python experiments/batch_scaling.py --quick               # tiny sizes, seed 0 (CI)
+    python experiments/batch_scaling.py --report-only         # rebuild JSON, table, plots
+
+The suite's workloads (``workloads.py``) at batch sizes ``m·B`` for each multiple ``m`` of
+``--multiples`` (default 1, 4, 16; ``B`` the suite's batch). Each run follows the suite's
+recipe (``suite.train_run``: the same initial weights and batch order for a seed, the baselines'
+warmup + cosine, THOR's ``WarmupCosine``), with a budget that shrinks slower than the steps a
+bigger batch needs under perfect scaling:
+
+* **Budget.** ``S_m = S_1 / sqrt(m)`` steps (``S_1`` the suite's run), so ``sqrt(m)`` times the
+  suite's examples: the image workloads as whole epochs (the nearest count of them), the char GPT
+  as one pass of ``S_m`` fresh batches of random windows (at ``m = 1`` the suite's own batches).
+  The schedules span the run.
+* **Rates re-tuned at each batch** on seed 0: each baseline over the suite's grid times
+  ``sqrt(m)`` (three rates a factor ~3 apart), widened by one rate at an end its best landed on
+  (at most :data:`MAX_WIDENINGS` times; a best still at an end is flagged); THOR at its default
+  (``wrap``'s ``WarmupCosine(total_steps)``, peak None) and at explicit peaks a factor 3 either
+  side of the default's, widened in the same way. Seeds 1, 2, ... then run each baseline at its
+  best rate and THOR at its default and at its best peak.
+* **Target** (per workload): the best baseline's median final metric at ``m = 1``. Per batch and
+  optimizer: steps, examples and seconds to the target (the first evaluation at or past it;
+  medians over seeds, "never" when half or more seeds never get there) and the final metric.
+* **Critical batch** (McCandlish et al. 2018): ``S(b) = S_min (1 + B_crit / b)`` fitted to the
+  batches that reached the target (least squares on ``1/b``); ``B_crit`` is where a step buys
+  half of what it buys at small batch. A fit with ``S_min <= 0`` (scaling still perfect) gives
+  "above the largest batch". Also the simpler **halving batch**: the largest batch up to which
+  every 4x of batch at least halved the steps to the target.
+
+The seconds here come from the sweep's own runs (back to back in one process, order alternating
+across seeds as in the suite, the load recorded); ``--interleave`` adds THOR (default) and the
+best baseline trained segment by segment in turn at each batch (``scripts/bench_interleaved``'s
+pairing), and those seconds replace the sweep's in the record.
+
+Outputs in ``--out`` (default ``runs/batch_scaling``): ``metrics.csv`` (every evaluation; a rerun
+skips the runs it holds, so the sweep resumes), ``batch_scaling.json`` (``{"workloads": {name:
+{"target", "batches": {b: {optimizer: {"rate", "final", "steps_to_target",
+"examples_to_target", "seconds_to_target"}}}}}}`` and the tuning detail),
+``batch_scaling.md`` (the table) and two plots: steps to target against batch (log-log, with
+the perfect-scaling line) and seconds to target against batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from thor_tf_experiments import suite, timing, workloads as wl  # noqa: E402
+
+WORKLOADS = ("fashion_cnn", "resnet20", "char_gpt")
+MULTIPLES = (1, 4, 16)
+#: How many times a grid is widened by one rate at the end its best landed on.
+MAX_WIDENINGS = 2
+#: Factor between neighbouring rates of THOR's peak grid and of a widened baseline grid.
+GRID_FACTOR = 3.0
+FIELDS = ("workload", "batch", "phase") + suite.FIELDS
+THOR_PEAK = "thor_peak"      # THOR with an explicit peak (its ``lr`` column holds the peak)
+
+
+# --------------------------------------------------------------------------------------------
+# Workloads at a batch
+# --------------------------------------------------------------------------------------------
+
+def _round_rate(rate):
+    """``rate`` to two significant digits (grids print and match as written)."""
+    return float(f"{rate:.2g}")
+
+
+def budget_steps(base_steps, multiple):
+    """``S_m = S_1 / sqrt(m)``, at least 1."""
+    return max(1, round(base_steps / math.sqrt(multiple)))
+
+
+def scaled_workload(name, multiple, quick):
+    """``(workload, data)`` of suite workload ``name`` at ``multiple`` times its batch, over the
+    study's budget (module docstring). Raises ``workloads.Unavailable`` without the data."""
+    base = wl.WORKLOADS[name].sized(quick)
+    batch = base.batch_size * multiple
+    grids = {b: tuple(_round_rate(r * math.sqrt(multiple)) for r in grid)
+             for b, grid in base.baselines.items()}
+    if base.single_pass:
+        data = base.load(quick)
+        base_steps = data.num_train // base.batch_size
+        steps = budget_steps(base_steps, multiple)
+        if multiple != 1:
+            data = _fresh_windows(data, quick, steps, batch)
+        workload = dataclasses.replace(base, batch_size=batch, baselines=grids)
+        return workload, data
+    data = base.load(quick)
+    base_steps = (data.num_train // base.batch_size) * base.epochs
+    per_epoch = data.num_train // batch
+    if per_epoch < 1:
+        raise ValueError(f"{name}: batch {batch} exceeds its {data.num_train} training examples")
+    epochs = max(1, round(budget_steps(base_steps, multiple) / per_epoch))
+    return dataclasses.replace(base, batch_size=batch, epochs=epochs, baselines=grids), data
+
+
+def _fresh_windows(data, quick, steps, batch):
+    """The char GPT's data with ``steps`` batches of ``batch`` random windows (seed 0's
+    sequence, as the suite's) in place of the suite's."""
+    from thor_tf_experiments import lm, text
+
+    block = wl.GPT_SIZES[quick]["block"]
+    corpus = text.load_text(download=wl.ALLOW_DOWNLOAD, verbose=False)
+    x, y = lm.train_batches(corpus.train, 0, steps, batch, block)
+    return dataclasses.replace(data, x_train=x, y_train=y,
+                               source=f"{corpus.name}: {steps} batches of {batch} x {block}")
+
+
+def total_steps(workload, data):
+    return (data.num_train // workload.batch_size) * (1 if workload.single_pass
+                                                      else workload.epochs)
+
+
+def default_peak(steps):
+    """The peak THOR's default ``WarmupCosine(steps)`` reaches after warmup."""
+    from thor_tf_experiments.cli import default_thor_peak
+
+    return default_thor_peak(steps)
+
+
+# --------------------------------------------------------------------------------------------
+# Tuning
+# --------------------------------------------------------------------------------------------
+
+def widened(grid, best, scored):
+    """The next rate to try when ``best`` is at an end of ``grid`` (None when it is inside, or
+    the grid holds a single rate)."""
+    grid = sorted(grid)
+    if len(grid) < 2 or len(scored) < len(grid):
+        return None
+    if best == grid[-1]:
+        return _round_rate(grid[-1] * GRID_FACTOR)
+    if best == grid[0]:
+        return _round_rate(grid[0] / GRID_FACTOR)
+    return None
+
+
+def best_rate(workload, finals):
+    """``(rate, final)`` with the best final of ``{rate: final}`` (NaN is worst)."""
+    sign = 1 if workload.higher_is_better else -1
+
+    def score(item):
+        value = item[1]
+        return -math.inf if value is None or math.isnan(value) else sign * value
+
+    return max(sorted(finals.items()), key=score)
+
+
+class Sweep:
+    """The runs of one ``metrics.csv``: runs it already holds are read back, not trained."""
+
+    def __init__(self, path, args):
+        self.path, self.args = Path(path), args
+        self.rows = []
+        if self.path.exists():
+            from thor_tf_experiments.reports import read_rows
+
+            self.rows = read_rows(self.path, text=("workload", "optimizer", "phase"),
+                                  ints=("seed", "step", "batch"), columns=FIELDS)
+        self._fh = None
+
+    def _writer(self):
+        if self._fh is None:
+            new = not self.path.exists()
+            self._fh = open(self.path, "a", newline="")
+            self._csv = csv.DictWriter(self._fh, fieldnames=FIELDS)
+            if new:
+                self._csv.writeheader()
+        return self._csv
+
+    def runs(self, workload_name, batch, optimizer, lr, seed):
+        return [r for r in self.rows if r["workload"] == workload_name and r["batch"] == batch
+                and r["optimizer"] == optimizer and _same(r["lr"], lr) and r["seed"] == seed
+                and r["phase"] == "sweep"]
+
+    def final(self, workload, data, optimizer, lr, seed):
+        """The final metric of the run, trained if the CSV does not hold it."""
+        rows = self.runs(workload.name, workload.batch_size, optimizer, lr, seed)
+        if len(rows) < len(suite.eval_steps(total_steps(workload, data), self.args.evals)) + 1:
+            rows = self._train(workload, data, optimizer, lr, seed)
+        return sorted(rows, key=lambda r: r["step"])[-1]["metric"]
+
+    def _train(self, workload, data, optimizer, lr, seed):
+        writer = self._writer()
+        fresh = []
+
+        def log(row):
+            row = {"workload": workload.name, "batch": workload.batch_size, "phase": "sweep",
+                   **row}
+            writer.writerow(row)
+            self._fh.flush()
+            fresh.append(row)
+
+        args = argparse.Namespace(quick=self.args.quick, evals=self.args.evals,
+                                  thor_option=[] if optimizer != THOR_PEAK else [("peak", lr)])
+        # A THOR run with an explicit peak is the suite's "thor" with ``--thor-option peak=``.
+        suite.train_run(workload, data, "thor" if optimizer == THOR_PEAK else optimizer, lr,
+                        seed, args, lambda row: log(_renamed(row, optimizer)))
+        # Drop stale partial rows of the same run, keep the fresh ones.
+        self.rows = [r for r in self.rows if not (
+            r["workload"] == workload.name and r["batch"] == workload.batch_size
+            and r["optimizer"] == optimizer and _same(r["lr"], lr) and r["seed"] == seed)]
+        self.rows += fresh
+        return fresh
+
+    def close(self):
+        if self._fh is not None:
+            self._fh.close()
+
+
+def _renamed(row, optimizer):
+    return {**row, "optimizer": optimizer} if optimizer == THOR_PEAK else row
+
+
+def _same(a, b):
+    return abs(float(a) - float(b)) <= 1e-12 * max(1.0, abs(float(b)))
+
+
+def tune(sweep, workload, data, seed):
+    """Seed ``seed``'s grids at this batch: ``{optimizer: {"grid": {rate: final}, "best",
+    "at_edge"}}``, THOR's explicit peaks under :data:`THOR_PEAK` and its default under "thor"."""
+    result = {}
+    grids = dict(workload.baselines)
+    peak = default_peak(total_steps(workload, data))
+    grids[THOR_PEAK] = (_round_rate(peak / GRID_FACTOR), _round_rate(peak * GRID_FACTOR))
+    for optimizer, grid in grids.items():
+        finals = {lr: sweep.final(workload, data, optimizer, lr, seed) for lr in grid}
+        if optimizer == THOR_PEAK:
+            finals[peak] = sweep.final(workload, data, "thor", 0.0, seed)
+        for _ in range(MAX_WIDENINGS):
+            best, _ = best_rate(workload, finals)
+            extra = widened(list(finals), best, finals)
+            if extra is None:
+                break
+            finals[extra] = sweep.final(workload, data, optimizer, extra, seed)
+        best, final = best_rate(workload, finals)
+        ordered = sorted(finals)
+        result[optimizer] = {"grid": {f"{r:g}": finals[r] for r in ordered}, "best": best,
+                             "best_final": final,
+                             "at_edge": len(ordered) > 1 and best in (ordered[0], ordered[-1])}
+    result[THOR_PEAK]["default_peak"] = peak
+    return result
+
+
+def run_seeds(sweep, workload, data, tuned, seeds):
+    """Seeds after the first: each baseline at its best rate, THOR at its default and at its
+    best peak (when that is not the default)."""
+    for seed in seeds:
+        for optimizer, info in tuned.items():
+            if optimizer == THOR_PEAK:
+                sweep.final(workload, data, "thor", 0.0, seed)
+                if not _same(info["best"], info["default_peak"]):
+                    sweep.final(workload, data, THOR_PEAK, info["best"], seed)
+            else:
+                sweep.final(workload, data, optimizer, info["best"], seed)
+
+
+# --------------------------------------------------------------------------------------------
+# Summary
+# --------------------------------------------------------------------------------------------
+
+def _median(values):
+    return suite._median(values)
+
+
+def _runs_by_seed(rows):
+    out = {}
+    for row in rows:
+        out.setdefault(row["seed"], []).append(row)
+    for seed_rows in out.values():
+        seed_rows.sort(key=lambda r: r["step"])
+    return out
+
+
+def optimizer_summary(workload, batch, rows, target, rate):
+    """Medians over seeds of one optimizer's runs at one batch and rate."""
+    per_seed = _runs_by_seed(rows)
+    finals, steps, seconds = [], [], []
+    for seed in sorted(per_seed):
+        seed_rows = per_seed[seed]
+        finals.append(seed_rows[-1]["metric"])
+        step, second = suite.reach(workload, seed_rows, target)
+        steps.append(step)
+        seconds.append(second)
+    med_steps = _median(steps)
+    return {"rate": rate, "final": statistics.median(finals), "steps_to_target": med_steps,
+            "examples_to_target": None if med_steps is None else med_steps * batch,
+            "seconds_to_target": _median(seconds), "seeds": sorted(per_seed),
+            "finals": finals, "steps_by_seed": steps, "seconds_by_seed": seconds,
+            "total_steps": per_seed[min(per_seed)][-1]["step"]}
+
+
+def critical_batch(points):
+    """McCandlish's ``B_crit`` from ``{batch: steps}`` (None steps dropped): least squares of
+    ``S = a + c / b``; ``B_crit = c / a``. Returns ``(B_crit, S_min)``; ``(inf, None)`` when
+    ``a <= 0`` (no slowdown in the range), ``(None, None)`` with fewer than two points."""
+    pts = [(b, s) for b, s in points.items() if s is not None]
+    if len(pts) < 2:
+        return None, None
+    xs = [1.0 / b for b, _ in pts]
+    ys = [float(s) for _, s in pts]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return None, None
+    c = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    a = my - c * mx
+    if a <= 0:
+        return math.inf, None
+    return max(c / a, 0.0), a
+
+
+def halving_batch(points):
+    """The largest batch up to which each step to the next batch (x4 here) at least halved the
+    steps to the target (None when the smallest batch never reached it)."""
+    batches = sorted(points)
+    if not batches or points[batches[0]] is None:
+        return None
+    reached = batches[0]
+    for small, big in zip(batches, batches[1:]):
+        s_small, s_big = points[small], points[big]
+        if s_big is None or s_big > s_small * (small / big) ** 0.5:
+            break
+        reached = big
+    return reached
+
+
+def summarize(workload_names, sweep_rows, tuning, multiples, quick):
+    """The record of the study: ``{"workloads": {name: {...}}}`` (module docstring)."""
+    record = {}
+    for name in workload_names:
+        rows = [r for r in sweep_rows if r["workload"] == name and r["phase"] == "sweep"]
+        timed = [r for r in sweep_rows if r["workload"] == name and r["phase"] == "interleaved"]
+        base = wl.WORKLOADS[name].sized(quick)
+        if not rows or name not in tuning:
+            continue
+        first = min(int(b) for b in tuning[name])
+        target, leader = None, None
+        sign = 1 if base.higher_is_better else -1
+        batches = {}
+        for b_key in sorted(tuning[name], key=int):
+            b = int(b_key)
+            tuned = tuning[name][b_key]
+            entry = {}
+            for optimizer, info in tuned.items():
+                if optimizer == THOR_PEAK:
+                    continue
+                entry[optimizer] = [r for r in rows if r["batch"] == b and r["optimizer"] ==
+                                    optimizer and _same(r["lr"], info["best"])]
+            entry["thor"] = [r for r in rows if r["batch"] == b and r["optimizer"] == "thor"]
+            peak = tuned[THOR_PEAK]
+            if _same(peak["best"], peak["default_peak"]):
+                entry["thor_best"] = entry["thor"]
+            else:
+                entry["thor_best"] = [r for r in rows if r["batch"] == b and r["optimizer"] ==
+                                      THOR_PEAK and _same(r["lr"], peak["best"])]
+            batches[b] = entry
+            if b == first:
+                finals = {opt: statistics.median(
+                    [s[-1]["metric"] for s in _runs_by_seed(rs).values()])
+                    for opt, rs in entry.items() if opt not in ("thor", "thor_best") and rs}
+                leader = max(finals, key=lambda o: sign * finals[o])
+                target = finals[leader]
+        out_batches = {}
+        for b, entry in batches.items():
+            tuned = tuning[name][str(b)]
+            out = {}
+            for optimizer, opt_rows in entry.items():
+                if not opt_rows:
+                    continue
+                if optimizer == "thor":
+                    rate = tuned[THOR_PEAK]["default_peak"]
+                elif optimizer == "thor_best":
+                    rate = tuned[THOR_PEAK]["best"]
+                else:
+                    rate = tuned[optimizer]["best"]
+                info = optimizer_summary(base, b, opt_rows, target, rate)
+                tune_key = THOR_PEAK if optimizer.startswith("thor") else optimizer
+                info["grid"] = tuned[tune_key]["grid"]
+                info["at_edge"] = tuned[tune_key]["at_edge"]
+                out[optimizer] = info
+            baselines = [o for o in out if not o.startswith("thor")]
+            best = min(baselines, key=lambda o: (out[o]["steps_to_target"] is None,
+                                                 out[o]["steps_to_target"] or 0,
+                                                 -sign * out[o]["final"]))
+            pair = [r for r in timed if r["batch"] == b]
+            cell = {**out, "best_baseline": best}
+            if pair:
+                cell["interleaved"] = _interleaved_summary(base, b, pair, target)
+                for optimizer, info in cell["interleaved"].items():
+                    if optimizer in cell:
+                        cell[optimizer]["seconds_to_target"] = info["seconds_to_target"]
+                        cell[optimizer]["seconds_source"] = "interleaved"
+            out_batches[str(b)] = cell
+        scaling = {}
+        for optimizer in ("thor", "thor_best", "best_baseline"):
+            points = {}
+            for b_key, cell in out_batches.items():
+                key = cell["best_baseline"] if optimizer == "best_baseline" else optimizer
+                points[int(b_key)] = cell.get(key, {}).get("steps_to_target")
+            b_crit, s_min = critical_batch(points)
+            scaling[optimizer] = {"critical_batch": b_crit, "min_steps": s_min,
+                                  "halving_batch": halving_batch(points)}
+        record[name] = {"title": base.title, "metric": base.metric,
+                        "higher_is_better": base.higher_is_better, "target": target,
+                        "target_from": leader, "base_batch": first, "multiples": list(multiples),
+                        "batches": out_batches, "scaling": scaling}
+    return {"workloads": record}
+
+
+def _interleaved_summary(workload, batch, rows, target):
+    out = {}
+    for optimizer in sorted({r["optimizer"] for r in rows}):
+        opt_rows = [r for r in rows if r["optimizer"] == optimizer]
+        out[optimizer] = optimizer_summary(workload, batch, opt_rows, target,
+                                           opt_rows[0]["lr"])
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Interleaved seconds
+# --------------------------------------------------------------------------------------------
+
+def interleave(sweep, workload, data, baseline, rate, seeds, evals):
+    """THOR (default) and ``baseline`` at ``rate`` trained segment by segment in turn; their rows
+    go to the CSV with phase "interleaved" (skipped when it holds them)."""
+    from thor_tf_experiments.interleave import interleaved_rows
+
+    for seed in seeds:
+        have = [r for r in sweep.rows if r["phase"] == "interleaved" and r["workload"] ==
+                workload.name and r["batch"] == workload.batch_size and r["seed"] == seed]
+        if len(have) >= 2 * (len(suite.eval_steps(total_steps(workload, data), evals)) + 1):
+            continue
+        rows = interleaved_rows(workload, data, baseline, rate, seed, evals)
+        writer = sweep._writer()
+        for row in rows:
+            row = {"workload": workload.name, "batch": workload.batch_size,
+                   "phase": "interleaved", **row}
+            writer.writerow(row)
+            sweep.rows.append(row)
+        sweep._fh.flush()
+
+
+# --------------------------------------------------------------------------------------------
+# Outputs
+# --------------------------------------------------------------------------------------------
+
+def _fmt(value, spec, none="never"):
+    return none if value is None else ("∞" if value == math.inf else format(value, spec))
+
+
+def markdown(record):
+    lines = []
+    for name, w in record["workloads"].items():
+        lines += [f"### {w['title']}", "",
+                  f"Target: {w['metric']} {w['target']:.4g} (the best baseline's median final "
+                  f"at batch {w['base_batch']}, {w['target_from']}).", "",
+                  "| batch | optimizer | rate | final | steps to target | examples | "
+                  "seconds to target |", "|---|---|---|---|---|---|---|"]
+        for b_key, cell in w["batches"].items():
+            for optimizer in ["thor", "thor_best"] + sorted(
+                    o for o in cell if not o.startswith("thor") and o not in (
+                        "best_baseline", "interleaved")):
+                if optimizer not in cell:
+                    continue
+                info = cell[optimizer]
+                label = {"thor": "THOR (default)", "thor_best": "THOR (best peak)"}.get(
+                    optimizer, optimizer + (" (best)" if optimizer == cell["best_baseline"]
+                                            else ""))
+                edge = " (grid end)" if info.get("at_edge") and optimizer != "thor" else ""
+                lines.append(f"| {b_key} | {label} | {info['rate']:.3g}{edge} | "
+                             f"{info['final']:.4f} | {_fmt(info['steps_to_target'], 'g')} | "
+                             f"{_fmt(info['examples_to_target'], ',')} | "
+                             f"{_fmt(info['seconds_to_target'], '.1f')} |")
+        scaling = w["scaling"]
+        lines += ["", "Critical batch (fit of S = S_min (1 + B_crit / b)) / halving batch: "
+                  + "; ".join(f"{k}: {_fmt(v['critical_batch'], '.0f', 'n/a')} / "
+                              f"{_fmt(v['halving_batch'], 'g', 'n/a')}"
+                              for k, v in scaling.items()), ""]
+    return "\n".join(lines) + "\n"
+
+
+def plot(record, path_steps, path_seconds):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(record["workloads"])
+    for key, path, label in (("steps_to_target", path_steps, "steps to target"),
+                             ("seconds_to_target", path_seconds, "seconds to target")):
+        fig, axes = plt.subplots(1, max(1, len(names)), figsize=(4.6 * max(1, len(names)), 3.8),
+                                 squeeze=False)
+        for ax, name in zip(axes[0], names):
+            w = record["workloads"][name]
+            batches = sorted(int(b) for b in w["batches"])
+            optimizers = sorted({o for c in w["batches"].values() for o in c
+                                 if o not in ("best_baseline", "interleaved")})
+            for optimizer in optimizers:
+                xs, ys = [], []
+                for b in batches:
+                    value = w["batches"][str(b)].get(optimizer, {}).get(key)
+                    if value is not None:
+                        xs.append(b)
+                        ys.append(value)
+                if not xs:
+                    continue
+                color = suite.COLORS.get(optimizer.split("_")[0], "tab:gray")
+                style = "--" if optimizer == "thor_best" else "-"
+                ax.plot(xs, ys, style, marker="o", color=color, label=optimizer)
+            if key == "steps_to_target":
+                base = w["batches"][str(batches[0])]
+                start = base.get(base["best_baseline"], {}).get(key)
+                if start:
+                    ax.plot(batches, [start * batches[0] / b for b in batches], ":",
+                            color="black", label="perfect scaling")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("batch size")
+            ax.set_ylabel(label)
+            ax.set_title(f"{name} (target {w['target']:.3g})", fontsize=9)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    from thor_tf_experiments.cli import parse_ints
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"comma list of suite workloads (default {','.join(WORKLOADS)})")
+    parser.add_argument("--multiples", type=parse_ints, default=None,
+                        help="batch multiples of the suite's batch (default 1,4,16; --quick 1,2)")
+    parser.add_argument("--seeds", type=parse_ints, default=None,
+                        help="comma list; the first tunes the rates (default 0,1,2; --quick 0)")
+    parser.add_argument("--evals", type=int, default=12,
+                        help="evaluations per run after step 0 (default 12)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="also time THOR and the best baseline segment by segment in turn")
+    parser.add_argument("--report-only", action="store_true",
+                        help="no training: rebuild the outputs from --out's metrics.csv")
+    parser.add_argument("--out", default="runs/batch_scaling")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, seed 0 (CI)")
+    args = parser.parse_args(argv)
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    unknown = [w for w in args.workloads if w not in wl.WORKLOADS]
+    if unknown:
+        raise SystemExit(f"error: --workloads: unknown {unknown}; allowed: "
+                         f"{', '.join(wl.WORKLOADS)}")
+    if args.multiples is None:
+        args.multiples = [1, 2] if args.quick else list(MULTIPLES)
+    if sorted(args.multiples) != args.multiples or args.multiples[0] != 1:
+        raise SystemExit("error: --multiples must be increasing and start at 1")
+    if args.seeds is None:
+        args.seeds = [0] if args.quick else [0, 1, 2]
+    if args.evals < 1:
+        raise SystemExit("error: --evals must be >= 1")
+    return args
+
+
+def write_outputs(record, out):
+    (out / "batch_scaling.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    (out / "batch_scaling.md").write_text(markdown(record))
+    plot(record, out / "batch_scaling_steps.png", out / "batch_scaling_seconds.png")
+    print(markdown(record), flush=True)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tuning_path = out / "tuning.json"
+    tuning = json.loads(tuning_path.read_text()) if tuning_path.exists() else {}
+    sweep = Sweep(out / "metrics.csv", args)
+    started = time.perf_counter()
+    try:
+        for name in args.workloads if not args.report_only else ():
+            for multiple in args.multiples:
+                try:
+                    workload, data = scaled_workload(name, multiple, args.quick)
+                except wl.Unavailable as err:
+                    print(f"[{name}] skipped: {err}", flush=True)
+                    break
+                steps = total_steps(workload, data)
+                print(f"[{name} batch {workload.batch_size}] {steps} steps, "
+                      f"{steps * workload.batch_size:,} examples", flush=True)
+                tuned = tune(sweep, workload, data, args.seeds[0])
+                tuning.setdefault(name, {})[str(workload.batch_size)] = tuned
+                tuning_path.write_text(json.dumps(tuning, indent=1) + "\n")
+                for optimizer, info in tuned.items():
+                    if info["at_edge"]:
+                        print(f"[{name} batch {workload.batch_size}] warning: {optimizer}'s best "
+                              f"rate {info['best']:g} is at an end of its grid "
+                              f"{list(info['grid'])}", flush=True)
+                run_seeds(sweep, workload, data, tuned, args.seeds[1:])
+        record = summarize(args.workloads, sweep.rows, tuning, args.multiples, args.quick)
+        if args.interleave and not args.report_only:
+            for name in args.workloads:
+                for multiple in args.multiples:
+                    workload, data = scaled_workload(name, multiple, args.quick)
+                    cell = record["workloads"][name]["batches"][str(workload.batch_size)]
+                    best = cell["best_baseline"]
+                    interleave(sweep, workload, data, best, cell[best]["rate"], args.seeds,
+                               args.evals)
+            record = summarize(args.workloads, sweep.rows, tuning, args.multiples, args.quick)
+    finally:
+        sweep.close()
+    from thor_tf_experiments.reports import environment_info
+
+    record.update({"quick": args.quick, "seeds": args.seeds, "evals": args.evals,
+                   "budget": "S_m = S_1 / sqrt(m) steps", "machine": environment_info(),
+                   "seconds": round(time.perf_counter() - started, 1)})
+    write_outputs(record, out)
+    return record
+
+
+if __name__ == "__main__":
+    main()
