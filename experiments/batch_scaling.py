@@ -19,8 +19,11 @@ bigger batch needs under perfect scaling:
   ``sqrt(m)`` (three rates a factor ~3 apart), widened by one rate at an end its best landed on
   (at most :data:`MAX_WIDENINGS` times; a best still at an end is flagged); THOR at its default
   (``wrap``'s ``WarmupCosine(total_steps)``, peak None) and at explicit peaks a factor 3 either
-  side of the default's, widened in the same way. Seeds 1, 2, ... then run each baseline at its
-  best rate and THOR at its default and at its best peak.
+  side of the default's, widened in the same way. The **best baseline** at a batch is the one
+  with the best seed-0 final there.
+* **Seeds.** For every seed (0 included), THOR at its default and the best baseline at its
+  best rate train interleaved (below); THOR at its best peak, when that is not the default,
+  trains on seeds 1, 2, ... too. The other baselines have seed 0 only.
 * **Target** (per workload): the best baseline's median final metric at ``m = 1``. Per batch and
   optimizer: steps, examples and seconds to the target (the first evaluation at or past it;
   medians over seeds, "never" when half or more seeds never get there) and the final metric.
@@ -30,10 +33,11 @@ bigger batch needs under perfect scaling:
   "above the largest batch". Also the simpler **halving batch**: the largest batch up to which
   every 4x of batch at least halved the steps to the target.
 
-The seconds here come from the sweep's own runs (back to back in one process, order alternating
-across seeds as in the suite, the load recorded); ``--interleave`` adds THOR (default) and the
-best baseline trained segment by segment in turn at each batch (``scripts/bench_interleaved``'s
-pairing), and those seconds replace the sweep's in the record.
+Seconds to the target are those of the interleaved pairs: THOR (default) and the best baseline
+built in one process on the same weights and batches and trained segment by segment in turn
+(``interleave.py``, the pairing of ``scripts/bench_interleaved.py``), so both see the same host;
+other runs' seconds (tuning runs, THOR's best peak) are back to back in one process as in the
+suite, with the load recorded.
 
 Outputs in ``--out`` (default ``runs/batch_scaling``): ``metrics.csv`` (every evaluation; a rerun
 skips the runs it holds, so the sweep resumes), ``batch_scaling.json`` (``{"workloads": {name:
@@ -57,7 +61,7 @@ from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from thor_tf_experiments import suite, timing, workloads as wl  # noqa: E402
+from thor_tf_experiments import suite, workloads as wl  # noqa: E402
 
 WORKLOADS = ("fashion_cnn", "resnet20", "char_gpt")
 MULTIPLES = (1, 4, 16)
@@ -65,7 +69,7 @@ MULTIPLES = (1, 4, 16)
 MAX_WIDENINGS = 2
 #: Factor between neighbouring rates of THOR's peak grid and of a widened baseline grid.
 GRID_FACTOR = 3.0
-FIELDS = ("workload", "batch", "phase") + suite.FIELDS
+FIELDS = ("batch", "phase") + suite.FIELDS
 THOR_PEAK = "thor_peak"      # THOR with an explicit peak (its ``lr`` column holds the peak)
 
 
@@ -174,9 +178,13 @@ class Sweep:
 
     def _writer(self):
         if self._fh is None:
-            new = not self.path.exists()
+            fields = FIELDS
+            if self.path.exists():           # append in the file's own column order
+                with open(self.path, newline="") as fh:
+                    fields = next(csv.reader(fh), None) or FIELDS
+            new = not self.path.exists() or fields is FIELDS and self.path.stat().st_size == 0
             self._fh = open(self.path, "a", newline="")
-            self._csv = csv.DictWriter(self._fh, fieldnames=FIELDS)
+            self._csv = csv.DictWriter(self._fh, fieldnames=fields)
             if new:
                 self._csv.writeheader()
         return self._csv
@@ -255,17 +263,20 @@ def tune(sweep, workload, data, seed):
     return result
 
 
+def leader(workload, tuned):
+    """``(baseline, rate)``: the baseline with the best seed-0 final at this batch."""
+    scored = {name: info["best_final"] for name, info in tuned.items() if name != THOR_PEAK}
+    name, _ = best_rate(workload, scored)
+    return name, tuned[name]["best"]
+
+
 def run_seeds(sweep, workload, data, tuned, seeds):
-    """Seeds after the first: each baseline at its best rate, THOR at its default and at its
-    best peak (when that is not the default)."""
+    """THOR at its best peak on the seeds after the first, when that is not the default."""
+    info = tuned[THOR_PEAK]
+    if _same(info["best"], info["default_peak"]):
+        return
     for seed in seeds:
-        for optimizer, info in tuned.items():
-            if optimizer == THOR_PEAK:
-                sweep.final(workload, data, "thor", 0.0, seed)
-                if not _same(info["best"], info["default_peak"]):
-                    sweep.final(workload, data, THOR_PEAK, info["best"], seed)
-            else:
-                sweep.final(workload, data, optimizer, info["best"], seed)
+        sweep.final(workload, data, THOR_PEAK, info["best"], seed)
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,72 +349,62 @@ def halving_batch(points):
     return reached
 
 
+def _seed_rows(rows, workload_name, batch, optimizer, rate):
+    """The rows of ``optimizer`` at ``rate`` (THOR's default: any), per seed the interleaved
+    run's where there is one (the same trajectory; its seconds are the paired ones)."""
+    picked = {}
+    for phase in ("sweep", "interleaved"):
+        for row in rows:
+            if (row["workload"] == workload_name and row["batch"] == batch
+                    and row["phase"] == phase and row["optimizer"] == optimizer
+                    and (rate is None or _same(row["lr"], rate))):
+                picked.setdefault(row["seed"], {}).setdefault(phase, []).append(row)
+    return [r for by_phase in picked.values()
+            for r in by_phase.get("interleaved", by_phase.get("sweep"))]
+
+
 def summarize(workload_names, sweep_rows, tuning, multiples, quick):
     """The record of the study: ``{"workloads": {name: {...}}}`` (module docstring)."""
     record = {}
     for name in workload_names:
-        rows = [r for r in sweep_rows if r["workload"] == name and r["phase"] == "sweep"]
-        timed = [r for r in sweep_rows if r["workload"] == name and r["phase"] == "interleaved"]
         base = wl.WORKLOADS[name].sized(quick)
-        if not rows or name not in tuning:
+        if name not in tuning or not any(r["workload"] == name for r in sweep_rows):
             continue
-        first = min(int(b) for b in tuning[name])
-        target, leader = None, None
+        batches = sorted(int(b) for b in tuning[name])
         sign = 1 if base.higher_is_better else -1
-        batches = {}
-        for b_key in sorted(tuning[name], key=int):
-            b = int(b_key)
-            tuned = tuning[name][b_key]
-            entry = {}
-            for optimizer, info in tuned.items():
-                if optimizer == THOR_PEAK:
-                    continue
-                entry[optimizer] = [r for r in rows if r["batch"] == b and r["optimizer"] ==
-                                    optimizer and _same(r["lr"], info["best"])]
-            entry["thor"] = [r for r in rows if r["batch"] == b and r["optimizer"] == "thor"]
-            peak = tuned[THOR_PEAK]
-            if _same(peak["best"], peak["default_peak"]):
-                entry["thor_best"] = entry["thor"]
-            else:
-                entry["thor_best"] = [r for r in rows if r["batch"] == b and r["optimizer"] ==
-                                      THOR_PEAK and _same(r["lr"], peak["best"])]
-            batches[b] = entry
-            if b == first:
-                finals = {opt: statistics.median(
-                    [s[-1]["metric"] for s in _runs_by_seed(rs).values()])
-                    for opt, rs in entry.items() if opt not in ("thor", "thor_best") and rs}
-                leader = max(finals, key=lambda o: sign * finals[o])
-                target = finals[leader]
-        out_batches = {}
-        for b, entry in batches.items():
+        cells = {}
+        for b in batches:
             tuned = tuning[name][str(b)]
-            out = {}
-            for optimizer, opt_rows in entry.items():
+            best, best_lr = leader(base, tuned)
+            peak = tuned[THOR_PEAK]
+            entry = {"thor": (_seed_rows(sweep_rows, name, b, "thor", None),
+                              peak["default_peak"]),
+                     "thor_best": ((_seed_rows(sweep_rows, name, b, "thor", None)
+                                    if _same(peak["best"], peak["default_peak"]) else
+                                    _seed_rows(sweep_rows, name, b, THOR_PEAK, peak["best"])),
+                                   peak["best"])}
+            for optimizer, info in tuned.items():
+                if optimizer != THOR_PEAK:
+                    entry[optimizer] = (_seed_rows(sweep_rows, name, b, optimizer, info["best"]),
+                                        info["best"])
+            cells[b] = (entry, best)
+        entry, first_best = cells[batches[0]]
+        target = statistics.median(
+            s[-1]["metric"] for s in _runs_by_seed(entry[first_best][0]).values())
+        out_batches = {}
+        for b, (entry, best) in cells.items():
+            tuned = tuning[name][str(b)]
+            cell = {}
+            for optimizer, (opt_rows, rate) in entry.items():
                 if not opt_rows:
                     continue
-                if optimizer == "thor":
-                    rate = tuned[THOR_PEAK]["default_peak"]
-                elif optimizer == "thor_best":
-                    rate = tuned[THOR_PEAK]["best"]
-                else:
-                    rate = tuned[optimizer]["best"]
                 info = optimizer_summary(base, b, opt_rows, target, rate)
                 tune_key = THOR_PEAK if optimizer.startswith("thor") else optimizer
                 info["grid"] = tuned[tune_key]["grid"]
                 info["at_edge"] = tuned[tune_key]["at_edge"]
-                out[optimizer] = info
-            baselines = [o for o in out if not o.startswith("thor")]
-            best = min(baselines, key=lambda o: (out[o]["steps_to_target"] is None,
-                                                 out[o]["steps_to_target"] or 0,
-                                                 -sign * out[o]["final"]))
-            pair = [r for r in timed if r["batch"] == b]
-            cell = {**out, "best_baseline": best}
-            if pair:
-                cell["interleaved"] = _interleaved_summary(base, b, pair, target)
-                for optimizer, info in cell["interleaved"].items():
-                    if optimizer in cell:
-                        cell[optimizer]["seconds_to_target"] = info["seconds_to_target"]
-                        cell[optimizer]["seconds_source"] = "interleaved"
+                info["seconds_paired"] = optimizer in ("thor", best)
+                cell[optimizer] = info
+            cell["best_baseline"] = best
             out_batches[str(b)] = cell
         scaling = {}
         for optimizer in ("thor", "thor_best", "best_baseline"):
@@ -414,27 +415,20 @@ def summarize(workload_names, sweep_rows, tuning, multiples, quick):
             b_crit, s_min = critical_batch(points)
             scaling[optimizer] = {"critical_batch": b_crit, "min_steps": s_min,
                                   "halving_batch": halving_batch(points)}
+        del sign
         record[name] = {"title": base.title, "metric": base.metric,
                         "higher_is_better": base.higher_is_better, "target": target,
-                        "target_from": leader, "base_batch": first, "multiples": list(multiples),
-                        "batches": out_batches, "scaling": scaling}
+                        "target_from": first_best, "base_batch": batches[0],
+                        "multiples": list(multiples), "batches": out_batches,
+                        "scaling": scaling}
     return {"workloads": record}
-
-
-def _interleaved_summary(workload, batch, rows, target):
-    out = {}
-    for optimizer in sorted({r["optimizer"] for r in rows}):
-        opt_rows = [r for r in rows if r["optimizer"] == optimizer]
-        out[optimizer] = optimizer_summary(workload, batch, opt_rows, target,
-                                           opt_rows[0]["lr"])
-    return out
 
 
 # --------------------------------------------------------------------------------------------
 # Interleaved seconds
 # --------------------------------------------------------------------------------------------
 
-def interleave(sweep, workload, data, baseline, rate, seeds, evals):
+def interleave(sweep, workload, data, baseline, rate, seeds, evals, quick=False):
     """THOR (default) and ``baseline`` at ``rate`` trained segment by segment in turn; their rows
     go to the CSV with phase "interleaved" (skipped when it holds them)."""
     from thor_tf_experiments.interleave import interleaved_rows
@@ -444,7 +438,7 @@ def interleave(sweep, workload, data, baseline, rate, seeds, evals):
                 workload.name and r["batch"] == workload.batch_size and r["seed"] == seed]
         if len(have) >= 2 * (len(suite.eval_steps(total_steps(workload, data), evals)) + 1):
             continue
-        rows = interleaved_rows(workload, data, baseline, rate, seed, evals)
+        rows = interleaved_rows(workload, data, baseline, rate, seed, evals, quick=quick)
         writer = sweep._writer()
         for row in rows:
             row = {"workload": workload.name, "batch": workload.batch_size,
@@ -468,12 +462,11 @@ def markdown(record):
         lines += [f"### {w['title']}", "",
                   f"Target: {w['metric']} {w['target']:.4g} (the best baseline's median final "
                   f"at batch {w['base_batch']}, {w['target_from']}).", "",
-                  "| batch | optimizer | rate | final | steps to target | examples | "
-                  "seconds to target |", "|---|---|---|---|---|---|---|"]
+                  "| batch | optimizer | rate | seeds | final | steps to target | examples | "
+                  "seconds to target |", "|---|---|---|---|---|---|---|---|"]
         for b_key, cell in w["batches"].items():
             for optimizer in ["thor", "thor_best"] + sorted(
-                    o for o in cell if not o.startswith("thor") and o not in (
-                        "best_baseline", "interleaved")):
+                    o for o in cell if not o.startswith("thor") and o != "best_baseline"):
                 if optimizer not in cell:
                     continue
                 info = cell[optimizer]
@@ -481,10 +474,12 @@ def markdown(record):
                     optimizer, optimizer + (" (best)" if optimizer == cell["best_baseline"]
                                             else ""))
                 edge = " (grid end)" if info.get("at_edge") and optimizer != "thor" else ""
+                paired = " (paired)" if info.get("seconds_paired") else ""
                 lines.append(f"| {b_key} | {label} | {info['rate']:.3g}{edge} | "
-                             f"{info['final']:.4f} | {_fmt(info['steps_to_target'], 'g')} | "
+                             f"{len(info['seeds'])} | {info['final']:.4f} | "
+                             f"{_fmt(info['steps_to_target'], 'g')} | "
                              f"{_fmt(info['examples_to_target'], ',')} | "
-                             f"{_fmt(info['seconds_to_target'], '.1f')} |")
+                             f"{_fmt(info['seconds_to_target'], '.1f')}{paired} |")
         scaling = w["scaling"]
         lines += ["", "Critical batch (fit of S = S_min (1 + B_crit / b)) / halving batch: "
                   + "; ".join(f"{k}: {_fmt(v['critical_batch'], '.0f', 'n/a')} / "
@@ -508,7 +503,7 @@ def plot(record, path_steps, path_seconds):
             w = record["workloads"][name]
             batches = sorted(int(b) for b in w["batches"])
             optimizers = sorted({o for c in w["batches"].values() for o in c
-                                 if o not in ("best_baseline", "interleaved")})
+                                 if o != "best_baseline"})
             for optimizer in optimizers:
                 xs, ys = [], []
                 for b in batches:
@@ -556,8 +551,6 @@ def parse_args(argv=None):
                         help="comma list; the first tunes the rates (default 0,1,2; --quick 0)")
     parser.add_argument("--evals", type=int, default=12,
                         help="evaluations per run after step 0 (default 12)")
-    parser.add_argument("--interleave", action="store_true",
-                        help="also time THOR and the best baseline segment by segment in turn")
     parser.add_argument("--report-only", action="store_true",
                         help="no training: rebuild the outputs from --out's metrics.csv")
     parser.add_argument("--out", default="runs/batch_scaling")
@@ -613,17 +606,10 @@ def main(argv=None):
                         print(f"[{name} batch {workload.batch_size}] warning: {optimizer}'s best "
                               f"rate {info['best']:g} is at an end of its grid "
                               f"{list(info['grid'])}", flush=True)
+                best, rate = leader(workload, tuned)
+                interleave(sweep, workload, data, best, rate, args.seeds, args.evals, args.quick)
                 run_seeds(sweep, workload, data, tuned, args.seeds[1:])
         record = summarize(args.workloads, sweep.rows, tuning, args.multiples, args.quick)
-        if args.interleave and not args.report_only:
-            for name in args.workloads:
-                for multiple in args.multiples:
-                    workload, data = scaled_workload(name, multiple, args.quick)
-                    cell = record["workloads"][name]["batches"][str(workload.batch_size)]
-                    best = cell["best_baseline"]
-                    interleave(sweep, workload, data, best, cell[best]["rate"], args.seeds,
-                               args.evals)
-            record = summarize(args.workloads, sweep.rows, tuning, args.multiples, args.quick)
     finally:
         sweep.close()
     from thor_tf_experiments.reports import environment_info

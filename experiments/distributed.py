@@ -94,8 +94,10 @@ def main(argv=None):
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = thor_tf.wrap(models.build("cnn", data.input_shape, data.num_classes),
-                             learning_rate=0.02, inverse_assignment=args.inverse_assignment,
-                             verbose=chief)
+                             learning_rate=0.02, verbose=chief,
+                             # The assignment of inversions is the inverse rule's option.
+                             **({} if args.inverse_assignment == "all" else dict(
+                                 update_rule=thor_tf.rules.Inverse(inverse_assignment="balanced"))))
         # A custom loop tracks its own metrics (Keras builds compiled metrics lazily, inside
         # the first fit/evaluate, which a replica function cannot do): the loss only there.
         model.compile(loss="sparse_categorical_crossentropy",

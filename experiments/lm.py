@@ -75,7 +75,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import inspect
 import json
 import math
 import os
@@ -223,12 +222,21 @@ def thor_defaults():
     """thor_tf's defaults of the options this script exposes (read from ``ThorOptimizer``)."""
     import thor_tf
 
-    params = inspect.signature(thor_tf.ThorOptimizer.__init__).parameters
-    out = {k: params[k].default for k in ("learning_rate", "damping", "kl_clip", "frequency",
-                                          "max_block_age", "fisher")}
+    fields = {f.name: f.default for f in dataclasses.fields(thor_tf.config.ThorConfig)}
+    out = {k: fields[k] for k in ("damping", "frequency", "max_block_age", "fisher")}
+    out["kl_clip"] = thor_tf.rules.Inverse().kl_clip  # the inverse rule's
     # learning_rate None: the default update rule's rate.
     out["learning_rate"] = thor_tf.rules.resolve(thor_tf.rules.DEFAULT_RULE).default_learning_rate
     return out
+
+
+def _rule_takes(args, option):
+    """Whether the update rule of ``--thor-option update_rule=...`` (else the default) takes
+    ``option``."""
+    import thor_tf
+
+    rule = dict(args.thor_option or []).get("update_rule") or thor_tf.rules.DEFAULT_RULE
+    return thor_tf.rules.takes_option(thor_tf.rules.resolve(rule), option)
 
 
 def warmup_cosine(lr, steps, warmup):
@@ -250,8 +258,9 @@ def thor_options(args, lr):
         lr_value = warmup_cosine(lr, args.steps, args.warmup)
     else:
         lr_value = float(lr)
-    options = dict(learning_rate=lr_value, damping=args.thor_damping, fisher=args.fisher,
-                   damping_split=args.damping_split)
+    options = dict(learning_rate=lr_value, damping=args.thor_damping, fisher=args.fisher)
+    if _rule_takes(args, "damping_split"):      # the inverse rule's option
+        options["damping_split"] = args.damping_split
     if args.kl_clip is not None:
         options["kl_clip"] = None if args.kl_clip == "none" else args.kl_clip
     if args.frequency is not None:

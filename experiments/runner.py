@@ -143,7 +143,7 @@ def make_model(optimizer, lr, build_model, args, steps_per_epoch, show_table):
         if age is not None:  # "none": the trace rule alone; not given: thor_tf's default
             options.update(max_block_age=None if age == "none" else age)
         wrapped = thor_tf.wrap(
-            model, learning_rate=lr_value, momentum=0.9,
+            model, learning_rate=lr_value,
             damping=damping_schedule(args.lr_schedule, damping, args.epochs, steps_per_epoch),
             verbose=show_table, **options)
         wrapped.compile(loss=LOSS, metrics=metrics)
@@ -281,7 +281,7 @@ def run_experiment(args, ds, build_model, model_name, title):
         kl_clip = args.kl_clip if args.kl_clip is not None else getattr(defaults, "kl_clip", None)
         damping_split = getattr(args, "damping_split", None) or defaults.damping_split
         print(f"THOR: lr {','.join(f'{v:g}' for v in args.thor_lr)}, damping {args.thor_damping:g}, "
-              f"frequency {args.frequency}, momentum 0.9, split_dim {split}, "
+              f"frequency {args.frequency}, momentum {defaults.momentum}, split_dim {split}, "
               f"trace_filter {trace_filter}, kl_clip {kl_clip}, damping_split {damping_split}, "
               f"factor_examples {args.factor_examples or 'all'}, "
               f"max_block_age {getattr(args, 'max_block_age', None) or defaults.max_block_age}",

@@ -171,8 +171,9 @@ def worker(model_name, replicas, batch, steps):
         if replicas == 1 and assignment == "balanced":
             continue  # the same program on one replica
         log.bytes.clear()
+        # The inverse rule: the one that inverts factors, where the assignment matters.
         model = compiled("thor", preset="thor_nt", trace_filter="none", frequency=1,
-                         inverse_assignment=assignment)
+                         update_rule=thor_tf.rules.Inverse(inverse_assignment=assignment))
         out[f"cadence_step_s[{assignment}]"], _ = _time_steps(model, dataset, steps)
         out[f"all_reduced_bytes[{assignment}]"] = log.summary()
     out["design_bytes"] = _design_bytes(plain)

@@ -283,7 +283,12 @@ def test_damping_split_and_max_block_age_flags_reach_the_thor_optimizer():
     finally:
         sys.path.remove(str(EXPERIMENTS))
     assert mnist.parse_args([]).damping_split is None
-    args = mnist.parse_args(["--damping-split", "pi"])
+    # --damping-split is the inverse rule's option (the default rule refuses it).
+    with pytest.raises(ValueError, match="`damping_split` is an option of the inverse rule"):
+        runner.make_model("thor", 0.02, lambda: models.build("mlp", (8, 8, 1), 10),
+                          mnist.parse_args(["--damping-split", "pi"]), steps_per_epoch=1,
+                          show_table=False)
+    args = mnist.parse_args(["--damping-split", "pi", "--update-rule", "inverse"])
     assert args.damping_split == "pi"
     model = runner.make_model("thor", 0.02, lambda: models.build("mlp", (8, 8, 1), 10), args,
                               steps_per_epoch=1, show_table=False)

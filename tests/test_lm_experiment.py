@@ -241,7 +241,8 @@ def test_thor_flags_reach_thor_tf():
     lm = _lm()
     args = _args(lm, "--fisher", "sampled", "--thor-lr", "0.02", "--thor-damping", "0.1",
                  "--kl-clip", "none", "--frequency", "5", "--thor-schedule", "constant",
-                 "--damping-split", "sqrt", "--thor-option", "momentum=0.5")
+                 "--damping-split", "sqrt", "--thor-option", "momentum=0.5",
+                 "--thor-option", "update_rule=inverse")
     model = lm.make_model("thor", args.thor_lr[0], args, vocab_size=11)
     settings = lm.thor_settings(model)
     assert settings["fisher"] == "sampled" and settings["damping"] == 0.1
@@ -250,8 +251,9 @@ def test_thor_flags_reach_thor_tf():
     assert settings["damping_split"] == "sqrt" and settings["momentum"] == 0.5
     defaults = lm.thor_defaults()
     settings = lm.thor_settings(lm.make_model("thor", 0.05, _args(lm), vocab_size=11))
-    for key in ("fisher", "damping", "kl_clip", "frequency", "max_block_age"):
+    for key in ("fisher", "damping", "frequency", "max_block_age"):
         assert settings[key] == defaults[key], key
+    assert settings["kl_clip"] is None    # the inverse rule's option; the default rule has none
 
 
 def test_tied_embeddings_use_the_token_matrix_as_the_head():
@@ -310,7 +312,8 @@ def test_quick_run_on_a_text_file_trains_and_writes_its_outputs(tmp_path, capsys
     assert on_disk["optimizers"]["adamw"]["per_seed"][0]["steps_to_target"] == 60
     settings = on_disk["optimizers"]["thor"]["settings"]
     assert settings["learning_rate"]["class"] == "CosineDecay"  # the baselines' schedule
-    assert settings["damping_split"] == "pi"
+    # lm.py's --damping-split (pi) is the inverse rule's: the default rule has none.
+    assert settings["damping_split"] is None
     assert settings["fisher"] == "empirical" and settings["damping"] == lm.thor_defaults()["damping"]
     assert set(on_disk["thor_vs"]) == {"adamw"}
     png = (out / "val_loss.png").read_bytes()

@@ -19,21 +19,37 @@ from typing import Any, Optional, Tuple
 import keras
 
 from thor_tf import rules
-from thor_tf.rules.inverse_ops import DAMPING_SPLITS
 from thor_tf.scheduler import PRESETS, TRACE_FILTERS, CadenceSchedule
 from thor_tf.split_plan import resolve_split_dim, split_config
 
 FISHER_TYPES = ("empirical", "sampled")
-#: Who inverts a refreshing layer's factors under a multi-replica strategy (README "Distributed").
-INVERSE_ASSIGNMENTS = ("all", "balanced")
+#: Options that belong to one update rule (on its class: ``thor_tf.rules.Inverse(momentum=...,
+#: damping_split=..., kl_clip=..., inverse_assignment=...)``), still taken by name here and
+#: handed to the rule (:func:`thor_tf.rules.with_options`): ``wrap(model, update_rule="inverse",
+#: kl_clip=None)``. Set on a rule that does not take them, they raise ``ValueError`` naming the
+#: rule. Not unset: the rule's own value; after construction, the rule's value (None when it has
+#: no such option).
+RULE_OPTIONS = ("momentum", "kl_clip", "inverse_assignment", "damping_split")
+#: What those options were worth in configs saved before they moved to the rule (every saved
+#: config holds them, whatever its rule); one that differs on a rule without it had no effect.
+_SAVED_RULE_OPTION_DEFAULTS = {"momentum": 0.9, "kl_clip": 0.001, "inverse_assignment": "all",
+                               "damping_split": "sqrt"}
+
+
+class _Unset:
+    """The default of :data:`RULE_OPTIONS` in ``ThorConfig``: not given (the rule's own)."""
+
+    def __repr__(self):
+        return "<the rule's>"
+
+
+UNSET = _Unset()
 #: How the loss reduces over the batch (undone to make G the mean of per-example outer products):
 #: "auto" reads the compiled loss in ``ThorModel.fit`` and assumes "mean" in the user's own code.
 LOSS_REDUCTIONS = ("auto", "mean", "sum")
 DEFAULT_FREQUENCY = 10
 #: Noise filter of the trace rule ("none" = the rule as published); see README and scheduler.py.
 DEFAULT_TRACE_FILTER = "mean"
-#: K-FAC's trust region on the preconditioned step (kfac-pytorch's default); see README.
-DEFAULT_KL_CLIP = 0.001
 #: Steps after which a block is refreshed whatever the trace rule says (issue 18's 3-seed
 #: benchmark on the CNN, ResNet-20 and ViT, docs/results.md); None: the rule alone.
 DEFAULT_MAX_BLOCK_AGE = 50
@@ -85,10 +101,11 @@ class ThorConfig:
     Derived, read-only: ``omegas`` (ω1, ω2 after the preset), ``cadence`` (the
     :class:`~thor_tf.scheduler.CadenceSchedule` of ``frequency``); ``split_dim`` is resolved to
     an int, a :class:`~thor_tf.split_plan.SplitPlan` or ``"auto"`` (a calibration JSON path is
-    read once, here; ``"auto"`` becomes a plan at the start of ``fit``).
+    read once, here; ``"auto"`` becomes a plan at the start of ``fit``); :data:`RULE_OPTIONS`
+    are handed to ``update_rule`` and then read back from it.
     """
 
-    momentum: float = 0.9
+    momentum: Any = UNSET            # RULE_OPTIONS: the rule's (thor_tf.rules.Inverse)
     damping: Any = 0.03
     weight_decay: float = 0.0
     weight_decay_exclude: Optional[Tuple[str, ...]] = None
@@ -101,11 +118,11 @@ class ThorConfig:
     fisher: str = "empirical"
     factor_decay: float = 0.0
     trace_filter: str = DEFAULT_TRACE_FILTER
-    kl_clip: Optional[float] = DEFAULT_KL_CLIP
+    kl_clip: Any = UNSET
     factor_examples: Optional[int] = None
-    inverse_assignment: str = "all"
+    inverse_assignment: Any = UNSET
     loss_reduction: str = "auto"
-    damping_split: str = "sqrt"
+    damping_split: Any = UNSET
     max_block_age: Optional[int] = DEFAULT_MAX_BLOCK_AGE
     update_rule: Any = None  # None: rules.DEFAULT_RULE
 
@@ -113,13 +130,14 @@ class ThorConfig:
         def set_(name, value):
             object.__setattr__(self, name, value)
 
-        set_("update_rule", rules.resolve(
-            rules.DEFAULT_RULE if self.update_rule is None else self.update_rule))
+        rule = rules.resolve(rules.DEFAULT_RULE if self.update_rule is None else self.update_rule)
+        rule = rules.with_options(rule, {name: getattr(self, name) for name in RULE_OPTIONS
+                                         if getattr(self, name) is not UNSET})
+        set_("update_rule", rule)
+        for name in RULE_OPTIONS:
+            set_(name, getattr(rule, name, None))
 
         check_positive_or_schedule("damping", self.damping)
-        m = self.momentum
-        if not _is_real(m) or not 0 <= m < 1:
-            raise ValueError(f"`momentum` must be a float in [0, 1); got {m!r}.")
         if not _is_real(self.weight_decay) or self.weight_decay < 0:
             raise ValueError(f"`weight_decay` must be a float >= 0; got {self.weight_decay!r}.")
         if self.clip_norm is not None and (not _is_real(self.clip_norm) or self.clip_norm <= 0):
@@ -131,21 +149,12 @@ class ThorConfig:
         if not isinstance(self.trace_filter, str) or self.trace_filter not in TRACE_FILTERS:
             raise ValueError(
                 f"`trace_filter` must be one of {list(TRACE_FILTERS)}; got {self.trace_filter!r}.")
-        if self.kl_clip is not None and (not _is_real(self.kl_clip) or self.kl_clip <= 0):
-            raise ValueError(f"`kl_clip` must be None or a float > 0; got {self.kl_clip!r}.")
         k = self.factor_examples
         if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1):
             raise ValueError(f"`factor_examples` must be None or an int >= 1; got {k!r}.")
-        if (not isinstance(self.inverse_assignment, str)
-                or self.inverse_assignment not in INVERSE_ASSIGNMENTS):
-            raise ValueError(f"`inverse_assignment` must be one of {list(INVERSE_ASSIGNMENTS)}; "
-                             f"got {self.inverse_assignment!r}.")
         if not isinstance(self.loss_reduction, str) or self.loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"`loss_reduction` must be one of {list(LOSS_REDUCTIONS)}; "
                              f"got {self.loss_reduction!r}.")
-        if not isinstance(self.damping_split, str) or self.damping_split not in DAMPING_SPLITS:
-            raise ValueError(f"`damping_split` must be one of {list(DAMPING_SPLITS)}; "
-                             f"got {self.damping_split!r}.")
         age = self.max_block_age
         if age is not None and (isinstance(age, bool) or not isinstance(age, numbers.Integral)
                                 or age < 1):
@@ -157,11 +166,9 @@ class ThorConfig:
                 f"`weight_decay_exclude` must be None or a list of variable-name patterns; "
                 f"got {exclude!r}.")
         set_("weight_decay_exclude", tuple(exclude) if exclude else None)
-        set_("momentum", float(m))
         set_("weight_decay", float(self.weight_decay))
         set_("clip_norm", None if self.clip_norm is None else float(self.clip_norm))
         set_("factor_decay", float(self.factor_decay))
-        set_("kl_clip", None if self.kl_clip is None else float(self.kl_clip))
         set_("factor_examples", None if k is None else int(k))
         set_("max_block_age", None if age is None else int(age))
         set_("split_dim", resolve_split_dim(
@@ -184,8 +191,10 @@ class ThorConfig:
         return self.update_rule
 
     def options(self):
-        """The options as constructor keywords (live objects: schedules, callables)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The options as constructor keywords (live objects: schedules, callables); the rule's
+        own options are on ``update_rule``."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in RULE_OPTIONS}
 
     def get_config(self):
         """JSON-able options (schedules serialized; a callable ``frequency`` becomes the default,
@@ -202,16 +211,47 @@ class ThorConfig:
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        if isinstance(config.get("damping"), dict):
-            config["damping"] = keras.saving.deserialize_keras_object(
-                config["damping"], custom_objects=custom_objects)
-        if isinstance(config.get("frequency"), list):
-            config["frequency"] = [tuple(p) for p in config["frequency"]]
-        return cls(**config)
+        return cls(**saved_options(config, custom_objects))
 
 
 THOR_OPTIONS = tuple(f.name for f in dataclasses.fields(ThorConfig))
+
+
+def saved_options(config, custom_objects=None):
+    """Constructor keywords from a saved config of THOR's options (``ThorConfig``,
+    ``ThorOptimizer`` or ``ThorModel``'s ``thor_options``; the one place that reads what earlier
+    releases saved):
+
+    * schedules (``learning_rate``, ``damping``) deserialized, ``frequency`` pairs as tuples;
+    * ``update_rule``: absent (saved before update rules existed) is the inverse rule, THOR's
+      only one then; a bare name that meant other settings then is read as those
+      (:func:`thor_tf.rules.from_saved`);
+    * ``trace_smoothing`` (replaced by ``trace_filter``) is not carried;
+    * :data:`RULE_OPTIONS` the rule does not take are dropped: configs saved before the options
+      moved to the rules hold all four whatever the rule, where they did nothing. One that was
+      not at its default says so in a warning.
+    """
+    import warnings
+
+    config = dict(config)
+    config.pop("trace_smoothing", None)
+    for key in ("learning_rate", "damping"):
+        if isinstance(config.get(key), dict):
+            config[key] = keras.saving.deserialize_keras_object(config[key],
+                                                                custom_objects=custom_objects)
+    if isinstance(config.get("frequency"), list):
+        config["frequency"] = [tuple(p) for p in config["frequency"]]
+    config["update_rule"] = rules.from_saved(config.get("update_rule", "inverse"))
+    rule = rules.resolve(config["update_rule"] or rules.DEFAULT_RULE)
+    for name in [name for name in RULE_OPTIONS if name in config]:
+        if rules.takes_option(rule, name):
+            continue
+        value = config.pop(name)
+        if value is not None and value != _SAVED_RULE_OPTION_DEFAULTS[name]:
+            warnings.warn(f"thor_tf: the saved option {name}={value!r} is not used by the "
+                          f"{rule.name!r} update rule (it never was); it is dropped.",
+                          stacklevel=3)
+    return config
 
 
 def keras_optimizer_arguments():

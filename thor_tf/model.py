@@ -28,7 +28,7 @@ import warnings
 import keras
 import numpy as np
 import tensorflow as tf
-from thor_tf import _keras_compat, fisher, graph_options, loss_terms, rules
+from thor_tf import _keras_compat, fisher, graph_options, loss_terms
 from thor_tf.engine import ThorEngine
 from thor_tf.config import is_schedule, split_options
 from thor_tf.optimizer import ThorOptimizer
@@ -40,6 +40,15 @@ from thor_tf.split_plan import AUTO
 #: the damping swamps the curvature and THOR's step is SGD's divided by √λ (docs/internals.md).
 SWAMPED_CURVATURE = 1e-3
 
+
+
+def _divergence_advice(optimizer):
+    """What to change after non-finite steps, for the update rule in use (the KL clip and the
+    damped inverses are the inverse rule's only)."""
+    rule = getattr(getattr(optimizer, "config", None), "rule", None)
+    if rule is not None and getattr(rule, "kl_clip", None) is not None:
+        return "Lower the learning rate, or raise `damping` / lower the inverse rule's `kl_clip`."
+    return "Lower the learning rate."
 
 class _EpochTracker(keras.callbacks.Callback):
     """Internal callback of ``ThorModel.fit``: epoch counter and a watch on skipped steps.
@@ -112,7 +121,7 @@ class _EpochTracker(keras.callbacks.Callback):
             warnings.warn(
                 f"thor_tf: every step of epoch {epoch + 1} had a non-finite loss or gradient and was "
                 f"skipped; stopping training (the weights are those of the last finite step). "
-                f"Lower the learning rate or raise `damping` / lower `kl_clip`.", stacklevel=2)
+                f"{_divergence_advice(self.model.optimizer)}", stacklevel=2)
             self.model.stop_training = True
         elif not loss_scaled:
             # Under dynamic loss scaling, overflow steps are how the scale is found (Keras skips
@@ -641,11 +650,7 @@ class ThorModel(keras.Model):
         config = dict(config)
         model = keras.saving.deserialize_keras_object(config.pop("model"),
                                                       custom_objects=custom_objects)
-        options = dict(config.pop("thor_options") or {})
-        # Saved before update rules existed: THOR's inverse rule was the only one.
-        options.setdefault("update_rule", "inverse")
-        options["update_rule"] = rules.from_saved(options["update_rule"])
-        options = _constructor_options(options, custom_objects)
+        options = _constructor_options(dict(config.pop("thor_options") or {}), custom_objects)
         return cls(model, thor_options=options, verbose=False, **config)
 
     def _options_config(self):
@@ -740,16 +745,11 @@ def _constructor_options(config, custom_objects=None):
     """Saved ``thor_options`` -> ``wrap`` keywords (schedules deserialized). Also reads the older
     form, a whole ``ThorOptimizer.get_config()`` (its ``name`` is the optimizer's, not an option;
     ``trace_smoothing`` was replaced by ``trace_filter`` and is not carried)."""
+    from thor_tf.config import saved_options
+
     options = dict(config)
     options.pop("name", None)
-    options.pop("trace_smoothing", None)
-    for key in ("learning_rate", "damping"):
-        if isinstance(options.get(key), dict):
-            options[key] = keras.saving.deserialize_keras_object(
-                options[key], custom_objects=custom_objects)
-    if isinstance(options.get("frequency"), list):
-        options["frequency"] = [tuple(p) for p in options["frequency"]]
-    return options
+    return saved_options(options, custom_objects)
 
 
 #: Training methods whose override in the user's model means: run the user's code.

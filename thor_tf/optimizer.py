@@ -24,9 +24,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from thor_tf import rules
-from thor_tf.config import (DEFAULT_FREQUENCY, DEFAULT_KL_CLIP, DEFAULT_MAX_BLOCK_AGE,
-                            DEFAULT_TRACE_FILTER, REFUSED_KERAS_ARGUMENTS, split_options)
+from thor_tf.config import (THOR_OPTIONS, REFUSED_KERAS_ARGUMENTS,
+                            saved_options, split_options)
 from thor_tf.schedules import FitWarmupCosine
 from thor_tf.split_plan import AUTO
 
@@ -44,20 +43,20 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         the peak of a ``WarmupCosine`` given without one.
       update_rule: ``"eigenbasis"`` (default; None means it), ``"inverse"`` (THOR's damped
         inverses, KL clip and momentum) or a :class:`thor_tf.rules.UpdateRule` instance such as
-        ``thor_tf.rules.Eigenbasis(beta_2=0.99)``. ``momentum``, ``damping``, ``damping_split``,
-        ``kl_clip`` and ``inverse_assignment`` act under the inverse rule only (the eigenbasis
-        rule has β1/β2/ε of its own and needs no damping); ``weight_decay`` is coupled (added to
-        the update before momentum) under the inverse rule, decoupled (AdamW's) under the
-        eigenbasis rule; ``clip_norm`` clips the update before momentum under the inverse rule,
-        each gradient before the moments under the eigenbasis rule.
-      momentum: μ in ``v = μ v + Δ``, in [0, 1) (inverse rule).
-      damping: λ (float > 0 or schedule of the step); a block's damping is ``λ_b = λ/P`` (P:
-        positions per example), shared between its factors as ``damping_split`` says.
-      damping_split: ``"sqrt"`` (default, THOR's): A and G each get ``√λ_b``; ``"pi"``: the
-        π-adjusted factored Tikhonov damping of Martens & Grosse (2015, §6.3), as kfac-jax does:
-        ``A + π·√λ_b·I`` and ``G + (√λ_b/π)·I`` with ``π = √((tr A/dim A) / (tr G/dim G))`` of
-        the factors being inverted (1 where that is not finite or is 0). The trace rule's λ_b is
-        the same either way.
+        ``thor_tf.rules.Eigenbasis(beta_2=0.99)``. Each rule holds its own options
+        (``Eigenbasis``: β1, β2, ε, ...; ``Inverse``: ``momentum``, ``damping_split``,
+        ``kl_clip``, ``inverse_assignment``); the inverse rule's four are also taken here by name
+        and handed to it, and raise ``ValueError`` naming the rule when the rule in use has no
+        use for them. ``weight_decay`` is coupled (added to the update before momentum) under
+        the inverse rule, decoupled (AdamW's) under the eigenbasis rule; ``clip_norm`` clips the
+        update before momentum under the inverse rule, each gradient before the moments under
+        the eigenbasis rule.
+      momentum, damping_split, kl_clip, inverse_assignment: the inverse rule's
+        (:class:`thor_tf.rules.Inverse`, where each is described).
+      damping: λ (float > 0 or schedule of the step), under every rule: the trace rule's Δ
+        compares traces of the damped factors (a block's damping is ``λ_b = λ/P``, P: positions
+        per example), and the inverse rule inverts them, sharing ``λ_b`` between the factors as
+        its ``damping_split`` says.
       weight_decay: coupled L2 added to the (preconditioned) update, float >= 0.
       weight_decay_exclude: variable-name patterns (regex, as Keras' ``exclude_from_weight_decay``)
         that get no weight decay, e.g. ``["bias", "gamma", "beta"]``.
@@ -74,8 +73,6 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         model's predictive distribution, K-FAC's true Fisher; second backward on cadence steps only).
       factor_decay: 0 uses the current batch's factors (THOR); β in (0, 1) keeps a running average
         ``β·old + (1−β)·new`` seeded by the first batch.
-      kl_clip: κ of K-FAC's trust region: the preconditioned gradients are scaled by
-        ``min(1, sqrt(κ / (lr²·⟨Δ, ∇⟩)))``; None turns it off.
       factor_examples: None uses the whole batch for the factors and traces; k uses its first k
         examples (a sub-batch: Conv2D im2col and factor cost shrink in proportion).
       trace_filter: ``"mean"`` (default) compares the mean of the traces observed since the last
@@ -84,11 +81,6 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         ``scheduler.FREEZE_AFTER`` = 5 consecutive Δ < ω2; ``"none"`` is THOR's rule as published
         (the current batch's traces, immediate freeze). See :mod:`thor_tf.scheduler`. Replaces
         ``trace_smoothing`` (which now raises ValueError).
-      inverse_assignment: under a strategy with several replicas, ``"all"`` (default): every
-        replica inverts every refreshing layer (no communication of inverses); ``"balanced"``:
-        each diagonal block of each refreshing layer is inverted by one replica (longest-
-        processing-time over all blocks of all layers by their cost ``d³``; KAISA and kfac-jax
-        assign whole layers) and one packed all-reduce shares the inverses. Both give the same step; see README "Distributed training" for when each wins.
       loss_reduction: how the loss that the gradients come from reduces over the batch, undone so
         that G is the mean of per-example outer products: ``"auto"`` (default) reads the compiled
         loss in ``ThorModel.fit`` and assumes ``"mean"`` (``compute_loss``, ``reduce_mean``,
@@ -103,40 +95,11 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         every cadence point. A frozen block stays frozen.
     """
 
-    def __init__(
-        self,
-        learning_rate=None,
-        momentum=0.9,
-        damping=0.03,
-        weight_decay=0.0,
-        weight_decay_exclude=None,
-        clip_norm=None,
-        frequency=DEFAULT_FREQUENCY,
-        preset="thor",
-        omega1=None,
-        omega2=None,
-        split_dim=None,
-        fisher="empirical",
-        factor_decay=0.0,
-        trace_filter=DEFAULT_TRACE_FILTER,
-        kl_clip=DEFAULT_KL_CLIP,
-        factor_examples=None,
-        inverse_assignment="all",
-        loss_reduction="auto",
-        damping_split="sqrt",
-        max_block_age=DEFAULT_MAX_BLOCK_AGE,
-        update_rule=None,
-        name="thor",
-        **kwargs,
-    ):
-        config, learning_rate, keras_kwargs = split_options(dict(
-            kwargs, learning_rate=learning_rate, momentum=momentum, damping=damping,
-            weight_decay=weight_decay, weight_decay_exclude=weight_decay_exclude,
-            clip_norm=clip_norm, frequency=frequency, preset=preset, omega1=omega1, omega2=omega2,
-            split_dim=split_dim, fisher=fisher, factor_decay=factor_decay,
-            trace_filter=trace_filter, kl_clip=kl_clip, factor_examples=factor_examples,
-            inverse_assignment=inverse_assignment, loss_reduction=loss_reduction,
-            damping_split=damping_split, max_block_age=max_block_age, update_rule=update_rule))
+    def __init__(self, learning_rate=None, name="thor", **options):
+        # The options are declared once, on ThorConfig (validated there); the Keras optimizer
+        # arguments (loss_scale_factor, ...) pass through.
+        config, learning_rate, keras_kwargs = split_options(dict(options,
+                                                                 learning_rate=learning_rate))
         if isinstance(learning_rate, FitWarmupCosine) and learning_rate.built:
             # Another optimizer's already: a copy, with state of its own.
             learning_rate = learning_rate.with_peak(learning_rate.peak,
@@ -159,28 +122,6 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         #: those as they are).
         self.preconditioned = frozenset()
 
-    # THOR's options, read-only views of ``config`` (what users and older code read).
-    momentum = property(lambda self: self.config.momentum)
-    damping = property(lambda self: self.config.damping)
-    damping_split = property(lambda self: self.config.damping_split)
-    max_block_age = property(lambda self: self.config.max_block_age)
-    thor_weight_decay = property(lambda self: self.config.weight_decay)
-    weight_decay_exclude = property(
-        lambda self: list(self.config.weight_decay_exclude) if self.config.weight_decay_exclude else None)
-    clip_norm = property(lambda self: self.config.clip_norm)
-    frequency = property(lambda self: self.config.frequency)
-    cadence = property(lambda self: self.config.cadence)
-    preset = property(lambda self: self.config.preset)
-    omega1 = property(lambda self: self.config.omegas[0])
-    omega2 = property(lambda self: self.config.omegas[1])
-    split_dim = property(lambda self: self.config.split_dim)
-    fisher = property(lambda self: self.config.fisher)
-    factor_decay = property(lambda self: self.config.factor_decay)
-    trace_filter = property(lambda self: self.config.trace_filter)
-    kl_clip = property(lambda self: self.config.kl_clip)
-    factor_examples = property(lambda self: self.config.factor_examples)
-    inverse_assignment = property(lambda self: self.config.inverse_assignment)
-    loss_reduction = property(lambda self: self.config.loss_reduction)
     #: The :class:`thor_tf.rules.UpdateRule` in use.
     update_rule = property(lambda self: self.config.rule)
     #: False in a step that is skipped (non-finite loss or gradient): the rule masks every change.
@@ -304,17 +245,10 @@ class ThorOptimizer(keras.optimizers.Optimizer):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        # Configs saved before trace_filter replaced trace_smoothing: its setting is not carried.
-        config.pop("trace_smoothing", None)
-        if isinstance(config.get("damping"), dict):
-            config["damping"] = keras.saving.deserialize_keras_object(
-                config["damping"], custom_objects=custom_objects)
-        if isinstance(config.get("frequency"), list):
-            config["frequency"] = [tuple(p) for p in config["frequency"]]
-        # Saved before update rules existed: THOR's inverse rule was the only one.
-        config.setdefault("update_rule", "inverse")
-        config["update_rule"] = rules.from_saved(config["update_rule"])
+        # What earlier releases saved is read in one place (the learning rate is Keras').
+        learning_rate = config.get("learning_rate")
+        config = {**saved_options({k: v for k, v in config.items() if k != "learning_rate"},
+                                  custom_objects), "learning_rate": learning_rate}
         return super().from_config(config, custom_objects=custom_objects)
 
 
@@ -337,3 +271,21 @@ class _ThorByName:
 
 
 keras.saving.get_custom_objects()["thor"] = _ThorByName
+
+
+def _option_view(name):
+    if name in ("omega1", "omega2"):            # after the preset
+        return property(lambda self: self.config.omegas[name == "omega2"])
+    if name == "weight_decay_exclude":
+        return property(lambda self: list(self.config.weight_decay_exclude)
+                        if self.config.weight_decay_exclude else None)
+    return property(lambda self: getattr(self.config, name))
+
+
+# THOR's options as read-only views of ``config`` (what users and older code read), one per
+# ThorConfig field. ``weight_decay`` is Keras' own attribute: THOR's is ``thor_weight_decay``.
+for _name in THOR_OPTIONS + ("cadence",):
+    if _name not in ("update_rule",):
+        setattr(ThorOptimizer, "thor_weight_decay" if _name == "weight_decay" else _name,
+                _option_view(_name))
+del _name

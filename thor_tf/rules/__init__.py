@@ -33,7 +33,7 @@ _SAVED_NAMES = {"eigenbasis": functools.partial(Eigenbasis, step="adam", refresh
                 "eigenbasis_adam": functools.partial(Eigenbasis, step="adam", refresh="eigh")}
 
 __all__ = ["UpdateRule", "Eigenbasis", "Inverse", "RULES", "DEFAULT_RULE", "resolve", "serialize",
-           "from_saved"]
+           "from_saved", "with_options", "takes_option"]
 
 
 def resolve(rule):
@@ -66,3 +66,50 @@ def from_saved(rule):
     if isinstance(rule, str) and rule in _SAVED_NAMES:
         return _SAVED_NAMES[rule]()
     return rule
+
+
+def takes_option(rule, name):
+    """Whether ``rule`` (an instance) has option ``name`` (a key of its ``get_config``)."""
+    return name in rule.get_config()
+
+
+def _owners(name):
+    """The names of the rules in :data:`RULES` that take option ``name``."""
+    return [n for n, make in RULES.items() if takes_option(make(), name)]
+
+
+def with_options(rule, options):
+    """``rule`` with ``options`` (``{name: value}``, given to ``wrap`` / ``ThorOptimizer`` by
+    name) set on it: ``wrap(model, update_rule="inverse", kl_clip=None)`` is
+    ``update_rule=Inverse(kl_clip=None)``.
+
+    Raises ``ValueError`` naming the option and the rule when the rule in use does not take it
+    (with the rule's reason, e.g. the eigenbasis rule keeps Adam's moments instead of
+    ``momentum``), and when the rule instance already sets it to another value. None for an
+    option the rule does not take is accepted (nothing to turn off: e.g. ``kl_clip=None``)."""
+    if not options:
+        return rule
+    config = rule.get_config()
+    defaults = type(rule)().get_config()
+    changed = {}
+    for name, value in options.items():
+        if name not in config:
+            if value is None:
+                continue
+            owners = _owners(name)
+            reason = getattr(rule, "ignored_options", {}).get(name)
+            raise ValueError(
+                f"`{name}` is an option of the {' and '.join(owners) or 'no'} rule; the update "
+                f"rule in use, {rule.name!r} ({rule!r}), does not use it"
+                f"{': ' + reason if reason else ''}. Remove `{name}`, or choose a rule that "
+                f"takes it (update_rule={owners[0]!r} or thor_tf.rules."
+                f"{type(RULES[owners[0]]()).__name__}({name}=...))." if owners else
+                f"`{name}` is not an option of the update rule {rule!r}.")
+        if config[name] != defaults[name] and config[name] != value:
+            raise ValueError(
+                f"`{name}` is given twice, {value!r} to wrap/ThorOptimizer and {config[name]!r} "
+                f"on update_rule={rule!r}; give it once (on the rule).")
+        changed[name] = value
+    if all(config[k] == v for k, v in changed.items()):
+        return rule
+    return type(rule).from_config({**config, **changed})

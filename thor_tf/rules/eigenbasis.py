@@ -152,6 +152,17 @@ class Eigenbasis(UpdateRule):
     #: calibration then keeps the default split.
     split_fallback = "default"
 
+    #: Options of other rules this one has no use for, and why (the error ``wrap`` raises when
+    #: one is set: :func:`thor_tf.rules.with_options`).
+    ignored_options = {
+        "momentum": "its step keeps Adam's moments in the eigenbasis (set beta_1 / beta_2 on "
+                    "thor_tf.rules.Eigenbasis instead)",
+        "kl_clip": "its step has no KL trust region (Adam's normalization and Newton-Schulz "
+                   "bound it)",
+        "damping_split": "it inverts no damped factor",
+        "inverse_assignment": "it inverts no factor (every replica renews the bases)",
+    }
+
     STEPS = ("adam", "orthogonal")
     SCALES = ("graft", "rms")
     REFRESHES = REFRESHES

@@ -18,7 +18,7 @@ from keras import ops
 
 from thor_tf import distributed
 from thor_tf.buckets import per_size_bucket
-from thor_tf.rules.inverse_ops import (factor_dampings, invert_blocks, invert_owned,
+from thor_tf.rules.inverse_ops import (DAMPING_SPLITS, factor_dampings, invert_blocks, invert_owned,
                                        invert_selected,
                                        precondition_gradients)
 from thor_tf.algebra import BlockDiagonal
@@ -50,12 +50,56 @@ class LayerFactors:
 
 @keras_serializable
 class Inverse(UpdateRule):
-    """THOR's inverse rule (the module docstring); its options are ``ThorOptimizer``'s
-    ``momentum``, ``damping``, ``damping_split``, ``kl_clip``, ``inverse_assignment``."""
+    """THOR's inverse rule (the module docstring).
+
+    Args (the rule's own options; ``wrap`` / ``ThorOptimizer`` also take them by name and hand
+    them here, so ``thor_tf.wrap(model, update_rule="inverse", kl_clip=None)`` is
+    ``update_rule=Inverse(kl_clip=None)``):
+      momentum: μ in ``v = μ v + Δ``, in [0, 1).
+      damping_split: how a block's damping ``λ_b = λ/P`` is shared between its factors:
+        ``"sqrt"`` (THOR's): A and G each get ``√λ_b``; ``"pi"``: the π-adjusted factored
+        Tikhonov damping of Martens & Grosse (2015, §6.3), as kfac-jax does: ``A + π·√λ_b·I``
+        and ``G + (√λ_b/π)·I`` with ``π = √((tr A/dim A) / (tr G/dim G))`` of the factors being
+        inverted (1 where that is not finite or is 0).
+      kl_clip: κ of K-FAC's trust region: the preconditioned gradients are scaled by
+        ``min(1, sqrt(κ / (lr²·⟨Δ, ∇⟩)))``; None turns it off.
+      inverse_assignment: under a strategy with several replicas, ``"all"``: every replica
+        inverts every refreshing layer (no communication of inverses); ``"balanced"``: each
+        diagonal block of each refreshing layer is inverted by one replica (longest-processing-
+        time over all blocks by their cost ``d³``) and one packed all-reduce shares the
+        inverses. Both give the same step.
+
+    ``damping`` (λ) stays ``ThorOptimizer``'s: it is also the trace rule's, under every rule.
+    """
 
     name = "inverse"
     default_learning_rate = 0.05
     uses_damping = True
+    DAMPING_SPLITS = DAMPING_SPLITS
+    INVERSE_ASSIGNMENTS = ("all", "balanced")
+
+    def __init__(self, momentum=0.9, damping_split="sqrt", kl_clip=0.001,
+                 inverse_assignment="all"):
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not (
+                0 <= momentum < 1):
+            raise ValueError(f"`momentum` must be a float in [0, 1); got {momentum!r}.")
+        if not isinstance(damping_split, str) or damping_split not in self.DAMPING_SPLITS:
+            raise ValueError(f"`damping_split` must be one of {list(self.DAMPING_SPLITS)}; "
+                             f"got {damping_split!r}.")
+        if kl_clip is not None and (isinstance(kl_clip, bool) or not isinstance(
+                kl_clip, (int, float)) or not kl_clip > 0):
+            raise ValueError(f"`kl_clip` must be None or a float > 0; got {kl_clip!r}.")
+        if (not isinstance(inverse_assignment, str)
+                or inverse_assignment not in self.INVERSE_ASSIGNMENTS):
+            raise ValueError(f"`inverse_assignment` must be one of "
+                             f"{list(self.INVERSE_ASSIGNMENTS)}; got {inverse_assignment!r}.")
+        self.momentum, self.damping_split = float(momentum), damping_split
+        self.kl_clip = None if kl_clip is None else float(kl_clip)
+        self.inverse_assignment = inverse_assignment
+
+    def get_config(self):
+        return {"momentum": self.momentum, "damping_split": self.damping_split,
+                "kl_clip": self.kl_clip, "inverse_assignment": self.inverse_assignment}
 
     def create_layer_state(self, optimizer, block, prefix, layout_a, layout_g):
         made = {}
@@ -70,9 +114,8 @@ class Inverse(UpdateRule):
 
     # -- refresh -----------------------------------------------------------------------------------
     def refresh(self, refresher, layers, refresh, factors, damping):
-        config = refresher.config
         if (distributed.replica_context() is not None
-                and config.inverse_assignment == "balanced"):
+                and self.inverse_assignment == "balanced"):
             inverses = self._shared_inverses(refresher, layers, refresh, factors, damping)
         else:
             inverses = self._batched_inverses(refresher, layers, refresh, factors, damping)
@@ -108,7 +151,7 @@ class Inverse(UpdateRule):
             factors_flat += [fa, fg]
             dims += [layer.block.a_dim, layer.block.g_dim]
             held += [(state.A_inv,), (state.G_inv,)]
-            per_factor.extend(self._factor_dampings(refresher.config, layer, fa, fg, damping))
+            per_factor.extend(self._factor_dampings(layer, fa, fg, damping))
         per_factor = tf.stack(per_factor)
         flags = tf.repeat(tf.stack(refresh), 2)  # per factor
 
@@ -119,13 +162,12 @@ class Inverse(UpdateRule):
         out = per_size_bucket(factors_flat, dims, held, invert)
         return [(out[2 * k][0], out[2 * k + 1][0]) for k in range(len(layers))]
 
-    @staticmethod
-    def _factor_dampings(config, layer, factor_a, factor_g, damping):
+    def _factor_dampings(self, layer, factor_a, factor_g, damping):
         """``(d_A, d_G)`` of one layer: its block damping ``λ/P`` split between the factors as
         ``damping_split`` says (:func:`thor_tf.rules.inverse_ops.factor_dampings`; ``"pi"`` reads π from
         the factors being inverted)."""
         return factor_dampings(damping / layer.rows_per_term, factor_a, factor_g,
-                               layer.block.a_dim, layer.block.g_dim, config.damping_split)
+                               layer.block.a_dim, layer.block.g_dim, self.damping_split)
 
     def _shared_inverses(self, refresher, layers, refresh, factors, damping):
         """``inverse_assignment="balanced"``: every diagonal block of every layer is inverted on
@@ -143,7 +185,7 @@ class Inverse(UpdateRule):
         local = []
         for k, (layer, flag, (fa, fg)) in enumerate(zip(layers, refresh, factors)):
             held = state.layers[layer.index]
-            damp_a, damp_g = self._factor_dampings(refresher.config, layer, fa, fg, damping)
+            damp_a, damp_g = self._factor_dampings(layer, fa, fg, damping)
             pairs = ((fa, layer.block.a_dim, held.A_inv, owners[2 * k], damp_a),
                      (fg, layer.block.g_dim, held.G_inv, owners[2 * k + 1], damp_g))
             for factor, dim, previous, own, per_factor in pairs:
@@ -167,7 +209,7 @@ class Inverse(UpdateRule):
             layer = s.layers[engine.block_position(b.name)]
             inverses[b.name] = (layer.A_inv, layer.G_inv)
         out, nu = precondition_gradients(
-            active, rows_per_term, inverses, grads, variables, kl_clip=engine.config.kl_clip,
+            active, rows_per_term, inverses, grads, variables, kl_clip=self.kl_clip,
             learning_rate=engine.optimizer.learning_rate, use_grads=use_grads)
         if nu is not None:
             s.kl_scale.assign(tf.where(ok, nu, s.kl_scale))
@@ -219,7 +261,7 @@ class Inverse(UpdateRule):
         if config.clip_norm is not None:
             update = tf.clip_by_norm(update, config.clip_norm)
         velocity = optimizer._momentums[optimizer._get_variable_index(variable)]
-        new_velocity = config.momentum * velocity + update
+        new_velocity = self.momentum * velocity + update
         ok = optimizer.step_ok
         if ok is not None:
             # A skipped step keeps the velocity (a non-finite gradient never enters it) and

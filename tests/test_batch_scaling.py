@@ -1,0 +1,130 @@
+"""The batch-scaling study's harness (experiments/batch_scaling.py): its budgets, grid widening and
+edge flag, the critical-batch fit against a hand-made curve, and a quick run that gives the same
+rows when a run is trained again and writes the record in the issue's shape."""
+
+import csv
+import json
+import math
+
+import pytest
+
+from thor_tf_experiments import batch_scaling as bs
+from thor_tf_experiments import workloads as wl
+
+
+def test_budget_shrinks_with_the_square_root_of_the_batch():
+    assert [bs.budget_steps(600, m) for m in (1, 4, 16)] == [600, 300, 150]
+    assert bs.budget_steps(1, 16) == 1
+
+
+def test_scaled_workload_keeps_the_suite_at_one_and_scales_batch_epochs_and_grids():
+    base = wl.WORKLOADS["tabular_mlp"]
+    w1, d1 = bs.scaled_workload("tabular_mlp", 1, quick=False)
+    assert (w1.batch_size, w1.epochs, w1.baselines) == (base.batch_size, base.epochs,
+                                                        base.baselines)
+    w4, d4 = bs.scaled_workload("tabular_mlp", 4, quick=False)
+    assert w4.batch_size == 4 * base.batch_size
+    # 353 examples: 11 steps per epoch at 32, 2 at 128; S_4 = 220 / 2 = 110 steps = 55 epochs.
+    assert bs.total_steps(w1, d1) == 220 and w4.epochs == 55 and bs.total_steps(w4, d4) == 110
+    assert w4.baselines["adam"] == tuple(bs._round_rate(2 * r) for r in base.baselines["adam"])
+
+
+class _FakeSweep:
+    """``final`` from a function of the rate (no training), recording what was asked."""
+
+    def __init__(self, score):
+        self.score, self.asked = score, []
+
+    def final(self, workload, data, optimizer, lr, seed):
+        self.asked.append((optimizer, lr))
+        return self.score(optimizer, lr)
+
+
+def test_tune_widens_a_grid_at_its_end_and_flags_a_best_still_there(monkeypatch):
+    import dataclasses
+
+    workload = dataclasses.replace(wl.WORKLOADS["tabular_mlp"],
+                                   baselines={"adam": (0.01, 0.03, 0.1), "sgd": (0.01, 0.1, 1.0)})
+    monkeypatch.setattr(bs, "total_steps", lambda w, d: 100)
+    monkeypatch.setattr(bs, "default_peak", lambda steps: 0.03)
+
+    def score(optimizer, lr):        # a loss (lower is better)
+        if optimizer == "adam":
+            return -lr                   # always better higher: widened twice, still at the end
+        if optimizer == "sgd":
+            return (math.log(lr) - math.log(0.1)) ** 2   # best inside the grid: no widening
+        if optimizer == "thor":
+            return 1.0                   # THOR's default (peak 0.03)
+        return 0.5 if lr == pytest.approx(0.01) else 2.0   # thor_peak: 0.01 best, then 0.0033
+
+    sweep = _FakeSweep(score)
+    tuned = bs.tune(sweep, workload, None, seed=0)
+    adam = tuned["adam"]
+    assert list(adam["grid"]) == ["0.01", "0.03", "0.1", "0.3", "0.9"]
+    assert adam["best"] == pytest.approx(0.9) and adam["at_edge"]
+    assert tuned["sgd"]["best"] == 0.1 and not tuned["sgd"]["at_edge"]
+    assert len([a for a in sweep.asked if a[0] == "sgd"]) == 3
+    peak = tuned[bs.THOR_PEAK]
+    assert peak["default_peak"] == 0.03 and peak["best"] == pytest.approx(0.01)
+    assert list(peak["grid"]) == ["0.0033", "0.01", "0.03", "0.09"]   # widened once below
+    assert not peak["at_edge"]
+    # The best baseline: the lowest seed-0 loss (adam's -0.9 against sgd's 0).
+    assert bs.leader(workload, tuned) == ("adam", pytest.approx(0.9))
+
+
+def test_critical_batch_recovers_a_known_curve_and_the_halving_batch():
+    s_min, b_crit = 40.0, 300.0
+    points = {b: s_min * (1 + b_crit / b) for b in (64, 256, 1024)}
+    fitted, fitted_min = bs.critical_batch(points)
+    assert fitted == pytest.approx(b_crit) and fitted_min == pytest.approx(s_min)
+    # Perfect scaling in the range: no floor to the steps.
+    assert bs.critical_batch({64: 160, 256: 40, 1024: 10})[0] == math.inf
+    assert bs.critical_batch({64: 100, 256: None}) == (None, None)
+    # Halving: 4x the batch at least halves the steps (a ratio of 2 per 4x).
+    assert bs.halving_batch({64: 100, 256: 50, 1024: 30}) == 256
+    assert bs.halving_batch({64: 100, 256: 40, 1024: 20}) == 1024
+    assert bs.halving_batch({64: 100, 256: None, 1024: 20}) == 64
+    assert bs.halving_batch({64: None, 256: 10}) is None
+
+
+def _rows(path):
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_quick_run_is_reproducible_and_writes_the_record(tmp_path):
+    out = tmp_path / "bs"
+    argv = ["--quick", "--workloads", "tabular_mlp", "--evals", "2", "--out", str(out)]
+    record = bs.main(argv)
+    rows = _rows(out / "metrics.csv")
+    # Train one run again (drop its rows: the sweep resumes by training what is missing).
+    key = lambda r: (r["optimizer"], r["batch"], r["lr"], r["seed"], r["phase"])  # noqa: E731
+    dropped = key(next(r for r in rows if r["optimizer"] == "adam" and r["phase"] == "sweep"
+                       and r["batch"] == "64"))
+    with open(out / "metrics.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(r for r in rows if key(r) != dropped)
+    again = bs.main(argv)
+    new_rows = _rows(out / "metrics.csv")
+    before = sorted((r["step"], r["metric"]) for r in rows if key(r) == dropped)
+    after = sorted((r["step"], r["metric"]) for r in new_rows if key(r) == dropped)
+    assert before == after and len(before) == 3
+    assert again["workloads"] == json.loads(json.dumps(record["workloads"], default=str))
+    # The interleaved pair trains the same trajectories as the sweep's runs.
+    thor = lambda phase: sorted((r["seed"], r["step"], r["metric"]) for r in new_rows  # noqa
+                                if r["optimizer"] == "thor" and r["phase"] == phase
+                                and r["batch"] == "32")
+    assert thor("sweep") == thor("interleaved")
+    w = json.loads((out / "batch_scaling.json").read_text())["workloads"]["tabular_mlp"]
+    assert set(w["batches"]) == {"32", "64"}
+    for cell in w["batches"].values():
+        for name in ("thor", "thor_best", cell["best_baseline"]):
+            assert {"rate", "final", "steps_to_target", "examples_to_target",
+                    "seconds_to_target"} <= set(cell[name])
+            steps = cell[name]["steps_to_target"]
+            assert steps is None or cell[name]["examples_to_target"] == steps * int(
+                next(b for b, c in w["batches"].items() if c is cell))
+    assert w["target"] == w["batches"]["32"][w["target_from"]]["final"]
+    for png in ("batch_scaling_steps.png", "batch_scaling_seconds.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
