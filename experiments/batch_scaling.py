@@ -59,6 +59,8 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from thor_tf_experiments import suite, workloads as wl  # noqa: E402
@@ -307,7 +309,8 @@ def optimizer_summary(workload, batch, rows, target, rate):
         steps.append(step)
         seconds.append(second)
     med_steps = _median(steps)
-    return {"rate": rate, "final": statistics.median(finals), "steps_to_target": med_steps,
+    steady, first = _steady(rows)
+    return {"steady_seconds_per_step": steady, "first_seconds": first, "rate": rate, "final": statistics.median(finals), "steps_to_target": med_steps,
             "examples_to_target": None if med_steps is None else med_steps * batch,
             "seconds_to_target": _median(seconds), "seeds": sorted(per_seed),
             "finals": finals, "steps_by_seed": steps, "seconds_by_seed": seconds,
@@ -449,6 +452,128 @@ def interleave(sweep, workload, data, baseline, rate, seeds, evals, quick=False)
 
 
 # --------------------------------------------------------------------------------------------
+# Across workers: a projection from the measured curve and step
+# --------------------------------------------------------------------------------------------
+
+#: The network of the projection: a ring all-reduce over machines like this one, 10 Gb/s
+#: Ethernet (β, bytes/s) with 30 µs per hop (α).
+NETWORK = {"bandwidth": 10e9 / 8, "latency": 30e-6}
+REPLICAS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def steps_at(points, batch, fit):
+    """Steps to the target at ``batch`` from the measured ``{batch: steps}`` (None: never):
+    log-log interpolation inside the measured range; beyond it the fitted ``S_min (1 + B_crit /
+    b)`` when there is a finite fit, else the largest measured batch's steps. Returns ``(steps,
+    extrapolated)``; steps None when a neighbouring measured batch never reached the target."""
+    known = sorted(points)
+    if batch in points:
+        return points[batch], False
+    if batch <= known[0]:
+        return points[known[0]], batch < known[0]
+    for lo, hi in zip(known, known[1:]):
+        if lo <= batch <= hi:
+            if points[lo] is None or points[hi] is None:
+                return (points[lo] if batch == lo else None), False
+            t = math.log(batch / lo) / math.log(hi / lo)
+            return math.exp((1 - t) * math.log(points[lo]) + t * math.log(points[hi])), False
+    last = points[known[-1]]
+    if last is None:
+        return None, True
+    b_crit, s_min = fit
+    if s_min is not None and b_crit not in (None, math.inf):
+        # The fit through the measured points, anchored at the last one (no jump at it).
+        return last * (1 + b_crit / batch) / (1 + b_crit / known[-1]), True
+    return last, True
+
+
+def ring_allreduce_seconds(nbytes, replicas, network=NETWORK):
+    """α-β ring all-reduce: ``2(R−1)α + 2(R−1)/R · bytes/β`` (0 on one replica)."""
+    if replicas <= 1:
+        return 0.0
+    return (2 * (replicas - 1) * network["latency"]
+            + 2 * (replicas - 1) / replicas * nbytes / network["bandwidth"])
+
+
+def exchanged_floats(name, quick=False):
+    """``(gradient floats per step, factor floats per cadence point)`` of the workload's model
+    under THOR's defaults (docs/distributed.md: the gradients every step; the factor blocks at a
+    cadence point where some layer refreshes)."""
+    import keras
+    import thor_tf
+    from thor_tf.split_plan import split_size
+
+    base = wl.WORKLOADS[name].sized(quick)
+    keras.backend.clear_session()
+    model = base.build(base.load(quick), quick)
+    params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    wrapped = thor_tf.wrap(model, verbose=False)
+    plan = thor_tf.config.ThorConfig().split_dim   # the default rule's default split
+    factors = 0
+    for block in wrapped.thor.blocks:
+        for dim in (block.a_dim, block.g_dim):
+            size = min(split_size(plan, dim), dim)
+            factors += math.ceil(dim / size) * size * size
+    return params + 1, factors + 1
+
+
+def project(record, floats, frequency=10, replicas=REPLICAS, network=NETWORK):
+    """Seconds to the target for ``R`` data-parallel replicas at the suite's batch per replica
+    (weak scaling: global batch ``R·B``), THOR at its defaults against the best baseline at
+    ``B``: ``steps(R·B) × (step(B) + all-reduce) + first call``, the steps from the measured
+    curve (:func:`steps_at`), the step and first call as measured at ``B`` in the interleaved
+    pairs, the all-reduce by :func:`ring_allreduce_seconds` (THOR also sends its factors at
+    every ``frequency``-th step: an upper bound, most cadence points refresh few layers).
+    ``floats``: ``{workload: (gradient floats, factor floats)}``."""
+    out = {}
+    for name, w in record["workloads"].items():
+        base = w["batches"][str(w["base_batch"])]
+        rows = []
+        curves = {"thor": {int(b): c["thor"]["steps_to_target"]
+                           for b, c in w["batches"].items()},
+                  "baseline": {int(b): c[c["best_baseline"]]["steps_to_target"]
+                               for b, c in w["batches"].items()}}
+        fits = {"thor": w["scaling"]["thor"], "baseline": w["scaling"]["best_baseline"]}
+        grads, factors = floats[name]
+        for r in replicas:
+            row = {"replicas": r, "global_batch": r * w["base_batch"]}
+            for key, info in (("thor", base["thor"]), ("baseline", base[base["best_baseline"]])):
+                step = info.get("steady_seconds_per_step")
+                first = info.get("first_seconds")
+                steps, extrapolated = steps_at(curves[key], r * w["base_batch"],
+                                               (fits[key]["critical_batch"],
+                                                fits[key]["min_steps"]))
+                comm = ring_allreduce_seconds(4 * grads, r, network)
+                if key == "thor":
+                    comm += ring_allreduce_seconds(4 * factors, r, network) / frequency
+                row[key] = {"steps": steps, "extrapolated": extrapolated,
+                            "step_seconds": None if step is None else step + comm,
+                            "seconds": (None if steps is None or step is None
+                                        else steps * (step + comm) + (first or 0.0))}
+            t, b = row["thor"]["seconds"], row["baseline"]["seconds"]
+            row["ratio"] = None if t is None or not b else t / b
+            row["only_thor"] = t is not None and b is None    # the baseline never gets there
+            rows.append(row)
+        finite = [r for r in rows if r["ratio"] is not None and not r["thor"]["extrapolated"]]
+        out[name] = {"rows": rows, "baseline": base["best_baseline"],
+                     "largest_lead": (min(finite, key=lambda r: r["ratio"])["replicas"]
+                                      if finite else None)}
+    return {"network": network, "frequency": frequency, "workloads": out}
+
+
+def _steady(rows):
+    """Median steady seconds per step and first-call seconds of the rows' runs (their last
+    rows)."""
+    last = [r for r in _runs_by_seed(rows).values()]
+    steady = [s[-1].get("steady_seconds_per_step") for s in last]
+    first = [s[-1].get("first_seconds") for s in last]
+    steady = [v for v in steady if v not in (None, "")]
+    first = [v for v in first if v not in (None, "")]
+    return (statistics.median(steady) if steady else None,
+            statistics.median(first) if first else None)
+
+
+# --------------------------------------------------------------------------------------------
 # Outputs
 # --------------------------------------------------------------------------------------------
 
@@ -481,11 +606,44 @@ def markdown(record):
                              f"{_fmt(info['examples_to_target'], ',')} | "
                              f"{_fmt(info['seconds_to_target'], '.1f')}{paired} |")
         scaling = w["scaling"]
+        proj = record.get("projection", {}).get("workloads", {}).get(name)
+        if proj:
+            lines += ["", "Projected seconds to the target, THOR / " + proj["baseline"] + ", R "
+                      "replicas at batch " + str(w["base_batch"]) + " each: " + ", ".join(
+                          f"R={r['replicas']}: "
+                          f"{_fmt(r['ratio'], '.2f', 'THOR only' if r['only_thor'] else 'n/a')}"
+                          + ("*" if r["thor"]["extrapolated"] or r["baseline"]["extrapolated"]
+                             else "") for r in proj["rows"]) + " (* beyond the measured batches)"]
         lines += ["", "Critical batch (fit of S = S_min (1 + B_crit / b)) / halving batch: "
                   + "; ".join(f"{k}: {_fmt(v['critical_batch'], '.0f', 'n/a')} / "
                               f"{_fmt(v['halving_batch'], 'g', 'n/a')}"
                               for k, v in scaling.items()), ""]
     return "\n".join(lines) + "\n"
+
+
+def plot_projection(projection, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for name, p in projection["workloads"].items():
+        rows = [r for r in p["rows"] if r["ratio"] is not None]
+        ax.plot([r["replicas"] for r in rows], [r["ratio"] for r in rows], marker="o",
+                label=f"{name} (vs {p['baseline']})")
+        extra = [r for r in rows if r["thor"]["extrapolated"] or r["baseline"]["extrapolated"]]
+        ax.scatter([r["replicas"] for r in extra], [r["ratio"] for r in extra], s=60,
+                   facecolors="none", edgecolors="k")
+    ax.axhline(1.0, color="k", lw=0.6, ls=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("replicas (suite batch each)")
+    ax.set_ylabel("THOR / best baseline, seconds to target")
+    ax.set_title("Projected (circled: beyond the measured batches)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot(record, path_steps, path_seconds):
@@ -576,6 +734,8 @@ def write_outputs(record, out):
     (out / "batch_scaling.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
     (out / "batch_scaling.md").write_text(markdown(record))
     plot(record, out / "batch_scaling_steps.png", out / "batch_scaling_seconds.png")
+    if "projection" in record:
+        plot_projection(record["projection"], out / "batch_scaling_projection.png")
     print(markdown(record), flush=True)
 
 
@@ -610,6 +770,9 @@ def main(argv=None):
                 interleave(sweep, workload, data, best, rate, args.seeds, args.evals, args.quick)
                 run_seeds(sweep, workload, data, tuned, args.seeds[1:])
         record = summarize(args.workloads, sweep.rows, tuning, args.multiples, args.quick)
+        if record["workloads"]:
+            floats = {name: exchanged_floats(name, args.quick) for name in record["workloads"]}
+            record["projection"] = project(record, floats)
     finally:
         sweep.close()
     from thor_tf_experiments.reports import environment_info

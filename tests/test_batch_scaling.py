@@ -128,3 +128,45 @@ def test_quick_run_is_reproducible_and_writes_the_record(tmp_path):
     assert w["target"] == w["batches"]["32"][w["target_from"]]["final"]
     for png in ("batch_scaling_steps.png", "batch_scaling_seconds.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_steps_at_interpolates_log_log_and_extrapolates_by_the_fit():
+    points = {64: 400.0, 256: 100.0, 1024: 50.0}
+    assert bs.steps_at(points, 256, (None, None)) == (100.0, False)
+    steps, extra = bs.steps_at(points, 128, (None, None))   # halfway in log: sqrt(400 * 100)
+    assert steps == pytest.approx(200.0) and not extra
+    # Beyond: the fit's shape anchored at the last point; without a finite fit, held.
+    steps, extra = bs.steps_at(points, 2048, (1024.0, 25.0))
+    assert extra and steps == pytest.approx(50.0 * (1 + 1024 / 2048) / (1 + 1024 / 1024))
+    assert bs.steps_at(points, 2048, (math.inf, None)) == (50.0, True)
+    assert bs.steps_at({64: 400.0, 256: None}, 128, (None, None)) == (None, False)
+
+
+def test_ring_allreduce_and_the_projection_on_a_hand_made_record():
+    net = {"bandwidth": 1e9, "latency": 1e-5}
+    assert bs.ring_allreduce_seconds(8e6, 1, net) == 0.0
+    assert bs.ring_allreduce_seconds(8e6, 4, net) == pytest.approx(6e-5 + 1.5 * 8e-3)
+
+    def cell(thor_steps, base_steps):
+        return {"best_baseline": "adam",
+                "thor": {"steps_to_target": thor_steps, "steady_seconds_per_step": 0.02,
+                         "first_seconds": 1.0},
+                "adam": {"steps_to_target": base_steps, "steady_seconds_per_step": 0.01,
+                         "first_seconds": 0.5}}
+
+    record = {"workloads": {"w": {
+        "base_batch": 32, "batches": {"32": cell(100, 200), "128": cell(30, 100),
+                                      "512": cell(10, None)},
+        "scaling": {"thor": {"critical_batch": math.inf, "min_steps": None},
+                    "best_baseline": {"critical_batch": None, "min_steps": None}}}}}
+    p = bs.project(record, {"w": (1000, 5000)}, frequency=10, replicas=(1, 4, 16), network=net)
+    rows = {r["replicas"]: r for r in p["workloads"]["w"]["rows"]}
+    assert rows[1]["thor"]["seconds"] == pytest.approx(100 * 0.02 + 1.0)
+    assert rows[1]["baseline"]["seconds"] == pytest.approx(200 * 0.01 + 0.5)
+    comm = bs.ring_allreduce_seconds(4000, 4, net)
+    thor_step = 0.02 + comm + bs.ring_allreduce_seconds(20000, 4, net) / 10
+    assert rows[4]["thor"]["seconds"] == pytest.approx(30 * thor_step + 1.0)
+    assert rows[4]["ratio"] == pytest.approx(rows[4]["thor"]["seconds"]
+                                             / (100 * (0.01 + comm) + 0.5))
+    assert rows[16]["ratio"] is None and rows[16]["only_thor"]     # the baseline never
+    assert p["workloads"]["w"]["largest_lead"] == 4
