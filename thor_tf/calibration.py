@@ -310,9 +310,6 @@ class Crossing:
     split_dim: int
     reason: str
 
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 def find_crossing(cands: Sequence[int], info_curve: Sequence[float],
                   speed_curve: Sequence[float]) -> Crossing:

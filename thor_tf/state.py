@@ -119,10 +119,6 @@ class ThorState:
         return cls(layers=layers, trace_a=trace_a, trace_g=trace_g, filter=trace_filter,
                    **per_block, **counters, kl_scale=kl_scale)
 
-    def filter_row(self, i):
-        """Layer ``i``'s trace filter (a :class:`~thor_tf.scheduler.FilterState` of scalars)."""
-        return scheduler.FilterState(*[tf.identity(v[i]) for v in self.filter])
-
     def counters(self):
         """The model-wide scalars as Python numbers (host values)."""
         out = {attr: int(getattr(self, attr).numpy()) for attr in COUNTERS}
