@@ -38,7 +38,7 @@ from thor_tf import algebra  # noqa: E402
 from thor_tf.blocks import KroneckerBlock, register_block  # noqa: E402
 from thor_tf.model import ThorModel, wrap  # noqa: E402
 from thor_tf.optimizer import ThorOptimizer  # noqa: E402
-from thor_tf.scheduler import PRESETS  # noqa: E402
+from thor_tf.trace_rule import PRESETS  # noqa: E402
 from thor_tf.split_plan import SplitPlan  # noqa: E402
 from thor_tf import rules, schedules  # noqa: E402
 

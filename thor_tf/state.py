@@ -7,7 +7,7 @@
   eigenvalues and moments (the eigenbasis rule).
 * :class:`ThorState`: the layers' factors, then one vector per statistic with one entry per block
   (vectors, so a cadence point writes every layer's decision in one assignment): traces of the
-  factors in use, the trace filter (a :class:`~thor_tf.scheduler.FilterState` of vectors), the
+  factors in use, the trace filter (a :class:`~thor_tf.trace_rule.FilterState` of vectors), the
   count of consecutive Δ < ω2 (``calm``), last Δ, refresh / reuse counts, frozen flag and step,
   last refresh step; and the model-wide scalars: next cadence step, cadence points, non-finite
   steps, epoch, cadence interval, non-finite traces, the last KL-clip scale ν.
@@ -23,7 +23,7 @@ from typing import List
 import keras
 import tensorflow as tf
 
-from thor_tf import scheduler
+from thor_tf import trace_rule
 from thor_tf.algebra import split_layout
 from thor_tf.rules import inverse as inverse_rule
 
@@ -55,7 +55,7 @@ class ThorState:
     layers: List[object]  # the rule's layer states (each has A, G, shapes())
     trace_a: object
     trace_g: object
-    filter: scheduler.FilterState
+    filter: trace_rule.FilterState
     calm: object
     last_delta: object
     refreshes: object
@@ -94,9 +94,9 @@ class ThorState:
 
         trace_a = vector("thor_trace_a", "float32", 0.0)
         trace_g = vector("thor_trace_g", "float32", 0.0)
-        window = optimizer.add_variable((n, scheduler.TRACE_WINDOW), initializer="zeros",
+        window = optimizer.add_variable((n, trace_rule.TRACE_WINDOW), initializer="zeros",
                                         dtype="float32", name="thor_filter_window")
-        trace_filter = scheduler.FilterState(
+        trace_filter = trace_rule.FilterState(
             window=window,
             count=vector("thor_filter_count", "int64", 0),
             ref_mean=vector("thor_filter_ref_mean", "float32", 0.0),
