@@ -24,7 +24,7 @@ import keras
 import tensorflow as tf
 
 from thor_tf import trace_rule
-from thor_tf.algebra import split_layout
+from thor_tf.block_diagonal import split_layout
 from thor_tf.rules import inverse as inverse_rule
 
 

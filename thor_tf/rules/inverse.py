@@ -21,7 +21,7 @@ from thor_tf.buckets import per_size_bucket
 from thor_tf.rules.inverse_ops import (factor_dampings, invert_blocks, invert_owned,
                                        invert_selected,
                                        precondition_gradients)
-from thor_tf.algebra import BlockDiagonal
+from thor_tf.block_diagonal import BlockDiagonal
 from thor_tf.rules.base import (SideWork, UpdateRule, keras_serializable, side_matrix,
                                 split_blocks)
 
@@ -181,7 +181,7 @@ class Inverse(UpdateRule):
 
     def side_work(self, factor, previous, split, other_dim, side):
         """Per step: the product of the gradient matrix by the side's split inverse
-        (``A⁻¹ M`` or ``M G⁻¹``, :class:`thor_tf.algebra.BlockDiagonal`). Per refresh: the
+        (``A⁻¹ M`` or ``M G⁻¹``, :class:`thor_tf.block_diagonal.BlockDiagonal`). Per refresh: the
         damped blocks' batched Cholesky inverse with its float64 retry
         (:func:`thor_tf.rules.inverse_ops.invert_blocks`)."""
         del previous  # the inverse does not start from the one in use
