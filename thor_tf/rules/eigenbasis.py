@@ -44,7 +44,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from thor_tf import lean
+from thor_tf import _keras_compat, lean
 from thor_tf.buckets import per_size_bucket, size_buckets
 from thor_tf.basis_information import kept_curve
 from thor_tf.rules.base import (SideWork, UpdateRule, keras_serializable, side_matrix,
@@ -422,7 +422,8 @@ class Eigenbasis(UpdateRule):
             out[k] = direction
             written.add(k)
         # Keyed as Keras keys the optimizer's variables: update_step gets the backend variable.
-        opt.preconditioned = frozenset(opt._var_key(variables[k]) for k in written)
+        opt.preconditioned = frozenset(_keras_compat.variable_key(opt, variables[k])
+                                       for k in written)
         return out
 
     @staticmethod
@@ -450,7 +451,7 @@ class Eigenbasis(UpdateRule):
         for members in groups.values():
             if len(members) < 2:
                 continue
-            slots = [opt._get_variable_index(variables[k]) for k in members]
+            slots = [_keras_compat.variable_index(opt, variables[k]) for k in members]
             m_vars = [opt._momentums[i] for i in slots]
             v_vars = [opt._velocities[i] for i in slots]
             g = tf.stack([grads[k] for k in members])
@@ -593,8 +594,8 @@ class Eigenbasis(UpdateRule):
         if isinstance(gradient, tf.IndexedSlices):
             gradient = tf.convert_to_tensor(gradient)
         update = ops.cast(gradient, variable.dtype)
-        if optimizer._var_key(variable) not in optimizer.preconditioned:
-            i = optimizer._get_variable_index(variable)
+        if _keras_compat.variable_key(optimizer, variable) not in optimizer.preconditioned:
+            i = _keras_compat.variable_index(optimizer, variable)
             m_var, v_var = optimizer._momentums[i], optimizer._velocities[i]
             # Bias corrections, ε and the decays: once per step for all variables (graph size:
             # a Python float is a new constant at each use; same values).
@@ -606,7 +607,7 @@ class Eigenbasis(UpdateRule):
                                  (correction_1, correction_2, epsilon, b1, b1c, b2, b2c))
             optimizer.assign(m_var, m)
             optimizer.assign(v_var, v)
-        if config.weight_decay and optimizer._use_weight_decay(variable):
+        if config.weight_decay and _keras_compat.uses_weight_decay(optimizer, variable):
             decay = optimizer.once_per_apply(("weight_decay", variable.dtype), lambda: ops.cast(
                 config.weight_decay, variable.dtype))
             update = update + decay * variable

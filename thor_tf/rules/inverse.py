@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from thor_tf import distributed
+from thor_tf import _keras_compat, distributed
 from thor_tf.buckets import per_size_bucket
 from thor_tf.rules.inverse_ops import (factor_dampings, invert_blocks, invert_owned,
                                        invert_selected,
@@ -214,7 +214,7 @@ class Inverse(UpdateRule):
         config = optimizer.config
         lr = ops.cast(learning_rate, variable.dtype)
         update = ops.cast(gradient, variable.dtype)
-        if config.weight_decay and optimizer._use_weight_decay(variable):
+        if config.weight_decay and _keras_compat.uses_weight_decay(optimizer, variable):
             update = update + ops.cast(config.weight_decay, variable.dtype) * variable
         if config.clip_norm is not None:
             update = tf.clip_by_norm(update, config.clip_norm)
