@@ -44,7 +44,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from thor_tf import _keras_compat, lean
+from thor_tf import _keras_compat, block_matrices, lean
 from thor_tf.buckets import per_size_bucket, size_buckets
 from thor_tf.basis_information import kept_curve
 from thor_tf.rules.base import (SideWork, UpdateRule, keras_serializable, side_matrix,
@@ -348,7 +348,6 @@ class Eigenbasis(UpdateRule):
         if config.clip_norm is not None:
             grads = [None if g is None else _clip(g, config.clip_norm) for g in grads]
             use_grads = {k: _clip(g, config.clip_norm) for k, g in use_grads.items()}
-        index = {id(v): k for k, v in enumerate(variables)}
         t = tf.cast(opt.iterations + 1, tf.float32)
         correction_1 = 1.0 - tf.pow(self.beta_1, t)
         correction_2 = 1.0 - tf.pow(self.beta_2, t)
@@ -356,18 +355,8 @@ class Eigenbasis(UpdateRule):
         b1, b1c, b2, b2c, epsilon, relative_epsilon = (tf.constant(value, tf.float32) for value in (
             self.beta_1, 1.0 - self.beta_1, self.beta_2, 1.0 - self.beta_2, self.epsilon,
             self.relative_epsilon))
-        out, written, blocks = list(grads), set(), []
-        for b in active:
-            k = index[id(b.kernel)]
-            if grads[k] is None:
-                continue
-            bias_grad = None
-            if b.bias is not None:
-                bias_grad = grads[index[id(b.bias)]]
-                if bias_grad is None:
-                    bias_grad = tf.zeros_like(b.bias)
-            matrix = b.to_matrix(use_grads.get(b.name, grads[k]), bias_grad)
-            blocks.append((b, k, matrix, s.layers[engine.block_position(b.name)]))
+        blocks = [(b, k, matrix, s.layers[engine.block_position(b.name)])
+                  for b, k, matrix in block_matrices.gather(active, grads, variables, use_grads)]
         # Blocks of one shape (moments and both bases) are rotated and updated as one stack: a
         # Transformer's query/key/value/output or a ResNet stage's repeated convolutions then
         # cost one product per side, and one set of elementwise ops, instead of one per block
@@ -408,14 +397,7 @@ class Eigenbasis(UpdateRule):
             chosen = [n for n, (b, _, _) in enumerate(steps) if b.kind not in self.adam_kinds]
             for n, u in zip(chosen, self._orthogonalized([steps[n][2] for n in chosen])):
                 steps[n] = steps[n][:2] + (u,)
-        for b, k, update in steps:
-            kernel_update, bias_update = b.from_matrix(update)
-            kernel_update = tf.cast(kernel_update, grads[k].dtype)
-            out[k] = out[k] + kernel_update if k in written else kernel_update  # tied: summed
-            written.add(k)
-            if b.bias is not None:
-                out[index[id(b.bias)]] = bias_update
-                written.add(index[id(b.bias)])
+        out, written = block_matrices.scatter(grads, variables, steps)
         adam = (correction_1, correction_2, epsilon, b1, b1c, b2, b2c)
         for k, direction in self._first_order_adam(opt, grads, variables, written, ok,
                                                    adam).items():

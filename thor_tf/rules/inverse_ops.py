@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from thor_tf import _keras_compat
+from thor_tf import _keras_compat, block_matrices
 from thor_tf.block_diagonal import (BlockDiagonal, KroneckerOperator, apply_blockwise,
                                     diagonal_blocks, inner_product, split_layout)
 from thor_tf.buckets import batched_layout
@@ -251,17 +251,12 @@ def precondition_gradients(blocks, rows_per_term, inverses, grads, variables, kl
       ``(grads, ν)``: the new gradient list (variables without a block keep theirs) and the clip
       scale (float32 scalar tensor; None without a clip or without a usable block).
     """
-    index = {id(v): k for k, v in enumerate(variables)}
-    usable = [b for b in blocks if grads[index[id(b.kernel)]] is not None]
-    if not usable:
+    gathered = block_matrices.gather(blocks, grads, variables, use_grads)
+    if not gathered:
         return grads, None
     matrices, operators = [], []
-    for b in usable:
-        bias_grad = grads[index[id(b.bias)]] if b.bias is not None else None
-        if b.bias is not None and bias_grad is None:
-            bias_grad = tf.zeros_like(b.bias)
-        kernel_grad = (use_grads or {}).get(b.name, grads[index[id(b.kernel)]])
-        matrices.append(b.to_matrix(kernel_grad, bias_grad))
+    for b, _, matrix in gathered:
+        matrices.append(matrix)
         a_inv, g_inv = inverses[b.name]
         operators.append(KroneckerOperator(
             BlockDiagonal(tf.convert_to_tensor(a_inv), b.a_dim),
@@ -272,15 +267,8 @@ def precondition_gradients(blocks, rows_per_term, inverses, grads, variables, kl
     if kl_clip is not None:
         nu = kl_scale(updates, matrices, kl_clip, learning_rate)
         updates = [nu * u for u in updates]
-    out, written = list(grads), set()
-    for b, update in zip(usable, updates):
-        kernel_update, bias_update = b.from_matrix(update)
-        k = index[id(b.kernel)]
-        kernel_update = tf.cast(kernel_update, grads[k].dtype)
-        out[k] = out[k] + kernel_update if k in written else kernel_update  # tied: summed
-        written.add(k)
-        if b.bias is not None:
-            out[index[id(b.bias)]] = bias_update
+    out, _ = block_matrices.scatter(
+        grads, variables, [(b, k, u) for (b, k, _), u in zip(gathered, updates)])
     return out, nu
 
 
