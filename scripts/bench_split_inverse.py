@@ -76,10 +76,10 @@ def traced_inverse(factor, split):
     """``(fn, blocks)``: ``fn(blocks, d)`` runs ``invert_blocks`` on the diagonal blocks (traced)."""
     import tensorflow as tf
 
-    from thor_tf.algebra import diagonal_blocks
+    from thor_tf.block_diagonal import diagonal_blocks
     from thor_tf.rules.inverse_ops import invert_blocks
 
-    blocks = tf.constant(diagonal_blocks(factor, split))  # thor_tf.algebra's cutting
+    blocks = tf.constant(diagonal_blocks(factor, split))  # thor_tf.block_diagonal's cutting
     n = factor.shape[0]
     fn = tf.function(lambda b, d: invert_blocks(b, d, n),
                      input_signature=[tf.TensorSpec(blocks.shape, tf.float32),
@@ -112,7 +112,7 @@ def main(argv=None):
     import tensorflow as tf
 
     from thor_tf.calibration import device_description
-    from thor_tf.algebra import split_layout
+    from thor_tf.block_diagonal import split_layout
 
     load_before = os.getloadavg()
     rows = []

@@ -10,7 +10,8 @@ Settings (all with the same data, budget and seeds):
 * ``thor_adaptive``: ``thor`` with ``frequency="adaptive"`` (base 10, cap 80) instead of 10.
 
 Per run: refreshes per layer and in total, cadence points, factor + inverse seconds, final test
-accuracy, wall time. Factor + inverse seconds: the train step fuses everything, so the cost of one
+accuracy, wall time. Factor + inverse seconds (the factors and the update rule's refresh from
+them: its inverses or bases): the train step fuses everything, so the cost of one
 refresh of each layer is measured apart once per model (``thor_tf.profiling.profile_step``, median
 of repeats on one batch, after the first run) and multiplied by that layer's refreshes; the cheap
 trace checks are counted at every cadence point where the layer was not frozen.
@@ -125,7 +126,7 @@ def run_one(setting, seed, ds, args, costs):
     for s in stats:
         cost = costs[s["name"]]
         evaluated = sum(1 for r in logger.rows if r["layer"] == s["name"] and r["decision"] != "frozen")
-        seconds = s["refreshes"] * (cost["factors"] + cost["inverse"]) + evaluated * cost["traces"]
+        seconds = s["refreshes"] * (cost["factors"] + cost["refresh"]) + evaluated * cost["traces"]
         seconds_total += seconds
         layers[s["name"]] = {"refreshes": s["refreshes"], "reuses": s["reuses"],
                              "frozen_at_step": s["frozen_at_step"] if s["frozen"] else None,

@@ -586,7 +586,10 @@ def profile_worker(name, repeats, sgd_steps):
     x = rng.normal(size=(batch, *shape)).astype("float32")
     y = rng.integers(0, classes, size=batch)
     keras.utils.set_random_seed(0)
-    wrapped = thor_tf.wrap(models.build(name, shape, classes), learning_rate=0.01, verbose=False)
+    # The inverse rule: the model counts its Cholesky FLOPs and exchanges its inverses, and
+    # profile_step times the refresh of the rule the model trains with.
+    wrapped = thor_tf.wrap(models.build(name, shape, classes), update_rule="inverse",
+                           learning_rate=0.01, verbose=False)
     wrapped.compile(loss="sparse_categorical_crossentropy")
     profile = profile_step(wrapped, x, y, repeats=repeats)
     out = {"model": name, "input": list(shape), "batch": batch, "profile": profile,
@@ -692,8 +695,10 @@ def efficiencies(shape, profile, batch, split_dim, device, sgd_step_s=None):
     timed = set(profile["layers"])
     seconds = {"forward_backward": sgd_step_s or profile["forward_backward"],
                "precondition": profile["precondition"]}
-    for stage, key in (("traces", "traces"), ("factors", "factors"), ("inversion", "inverse")):
-        seconds[stage] = sum(v[key] for v in profile["layers"].values())
+    for stage, key in (("traces", "traces"), ("factors", "factors"), ("inversion", "refresh")):
+        # Profiles recorded before profile_step timed the rule in use name the refresh "inverse".
+        seconds[stage] = sum(v[key] if key in v else v["inverse"]
+                             for v in profile["layers"].values())
     out = {}
     for stage, per_layer in flops.items():
         f = sum(x for layer, x in zip(shape.layers, per_layer)

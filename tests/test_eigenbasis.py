@@ -24,7 +24,7 @@ from thor_tf.split_plan import SplitPlan
 from reference import homogeneous, mean_outer
 
 #: The Adam step in the eigenbasis (the previous default; the orthogonalized step on top of it:
-#: test_orthogonal_step.py): the models below take ``update_rule="eigenbasis_adam"``.
+#: test_eigenbasis_orthogonal.py): the models below take ``update_rule="eigenbasis_adam"``.
 pytestmark = pytest.mark.update_rule("eigenbasis_adam")
 
 LR, B1, B2, EPS, REL_EPS, TIE_BREAK = 0.01, 0.9, 0.95, 1e-8, 1e-4, 0.1

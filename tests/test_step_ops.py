@@ -1,7 +1,7 @@
 """Structural checks of the cadence bookkeeping's and the EinsumDense block's few-op forms (issue
 47): the same values as the general forms, with fewer ops traced and run.
 
-* ``engine.per_block_rows``: every block, in order, is the vector itself (no gather); any other
+* ``trace_rule.per_block_rows``: every block, in order, is the vector itself (no gather); any other
   selection gathers its rows.
 * A wrapped model's traced step (every block active, the usual case): the trace rule's decisions
   are written without ``TensorScatterAdd`` (their scatters were the only ones) and its reads of
@@ -20,7 +20,7 @@ import keras
 import tensorflow as tf
 
 import thor_tf
-from thor_tf.engine import per_block_rows
+from thor_tf.trace_rule import per_block_rows
 
 
 def _op_types(concrete):

@@ -42,6 +42,13 @@ this is the one module to adapt.
   ``GradientTape`` is active in this thread (the layer hooks record only then, so inference
   observes nothing). Present from TF 2.16 (the floor) to 2.21.
 
+* :func:`variable_key`, :func:`variable_index`, :func:`uses_weight_decay` - the base
+  ``Optimizer``'s ``_var_key``, ``_get_variable_index`` and ``_use_weight_decay``: the key Keras
+  gives a variable (the update rules mark the preconditioned ones with it: ``update_step`` sees
+  the backend variable), the position of its slots in the lists built by ``build``, and whether
+  ``exclude_from_weight_decay`` spares it. The update rules' optimizer chain
+  (:mod:`thor_tf.rules`) calls them.
+
 Overridden rather than called: ``ThorOptimizer._all_reduce_sum_gradients`` (the TF backend
 optimizer's hook that all-reduces the gradients given to ``apply``), turned into the identity for
 THOR's gradients, which the engine all-reduces before preconditioning.
@@ -169,3 +176,21 @@ def tape_could_record():
     except ImportError:  # pragma: no cover - a future TensorFlow
         return True
     return bool(record.could_possibly_record())
+
+
+def variable_key(optimizer, variable):
+    """The key Keras' optimizer uses for ``variable`` (``Optimizer._var_key``): the same for a
+    Keras variable and the backend variable ``update_step`` receives."""
+    return optimizer._var_key(variable)
+
+
+def variable_index(optimizer, variable):
+    """Position of ``variable`` in the optimizer's variable list, hence of its slots
+    (``Optimizer._get_variable_index``)."""
+    return optimizer._get_variable_index(variable)
+
+
+def uses_weight_decay(optimizer, variable):
+    """Whether weight decay applies to ``variable`` (``Optimizer._use_weight_decay``: False for
+    the names and variables given to ``exclude_from_weight_decay``)."""
+    return optimizer._use_weight_decay(variable)

@@ -49,7 +49,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from thor_tf.algebra import diagonal_blocks, split_layout
+from thor_tf.block_diagonal import diagonal_blocks, split_layout
 from thor_tf.rules.inverse_ops import invert_blocks
 
 __all__ = [
@@ -309,9 +309,6 @@ class Crossing:
     crossing: Optional[float]
     split_dim: int
     reason: str
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def find_crossing(cands: Sequence[int], info_curve: Sequence[float],

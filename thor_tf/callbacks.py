@@ -12,8 +12,6 @@ import tensorflow as tf
 
 from thor_tf.state import DECISION_CODES
 
-DECISIONS = ("refresh", "reuse", "freeze", "frozen")
-
 
 class TraceRuleLogger(keras.callbacks.Callback):
     """Writes each cadence point's per-layer Δ and decision; prints a summary at the end of fit.

@@ -1,7 +1,7 @@
 """``ThorEngine``: the data path of one wrapped model.
 
 hooks (:mod:`thor_tf.capture`: each block layer's input, ``z`` and ``dL/dz``) → blocks (factors A,
-G) → trace rule (:mod:`thor_tf.scheduler`: refresh / reuse / freeze at cadence points) → refresh
+G) → trace rule (:mod:`thor_tf.trace_rule`: refresh / reuse / freeze at cadence points) → refresh
 (:mod:`thor_tf.refresh`: factors, then the update rule's inverses or bases) → preconditioning
 (:mod:`thor_tf.rules`) → ``ThorOptimizer`` update.
 
@@ -20,9 +20,9 @@ code (:meth:`ThorEngine.apply_gradients`, from ``ThorOptimizer.apply``). Either 
 1. the records of this step are taken from the hooks; under a strategy the gradients are
    all-reduced here, so that everything after is the global batch's (:mod:`thor_tf.distributed`);
 2. at a due cadence point (:meth:`ThorEngine.curvature_step`): traces of the live layers →
-   combined over replicas → the trace rule per layer (:meth:`_judge`) → factors and inverses of
-   the refreshing layers (:meth:`thor_tf.refresh.Refresher.refresh`, combined over replicas
-   first) → decisions recorded;
+   combined over replicas → the trace rule per layer (:func:`thor_tf.trace_rule.judge`) →
+   factors and inverses of the refreshing layers (:meth:`thor_tf.refresh.Refresher.refresh`,
+   combined over replicas first) → decisions recorded (:func:`thor_tf.trace_rule.record_decisions`);
 3. preconditioning, the update rule's (:mod:`thor_tf.rules`): Adam in the eigenbasis of the
    split factors (the default), or THOR's ``(1/P)·A_inv·M·G_inv`` as one block-diagonal mat of
    Kronecker operators with K-FAC's KL clip (:mod:`thor_tf.rules.inverse_ops`);
@@ -39,7 +39,7 @@ from typing import NamedTuple
 import tensorflow as tf
 
 from thor_tf import (_keras_compat, capture, discovery, distributed, fisher, loss_terms,
-                     scheduler)
+                     trace_rule)
 from thor_tf.blocks import TiedLookupBlock
 from thor_tf.introspection import Introspection
 from thor_tf.refresh import Refresher
@@ -82,17 +82,6 @@ class _CadenceLayer(NamedTuple):
     grads: list  # per-term dℓ/dz tensors aligned with ``records``
     rows_per_term: tf.Tensor  # c = R/D: rows per data point of the loss (KFC's P; float32 scalar)
     masks: object  # None, or per record None / [R_call] 0/1 row weights (valid terms)
-
-
-class _Decisions(NamedTuple):
-    """One cadence point's trace-rule outcome, one entry per active layer (``[n_active]``)."""
-
-    delta: tf.Tensor  # Δ (NaN: frozen, or traces not finite)
-    refresh: tf.Tensor  # bool
-    freeze: tf.Tensor  # bool
-    nonfinite: tf.Tensor  # bool: the traces were not finite (nothing changed)
-    calm: tf.Tensor  # int64: consecutive Δ < ω2 after this point
-    filter: scheduler.FilterState  # the trace filter after this point ([n_active, ...])
 
 
 class ThorEngine(Introspection):
@@ -461,15 +450,16 @@ class ThorEngine(Introspection):
             refreshed_any = tf.constant(False)
             if layers:
                 damping = opt.current_damping()
-                local = self._local_traces(layers)  # [n, 2]
+                local = trace_rule.local_traces(s, layers)  # [n, 2]
                 traces, = distributed.weighted_mean(
                     [local], [tf.stack(weight)[:, None]] if isinstance(weight, list) else weight)
-                decisions = self._judge(layers, traces, damping, step)
+                decisions = trace_rule.judge(s, self.config, layers, traces, damping, step)
                 self.refresher.refresh(layers, tf.unstack(decisions.refresh, num=len(layers)), damping,
                               weight)
-                refreshed_any = self._record_decisions(layers, decisions, step)
+                refreshed_any = trace_rule.record_decisions(s, self.decision_log, len(self.blocks),
+                                                            layers, decisions, step)
             if self.config.cadence.adaptive is not None:
-                s.interval.assign(scheduler.adapt_interval(
+                s.interval.assign(trace_rule.adapt_interval(
                     s.interval, refreshed_any, self.config.cadence.adaptive.base,
                     self.config.cadence.adaptive.max_interval))
             interval = self.config.cadence.interval(step, s.epoch, s.interval)
@@ -508,137 +498,6 @@ class ThorEngine(Introspection):
             return layers, rows
         return layers, examples
 
-    def _local_traces(self, layers):
-        """``[n, 2]``: ``[tr A, tr G]`` of this replica's batch per layer (zeros for a frozen
-        layer). Computed for every layer without a branch: a trace is a sum of squares, cheaper
-        at run time than a ``tf.cond`` per layer is to trace and optimize."""
-        traces = tf.stack([tf.stack(_traces(layer)) for layer in layers])
-        frozen = per_block_rows(self.state.frozen, [layer.index for layer in layers]) > 0
-        return tf.where(frozen[:, None], tf.zeros_like(traces), traces)
-
-    def _judge(self, layers, traces, damping, step):
-        """The trace rule for every active layer at once, from the global batch's traces.
-
-        Args:
-          layers: the active layers' :class:`_CadenceLayer`.
-          traces: ``[n_active, 2]`` float32, ``[tr A, tr G]`` per layer.
-          damping: λ (float32 scalar).
-          step: the optimizer step (int64 scalar), for ``max_block_age``.
-
-        Returns:
-          :class:`_Decisions` of ``[n_active]`` vectors. Every formula is elementwise over layers
-          (:mod:`thor_tf.scheduler`), so one set of ops serves all layers (no per-layer branch).
-          A frozen layer decides nothing; a layer whose traces are not finite (e.g. ``‖a‖²``
-          overflowing float32) decides nothing, changes nothing and is counted.
-        """
-        s = self.state
-        index = [layer.index for layer in layers]
-
-        def rows(v):
-            return per_block_rows(v, index)
-
-        frozen = rows(s.frozen) > 0
-        has_used = rows(s.refreshes) > 0
-        used_a, used_g = rows(s.trace_a), rows(s.trace_g)
-        calm = rows(s.calm)
-        old_filter = scheduler.FilterState(*[rows(v) for v in s.filter])
-        # λ_b = λ/c with c = R/D rows per data point (KFC's λ/P for one term per example).
-        block_damping = damping / tf.stack([layer.rows_per_term for layer in layers])
-        a_dims = tf.constant([float(layer.block.a_dim) for layer in layers])
-        g_dims = tf.constant([float(layer.block.g_dim) for layer in layers])
-        batch_a, batch_g = traces[:, 0], traces[:, 1]
-        omega1, omega2 = self.config.omegas
-        aged = None
-        if self.config.max_block_age is not None:
-            age = step - tf.cast(rows(s.last_refresh), tf.int64)
-            aged = tf.logical_and(has_used, age >= self.config.max_block_age)
-        if self.config.trace_filter == "mean":
-            delta, refresh, freeze, new_calm, new_filter = scheduler.filter_step(
-                old_filter, batch_a * batch_g, block_damping * a_dims * g_dims, has_used, omega1,
-                omega2, calm, scheduler.FREEZE_AFTER, aged)
-        else:
-            new_filter = old_filter
-            beta = self.config.factor_decay
-            trace_a, trace_g = batch_a, batch_g
-            if beta > 0:
-                trace_a = tf.where(has_used, beta * used_a + (1 - beta) * trace_a, trace_a)
-                trace_g = tf.where(has_used, beta * used_g + (1 - beta) * trace_g, trace_g)
-            new = scheduler.trace_product(trace_a, trace_g, block_damping, a_dims, g_dims)
-            used = scheduler.trace_product(used_a, used_g, block_damping, a_dims, g_dims)
-            delta = scheduler.relative_trace_change(new, used, has_used)
-            refresh, freeze, new_calm = scheduler.decide(delta, omega1, omega2, calm, 1, aged)
-        finite = tf.logical_and(tf.math.is_finite(batch_a * batch_g),
-                                tf.reduce_all(tf.math.is_finite(traces), axis=1))
-        live = tf.logical_and(tf.logical_not(frozen), finite)
-
-        def keep(new, old):
-            mask = live if new.shape.rank == 1 else live[:, None]
-            return tf.where(mask, new, old)
-
-        return _Decisions(
-            delta=tf.where(live, delta, tf.fill(tf.shape(delta), float("nan"))),
-            refresh=tf.logical_and(live, refresh), freeze=tf.logical_and(live, freeze),
-            nonfinite=tf.logical_and(tf.logical_not(frozen), tf.logical_not(finite)),
-            calm=keep(new_calm, calm),
-            filter=scheduler.FilterState(*[keep(n, o) for n, o in zip(new_filter, old_filter)]))
-
-    def _record_decisions(self, layers, decisions, step):
-        """Write one cadence point's decisions (:class:`_Decisions` over the active layers) into
-        the per-block vectors; layers not active this step keep their entries.
-
-        Returns a boolean scalar: whether any layer refreshed.
-        """
-        s = self.state
-        positions = [layer.index for layer in layers]
-        # Every block active, in order (the usual step): the decisions are the whole vectors,
-        # written without gathers and scatters (the same values; fewer ops to trace and run).
-        every = positions == list(range(len(self.blocks)))
-        index = None if every else tf.constant([[k] for k in positions], tf.int64)
-        frozen_before = tf.identity(s.frozen)
-        refreshes_before = tf.identity(s.refreshes)
-
-        def put(variable, values):
-            values = tf.cast(values, variable.dtype)
-            variable.assign(values if every else tf.tensor_scatter_nd_update(
-                tf.convert_to_tensor(variable), index, values))
-
-        def add(variable, flags):
-            flags = tf.cast(flags, variable.dtype)
-            if every:
-                variable.assign_add(flags)
-            else:
-                variable.assign(tf.tensor_scatter_nd_add(tf.convert_to_tensor(variable), index,
-                                                         flags))
-
-        def rows(variable):
-            return per_block_rows(variable, positions)
-
-        was_frozen = rows(s.frozen) > 0
-        evaluated = tf.logical_not(was_frozen)
-        reuse = tf.logical_and(evaluated, tf.logical_not(
-            tf.logical_or(decisions.refresh, decisions.freeze)))
-        put(s.calm, decisions.calm)
-        for variable, values in zip(s.filter, decisions.filter):
-            put(variable, values)
-        last_delta = rows(s.last_delta)
-        put(s.last_delta, tf.where(evaluated, decisions.delta, last_delta))  # NaN: non-finite traces
-        add(s.refreshes, decisions.refresh)
-        add(s.reuses, reuse)
-        step_vector = tf.fill(tf.shape(decisions.refresh), step)
-        last_refresh = rows(s.last_refresh)
-        put(s.last_refresh, tf.where(decisions.refresh, step_vector, last_refresh))
-        frozen_at = rows(s.frozen_at)
-        put(s.frozen_at, tf.where(decisions.freeze, step_vector, frozen_at))
-        add(s.frozen, decisions.freeze)
-        s.nonfinite_traces.assign_add(tf.reduce_sum(tf.cast(decisions.nonfinite, tf.int64)))
-        frozen = tf.convert_to_tensor(s.frozen) > 0
-        code = tf.where(tf.convert_to_tensor(s.refreshes) > refreshes_before, 2,
-                        tf.where(tf.logical_and(frozen, frozen_before <= 0), 3,
-                                 tf.where(frozen, 0, 1)))
-        self.decision_log.write(s.cadence_points, step, s.epoch, code, s.last_delta, s.refreshes,
-                                s.reuses)
-        return tf.reduce_any(decisions.refresh)
-
     def precondition(self, active, rows_per_term, grads, variables, ok=True, use_grads=None):
         """The blocks' steps from their gradients: the update rule's business
         (:meth:`thor_tf.rules.UpdateRule.precondition`; ``rows_per_term``: ``{block name: c}``;
@@ -650,15 +509,6 @@ class ThorEngine(Introspection):
     def block_position(self, name):
         """Index of block ``name`` in :attr:`blocks` and in the state's per-block vectors."""
         return self._block_index[name]
-
-
-def per_block_rows(variable, positions):
-    """Rows ``positions`` (a list of block positions) of a per-block state vector (``[n, ...]``):
-    the vector itself when ``positions`` is every block in order (the usual step: no gather)."""
-    value = tf.convert_to_tensor(variable)
-    if positions == list(range(int(value.shape[0]))):
-        return value
-    return tf.gather(value, positions)
 
 
 def _rows_per_example(block, record):
@@ -681,14 +531,6 @@ def _valid_rows(block, records, masks):
         [tf.reduce_sum(m) if m is not None
          else tf.cast(tf.size(r.z), tf.float32) / float(block.mask_width)
          for m, r in zip(masks, records)])
-
-
-def _traces(layer):
-    """``(tr A, tr G)`` of one cadence layer (over its valid rows under a masked loss)."""
-    if layer.masks is None:
-        return layer.block.trace_a(layer.records), layer.block.trace_g(layer.grads)
-    return (layer.block.trace_a(layer.records, masks=layer.masks),
-            layer.block.trace_g(layer.grads, masks=layer.masks))
 
 
 def _tied_pairs(active):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from thor_tf import algebra
+from thor_tf.block_diagonal import BlockDiagonal
 
 
 class Introspection:
@@ -72,7 +72,7 @@ class Introspection:
             blocks = tf.convert_to_tensor(blocks)
             if int(blocks.shape[-1]) == 1 and dim > 1:
                 return blocks[:dim, 0, 0].numpy()
-            return algebra.BlockDiagonal(blocks, dim).to_dense().numpy()
+            return BlockDiagonal(blocks, dim).to_dense().numpy()
 
         return {"A": dense(s.layers[i].A, block.a_dim), "G": dense(s.layers[i].G, block.g_dim)}
 

@@ -1,9 +1,17 @@
-"""Where a THOR step spends its time: capture + backward, traces, factors, inversion, preconditioning.
+"""Where a THOR step spends its time: capture + backward, traces, factors, the update rule's
+refresh, preconditioning.
 
 ``profile_step(model, x, y)`` times each part of the train step as its own ``tf.function`` on one
 batch (median of repeats after a warm-up run), per registered layer where the work is per layer.
 The parts are what the fused train step does; timing them apart shows what a refresh costs
-(factors + inversion) against what every step costs (forward/backward + preconditioning).
+(factors + the rule's products from them) against what every step costs (forward/backward +
+preconditioning).
+
+A layer's ``refresh`` is the work of the rule the model trains with, on this batch's factors at
+the block's split: the inverse rule's damped batched Cholesky, the eigenbasis rule's basis
+renewal (``eigh``, or a power step and QR from the basis in use), as the rule states it for the
+split calibration (:meth:`thor_tf.rules.UpdateRule.side_work`, its ``refresh`` part, both sides
+in one ``tf.function``). Timing it there leaves the optimizer's state as it is.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import time
 import tensorflow as tf
 
 from thor_tf import fisher, loss_terms
-from thor_tf.rules.inverse_ops import factor_dampings, invert_blocks
+from thor_tf.block_diagonal import BlockDiagonal
 
 
 def _median_seconds(fn, repeats):
@@ -28,13 +36,34 @@ def _median_seconds(fn, repeats):
     return statistics.median(times)
 
 
-def _layer_functions(block, recs, gs, factor_a, factor_g, dampings, split_dim):
-    """tf.functions (no arguments: the captured tensors are constants) for one layer's work."""
+def _layer_functions(block, recs, gs, split_dim):
+    """tf.functions (no arguments: the captured tensors are constants) for one layer's traces and
+    factors."""
     traces = tf.function(lambda: (block.trace_a(recs), block.trace_g(gs)))
     factors = tf.function(lambda: (block.factor_a(recs, split_dim), block.factor_g(gs, split_dim)))
-    inverse = tf.function(lambda: (invert_blocks(factor_a, dampings[0], block.a_dim),
-                                   invert_blocks(factor_g, dampings[1], block.g_dim)))
-    return traces, factors, inverse
+    return traces, factors
+
+
+def _refresh_function(rule, block, factors, in_use, split_dim):
+    """A no-argument callable running ``rule``'s refresh of both of ``block``'s factors.
+
+    ``factors`` / ``in_use``: ``(A, G)`` split blocks ``[nb, d, d]``, this batch's and those the
+    products in use came from (a refresh may start from them). The rule's
+    :meth:`~thor_tf.rules.UpdateRule.side_work` takes each side's dense ``[n, n]`` factor and its
+    split; the two ``refresh`` works are traced into one ``tf.function`` taking their tensors as
+    arguments (nothing folded into constants), as the split calibration times them."""
+    sides = []
+    for side, factor, previous, dim, other, split in (
+            ("A", factors[0], in_use[0], block.a_dim, block.g_dim, block.split_sizes(split_dim)[0]),
+            ("G", factors[1], in_use[1], block.g_dim, block.a_dim, block.split_sizes(split_dim)[1])):
+        dense = BlockDiagonal(factor, dim).to_dense().numpy()
+        previous = BlockDiagonal(tf.convert_to_tensor(previous), dim).to_dense().numpy()
+        sides.append(rule.side_work(dense, previous, split, other, side).refresh)
+    (fn_a, args_a), (fn_g, args_g) = sides
+    cut = len(args_a)
+    both = tf.function(lambda *t: (fn_a(*t[:cut]), fn_g(*t[cut:])), autograph=False)
+    args = tuple(args_a) + tuple(args_g)
+    return lambda: both(*args)
 
 
 def profile_step(model, x, y, repeats=5):
@@ -46,9 +75,11 @@ def profile_step(model, x, y, repeats=5):
       repeats: timed repetitions per part (median reported).
 
     Returns:
-      ``{"forward_backward": s, "precondition": s, "layers": {name: {"traces": s, "factors": s,
-      "inverse": s}}, "refresh_total": s}`` where ``refresh_total`` sums factors + inverse over
-      layers (the cost of refreshing every block once).
+      ``{"rule": name, "forward_backward": s, "precondition": s, "layers": {name: {"traces": s,
+      "factors": s, "refresh": s}}, "refresh_total": s}`` where ``refresh`` is the update rule's
+      work from the layer's new factors (``rule`` names the rule: see the module docstring) and
+      ``refresh_total`` sums factors + refresh over layers (the cost of refreshing every block
+      once).
     """
     engine = model.thor
     if not model.optimizer.built:
@@ -73,7 +104,8 @@ def profile_step(model, x, y, repeats=5):
         _, grads, z_grads = forward_backward()
         return [g for g in grads + z_grads if g is not None]
 
-    result = {"forward_backward": _median_seconds(fb, repeats), "layers": {}}
+    rule = engine.config.rule
+    result = {"rule": rule.name, "forward_backward": _median_seconds(fb, repeats), "layers": {}}
     # Per-layer work timed on one concrete batch of captured tensors (no forward pass inside).
     loss_terms.clear()
     records, grads, z_grads = forward_backward()
@@ -91,17 +123,15 @@ def profile_step(model, x, y, repeats=5):
         k += count
         split = optimizer.split_dim
         factor_a, factor_g = block.factor_a(recs, split), block.factor_g(gs, split)
-        # Each factor's damping as the step's refresh takes it (``damping_split``).
-        damping = factor_dampings(optimizer.current_damping() / rows_per_term[block.name], factor_a,
-                                  factor_g, block.a_dim, block.g_dim, optimizer.damping_split)
-        traces, factors, inverse = _layer_functions(block, recs, gs, factor_a, factor_g, damping,
-                                                    split)
+        held = engine.state.layers[engine.block_position(block.name)]
+        traces, factors = _layer_functions(block, recs, gs, split)
+        refresh = _refresh_function(rule, block, (factor_a, factor_g), (held.A, held.G), split)
         timings = {
             "traces": _median_seconds(traces, repeats),
             "factors": _median_seconds(factors, repeats),
-            "inverse": _median_seconds(inverse, repeats),
+            "refresh": _median_seconds(refresh, repeats),
         }
-        refresh_total += timings["factors"] + timings["inverse"]
+        refresh_total += timings["factors"] + timings["refresh"]
         result["layers"][block.name] = timings
     result["refresh_total"] = refresh_total
 

@@ -262,10 +262,7 @@ class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
                             reference_steps)
 
     def __call__(self, step):
-        if self.peak is None:
-            raise ValueError(
-                "WarmupCosine has no peak: give it to thor_tf.wrap / ThorOptimizer (which set the "
-                "update rule's rate) or pass peak=... for another optimizer.")
+        _require_peak(self)
         with tf.name_scope("WarmupCosine"):
             step = tf.cast(tf.convert_to_tensor(step), tf.float64)
             total = tf.constant(float(self.total_steps), tf.float64)
@@ -428,10 +425,7 @@ class FitWarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
 
     # -- the rate --------------------------------------------------------------------------------
     def __call__(self, step):
-        if self.peak is None:
-            raise ValueError(
-                "FitWarmupCosine has no peak: give it to thor_tf.wrap / ThorOptimizer (which set "
-                "the update rule's rate) or pass peak=....")
+        _require_peak(self)
         with tf.name_scope("FitWarmupCosine"):
             step = tf.cast(tf.convert_to_tensor(step), tf.int64)
             if self.built:
@@ -490,3 +484,12 @@ def mindspore_resnet50(
     )
     damping = ThorDampingDecay(p["damping_init"], p["damping_decay"], steps_per_epoch)
     return lr, damping
+
+
+def _require_peak(schedule):
+    """Raise when a warmup-cosine schedule is called without its peak (set by ``wrap`` or
+    ``ThorOptimizer`` to the update rule's rate when the user gives none)."""
+    if schedule.peak is None:
+        raise ValueError(
+            f"{type(schedule).__name__} has no peak: give it to thor_tf.wrap / ThorOptimizer "
+            "(which set the update rule's rate) or pass peak=... for another optimizer.")

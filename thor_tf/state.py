@@ -7,7 +7,7 @@
   eigenvalues and moments (the eigenbasis rule).
 * :class:`ThorState`: the layers' factors, then one vector per statistic with one entry per block
   (vectors, so a cadence point writes every layer's decision in one assignment): traces of the
-  factors in use, the trace filter (a :class:`~thor_tf.scheduler.FilterState` of vectors), the
+  factors in use, the trace filter (a :class:`~thor_tf.trace_rule.FilterState` of vectors), the
   count of consecutive Δ < ω2 (``calm``), last Δ, refresh / reuse counts, frozen flag and step,
   last refresh step; and the model-wide scalars: next cadence step, cadence points, non-finite
   steps, epoch, cadence interval, non-finite traces, the last KL-clip scale ν.
@@ -23,8 +23,8 @@ from typing import List
 import keras
 import tensorflow as tf
 
-from thor_tf import scheduler
-from thor_tf.algebra import split_layout
+from thor_tf import trace_rule
+from thor_tf.block_diagonal import split_layout
 from thor_tf.rules import inverse as inverse_rule
 
 
@@ -55,7 +55,7 @@ class ThorState:
     layers: List[object]  # the rule's layer states (each has A, G, shapes())
     trace_a: object
     trace_g: object
-    filter: scheduler.FilterState
+    filter: trace_rule.FilterState
     calm: object
     last_delta: object
     refreshes: object
@@ -94,9 +94,9 @@ class ThorState:
 
         trace_a = vector("thor_trace_a", "float32", 0.0)
         trace_g = vector("thor_trace_g", "float32", 0.0)
-        window = optimizer.add_variable((n, scheduler.TRACE_WINDOW), initializer="zeros",
+        window = optimizer.add_variable((n, trace_rule.TRACE_WINDOW), initializer="zeros",
                                         dtype="float32", name="thor_filter_window")
-        trace_filter = scheduler.FilterState(
+        trace_filter = trace_rule.FilterState(
             window=window,
             count=vector("thor_filter_count", "int64", 0),
             ref_mean=vector("thor_filter_ref_mean", "float32", 0.0),
@@ -118,10 +118,6 @@ class ThorState:
             (), initializer=keras.initializers.Constant(1.0), dtype="float32", name="thor_kl_scale")
         return cls(layers=layers, trace_a=trace_a, trace_g=trace_g, filter=trace_filter,
                    **per_block, **counters, kl_scale=kl_scale)
-
-    def filter_row(self, i):
-        """Layer ``i``'s trace filter (a :class:`~thor_tf.scheduler.FilterState` of scalars)."""
-        return scheduler.FilterState(*[tf.identity(v[i]) for v in self.filter])
 
     def counters(self):
         """The model-wide scalars as Python numbers (host values)."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from thor_tf.algebra import split_layout
+from thor_tf.block_diagonal import split_layout
 from thor_tf.split_plan import split_size
 
 

@@ -34,7 +34,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from thor_tf.algebra import split_layout
+from thor_tf.block_diagonal import split_layout
 
 
 class Geometry(NamedTuple):

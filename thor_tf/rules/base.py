@@ -39,7 +39,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from thor_tf.algebra import diagonal_blocks, split_layout
+from thor_tf.block_diagonal import diagonal_blocks, split_layout
 from thor_tf.buckets import batched_layout
 
 

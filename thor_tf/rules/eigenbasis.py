@@ -44,7 +44,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from thor_tf import lean
+from thor_tf import _keras_compat, block_matrices, lean
 from thor_tf.buckets import per_size_bucket, size_buckets
 from thor_tf.basis_information import kept_curve
 from thor_tf.rules.base import (SideWork, UpdateRule, keras_serializable, side_matrix,
@@ -359,7 +359,6 @@ class Eigenbasis(UpdateRule):
         if config.clip_norm is not None:
             grads = [None if g is None else _clip(g, config.clip_norm) for g in grads]
             use_grads = {k: _clip(g, config.clip_norm) for k, g in use_grads.items()}
-        index = {id(v): k for k, v in enumerate(variables)}
         t = tf.cast(opt.iterations + 1, tf.float32)
         correction_1 = 1.0 - tf.pow(self.beta_1, t)
         correction_2 = 1.0 - tf.pow(self.beta_2, t)
@@ -367,18 +366,8 @@ class Eigenbasis(UpdateRule):
         b1, b1c, b2, b2c, epsilon, relative_epsilon = (tf.constant(value, tf.float32) for value in (
             self.beta_1, 1.0 - self.beta_1, self.beta_2, 1.0 - self.beta_2, self.epsilon,
             self.relative_epsilon))
-        out, written, blocks = list(grads), set(), []
-        for b in active:
-            k = index[id(b.kernel)]
-            if grads[k] is None:
-                continue
-            bias_grad = None
-            if b.bias is not None:
-                bias_grad = grads[index[id(b.bias)]]
-                if bias_grad is None:
-                    bias_grad = tf.zeros_like(b.bias)
-            matrix = b.to_matrix(use_grads.get(b.name, grads[k]), bias_grad)
-            blocks.append((b, k, matrix, s.layers[engine.block_position(b.name)]))
+        blocks = [(b, k, matrix, s.layers[engine.block_position(b.name)])
+                  for b, k, matrix in block_matrices.gather(active, grads, variables, use_grads)]
         # Blocks of one shape (moments and both bases) are rotated and updated as one stack: a
         # Transformer's query/key/value/output or a ResNet stage's repeated convolutions then
         # cost one product per side, and one set of elementwise ops, instead of one per block
@@ -419,21 +408,15 @@ class Eigenbasis(UpdateRule):
             chosen = [n for n, (b, _, _) in enumerate(steps) if b.kind not in self.adam_kinds]
             for n, u in zip(chosen, self._orthogonalized([steps[n][2] for n in chosen])):
                 steps[n] = steps[n][:2] + (u,)
-        for b, k, update in steps:
-            kernel_update, bias_update = b.from_matrix(update)
-            kernel_update = tf.cast(kernel_update, grads[k].dtype)
-            out[k] = out[k] + kernel_update if k in written else kernel_update  # tied: summed
-            written.add(k)
-            if b.bias is not None:
-                out[index[id(b.bias)]] = bias_update
-                written.add(index[id(b.bias)])
+        out, written = block_matrices.scatter(grads, variables, steps)
         adam = (correction_1, correction_2, epsilon, b1, b1c, b2, b2c)
         for k, direction in self._first_order_adam(opt, grads, variables, written, ok,
                                                    adam).items():
             out[k] = direction
             written.add(k)
         # Keyed as Keras keys the optimizer's variables: update_step gets the backend variable.
-        opt.preconditioned = frozenset(opt._var_key(variables[k]) for k in written)
+        opt.preconditioned = frozenset(_keras_compat.variable_key(opt, variables[k])
+                                       for k in written)
         return out
 
     @staticmethod
@@ -461,7 +444,7 @@ class Eigenbasis(UpdateRule):
         for members in groups.values():
             if len(members) < 2:
                 continue
-            slots = [opt._get_variable_index(variables[k]) for k in members]
+            slots = [_keras_compat.variable_index(opt, variables[k]) for k in members]
             m_vars = [opt._momentums[i] for i in slots]
             v_vars = [opt._velocities[i] for i in slots]
             g = tf.stack([grads[k] for k in members])
@@ -604,8 +587,8 @@ class Eigenbasis(UpdateRule):
         if isinstance(gradient, tf.IndexedSlices):
             gradient = tf.convert_to_tensor(gradient)
         update = ops.cast(gradient, variable.dtype)
-        if optimizer._var_key(variable) not in optimizer.preconditioned:
-            i = optimizer._get_variable_index(variable)
+        if _keras_compat.variable_key(optimizer, variable) not in optimizer.preconditioned:
+            i = _keras_compat.variable_index(optimizer, variable)
             m_var, v_var = optimizer._momentums[i], optimizer._velocities[i]
             # Bias corrections, ε and the decays: once per step for all variables (graph size:
             # a Python float is a new constant at each use; same values).
@@ -617,7 +600,7 @@ class Eigenbasis(UpdateRule):
                                  (correction_1, correction_2, epsilon, b1, b1c, b2, b2c))
             optimizer.assign(m_var, m)
             optimizer.assign(v_var, v)
-        if config.weight_decay and optimizer._use_weight_decay(variable):
+        if config.weight_decay and _keras_compat.uses_weight_decay(optimizer, variable):
             decay = optimizer.once_per_apply(("weight_decay", variable.dtype), lambda: ops.cast(
                 config.weight_decay, variable.dtype))
             update = update + decay * variable

@@ -61,7 +61,7 @@ import numpy as np
 import tensorflow as tf
 
 from thor_tf import _keras_compat, lean
-from thor_tf.algebra import BlockDiagonal
+from thor_tf.block_diagonal import BlockDiagonal
 
 __all__ = ["GRAM_RATIO", "NS_COEFFICIENTS", "NS_METHODS", "NS_STEPS", "RAGGED_PADDING",
            "REFRESHES", "SPECTRAL_MAX", "TIE_BREAK", "basis_change", "eigh_blocks",

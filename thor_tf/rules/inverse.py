@@ -16,12 +16,12 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from thor_tf import distributed
+from thor_tf import _keras_compat, distributed
 from thor_tf.buckets import per_size_bucket
 from thor_tf.rules.inverse_ops import (DAMPING_SPLITS, factor_dampings, invert_blocks, invert_owned,
                                        invert_selected,
                                        precondition_gradients)
-from thor_tf.algebra import BlockDiagonal
+from thor_tf.block_diagonal import BlockDiagonal
 from thor_tf.rules.base import (SideWork, UpdateRule, keras_serializable, side_matrix,
                                 split_blocks)
 
@@ -223,7 +223,7 @@ class Inverse(UpdateRule):
 
     def side_work(self, factor, previous, split, other_dim, side):
         """Per step: the product of the gradient matrix by the side's split inverse
-        (``A⁻¹ M`` or ``M G⁻¹``, :class:`thor_tf.algebra.BlockDiagonal`). Per refresh: the
+        (``A⁻¹ M`` or ``M G⁻¹``, :class:`thor_tf.block_diagonal.BlockDiagonal`). Per refresh: the
         damped blocks' batched Cholesky inverse with its float64 retry
         (:func:`thor_tf.rules.inverse_ops.invert_blocks`)."""
         del previous  # the inverse does not start from the one in use
@@ -256,7 +256,7 @@ class Inverse(UpdateRule):
         config = optimizer.config
         lr = ops.cast(learning_rate, variable.dtype)
         update = ops.cast(gradient, variable.dtype)
-        if config.weight_decay and optimizer._use_weight_decay(variable):
+        if config.weight_decay and _keras_compat.uses_weight_decay(optimizer, variable):
             update = update + ops.cast(config.weight_decay, variable.dtype) * variable
         if config.clip_norm is not None:
             update = tf.clip_by_norm(update, config.clip_norm)

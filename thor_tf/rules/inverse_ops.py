@@ -21,9 +21,9 @@ factors, the preconditioned gradient is
 (``c = R/D`` the block's rows per data point of the loss: ``P`` positions per example for a loss
 with one term per example, 1 for a per-token loss on a Transformer's ``[B, T]`` rows; see
 :mod:`thor_tf.loss_terms`). The whole model's preconditioner is the block-diagonal
-mat (:mod:`thor_tf.algebra`, seed 000's vec/mat algebra) of the blocks' Kronecker operators,
-applied to the vec of all gradient matrices with ``mat_vec_prod``: no Kronecker product is formed
-and no off-diagonal block is stored.
+mat of the blocks' Kronecker operators (:mod:`thor_tf.block_diagonal`), applied to the vec of all
+gradient matrices (:func:`~thor_tf.block_diagonal.apply_blockwise`, seed 000's ``mat_vec_prod``
+of a block-diagonal mat): no Kronecker product is formed and no off-diagonal block is stored.
 
 KL clip (Ba et al. 2017; kfac-pytorch's ``kl_clip``): the quadratic model of the KL change of a
 step ``lr·Δ`` is ``lr²·Σ_l⟨Δ_l, M_l⟩``; all blocks are scaled by
@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from thor_tf import _keras_compat, algebra
-from thor_tf.algebra import diagonal_blocks, split_layout
+from thor_tf import _keras_compat, block_matrices
+from thor_tf.block_diagonal import (BlockDiagonal, KroneckerOperator, apply_blockwise,
+                                    diagonal_blocks, inner_product, split_layout)
 from thor_tf.buckets import batched_layout
 
 __all__ = ["DAMPING_SPLITS", "damped_diagonal", "factor_dampings", "invert_blocks",
            "invert_damped", "invert_owned", "invert_selected", "kl_scale", "pi_adjustment",
-           "precondition_gradients", "split_inverse", "split_layout"]  # split_layout: from algebra
+           "precondition_gradients", "split_inverse", "split_layout"]  # split_layout: from block_diagonal
 
 
 #: How a block's damping λ_b (λ/P) is shared between its two factors (``damping_split``).
@@ -250,43 +251,30 @@ def precondition_gradients(blocks, rows_per_term, inverses, grads, variables, kl
       ``(grads, ν)``: the new gradient list (variables without a block keep theirs) and the clip
       scale (float32 scalar tensor; None without a clip or without a usable block).
     """
-    index = {id(v): k for k, v in enumerate(variables)}
-    usable = [b for b in blocks if grads[index[id(b.kernel)]] is not None]
-    if not usable:
+    gathered = block_matrices.gather(blocks, grads, variables, use_grads)
+    if not gathered:
         return grads, None
     matrices, operators = [], []
-    for b in usable:
-        bias_grad = grads[index[id(b.bias)]] if b.bias is not None else None
-        if b.bias is not None and bias_grad is None:
-            bias_grad = tf.zeros_like(b.bias)
-        kernel_grad = (use_grads or {}).get(b.name, grads[index[id(b.kernel)]])
-        matrices.append(b.to_matrix(kernel_grad, bias_grad))
+    for b, _, matrix in gathered:
+        matrices.append(matrix)
         a_inv, g_inv = inverses[b.name]
-        operators.append(algebra.KroneckerOperator(
-            algebra.BlockDiagonal(tf.convert_to_tensor(a_inv), b.a_dim),
-            algebra.BlockDiagonal(tf.convert_to_tensor(g_inv), b.g_dim),
+        operators.append(KroneckerOperator(
+            BlockDiagonal(tf.convert_to_tensor(a_inv), b.a_dim),
+            BlockDiagonal(tf.convert_to_tensor(g_inv), b.g_dim),
             scale=1.0 / rows_per_term[b.name]))
-    preconditioner = algebra.block_diagonal_mat(operators)
-    updates = algebra.mat_vec_prod(preconditioner, matrices, mode="right")
+    updates = apply_blockwise(operators, matrices)
     nu = None
     if kl_clip is not None:
         nu = kl_scale(updates, matrices, kl_clip, learning_rate)
         updates = [nu * u for u in updates]
-    out, written = list(grads), set()
-    for b, update in zip(usable, updates):
-        kernel_update, bias_update = b.from_matrix(update)
-        k = index[id(b.kernel)]
-        kernel_update = tf.cast(kernel_update, grads[k].dtype)
-        out[k] = out[k] + kernel_update if k in written else kernel_update  # tied: summed
-        written.add(k)
-        if b.bias is not None:
-            out[index[id(b.bias)]] = bias_update
+    out, _ = block_matrices.scatter(
+        grads, variables, [(b, k, u) for (b, k, _), u in zip(gathered, updates)])
     return out, nu
 
 
 def kl_scale(updates, matrices, kappa, learning_rate):
     """``ν = min(1, sqrt(κ / (lr²·Σ⟨Δ, M⟩)))`` (1 where that is not finite)."""
     lr = tf.cast(learning_rate, tf.float32)
-    predicted = tf.square(lr) * algebra.vec_inner_prod(updates, matrices, mode="all")
+    predicted = tf.square(lr) * inner_product(updates, matrices)
     nu = tf.minimum(1.0, tf.sqrt(kappa / tf.maximum(predicted, 1e-30)))
     return tf.where(tf.math.is_finite(nu), nu, tf.ones_like(nu))

@@ -1,98 +1,34 @@
-"""Block algebra on *vecs* and *mats* of tensors (pure TensorFlow, no Keras).
+"""Block-diagonal matrices and Kronecker operators: the algebra training applies (pure TensorFlow).
 
-This module implements the small "vec / mat / eye" algebra used by the
-THOR / K-FAC optimizer to express preconditioning as block-matrix algebra
-over the model variables, **without ever flattening** the variables into one
-long vector (which would destroy the per-variable parallelism and the block
-structure).
+A curvature factor is cut into ``split_dim`` diagonal blocks (:func:`split_layout`: how many, how
+large, the last one padded) and kept only as those blocks, ``[nb, d, d]`` (:class:`BlockDiagonal`).
+A layer's preconditioner is the Kronecker operator ``X -> scale · left @ X @ right`` on its
+``[p, q]`` gradient matrix, ``left`` and ``right`` dense or block-diagonal
+(:class:`KroneckerOperator`); the inverse rule applies one per block (:func:`apply_blockwise`, the
+product of a block-diagonal mat with a vec of matrices) and measures the step with
+:func:`inner_product` (K-FAC's KL clip). Nothing is ever flattened into one long vector, and no
+Kronecker product is formed.
 
-Conventions
------------
-vec
-    A Python ``list``/``tuple`` of tensors ``[X_0, ..., X_{n-1}]`` in a fixed
-    order (e.g. a model's gradients, one tensor per trainable variable).
-    Entry ``X_i`` may have any shape ``shape(X_i)``.
-
-mat
-    A Python list of rows; every row is a list of the same length ``n`` as the
-    vec it acts on.  Entry ``M[i][j]`` is one of
-
-    * a dense *operator tensor* of shape ``shape(X_i) + shape(X_j)``:
-      output indices first, then input indices (``T^{uvw}_{ijk}`` is stored
-      as ``T[i, j, k, u, v, w]`` where ``ijk`` index the output and ``uvw``
-      the input);
-    * ``None``: a structural zero block.  It is never stored and every
-      product simply skips it;
-    * a *lazy operator* object (:class:`KroneckerOperator`,
-      :class:`BlockDiagonal`, or any object with ``apply_right(y)`` and
-      ``to_dense()`` and optionally ``compose(other)``) standing for a dense
-      operator tensor that is never materialised.
-
-eye
-    ``eye(shape)`` is the identity operator on tensors of shape ``shape``:
-    a dense tensor of shape ``shape + shape`` with
-    ``T[i.., u..] = prod_k delta(i_k, u_k)``.
-
-Products
---------
-* :func:`tensor_prod` -- outer product, ``U_{ijk} (x) V^{uvw} = T^{uvw}_{ijk}``
-  (shape ``x.shape + y.shape``).
-* :func:`tensor_transuvection` -- contraction ("transvection") in one of three
-  modes: ``"all"`` (full contraction to a scalar), ``"right"`` (operator
-  applied to a tensor: ``U^{uvw}_{ijk} . V_{uvw} = T_{ijk}``) and ``"auto"``
-  (operator composition, contracting trailing axes of ``x`` with leading axes
-  of ``y``).
-* :func:`vec_outer_prod`, :func:`vec_inner_prod`, :func:`mat_vec_prod`,
-  :func:`mat_mat_prod`, :func:`block_diagonal_mat` lift those to vecs/mats.
-
-Lazy operators
---------------
-* :class:`BlockDiagonal` -- a (symmetric) ``[n, n]`` matrix stored only as
-  its diagonal blocks ``[nb, d, d]`` (last block possibly padded).
-* :class:`KroneckerOperator` -- the map ``X -> scale * left @ X @ right`` on
-  ``[p, q]`` matrices, i.e. the 4-tensor ``T[i, j, u, v] = left[i, u] *
-  right[v, j]``; with row-major ``vec``,
-  ``vec(left @ X @ right) = kron(left, right^T) @ vec(X)``.
-
-Everything works in float32 and float64 (dtype follows the inputs) and inside
-``tf.function`` (also with XLA ``jit_compile``): all branching is on *static*
-shapes / Python objects, never on tensor values.  Tensors must have a
-statically known rank (dimensions may be unknown, then shape checks for those
-dimensions are left to TensorFlow at run time).
+Conventions (seed 000's): as an operator 4-tensor, output indices first, a
+:class:`KroneckerOperator` is ``T[i, j, u, v] = scale · left[i, u] · right[v, j]``; with row-major
+``vec``, ``vec(left @ X @ right) = kron(left, right^T) @ vec(X)``. Everything works in float32 and
+float64 (dtype follows the inputs) and inside ``tf.function`` (also with XLA): branching is on
+static shapes and Python objects only. The general vec/mat/eye algebra of seed 000 (outer
+products, contractions in three modes, mat-mat products), which only the tests use, is
+``tests/algebra_reference.py``.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 
-__all__ = [
-    "MODES",
-    "eye",
-    "is_operator",
-    "tensor_prod",
-    "tensor_transuvection",
-    "vec_outer_prod",
-    "vec_inner_prod",
-    "mat_vec_prod",
-    "mat_mat_prod",
-    "block_diagonal_mat",
-    "BlockDiagonal",
-    "split_layout",
-    "diagonal_blocks",
-    "KroneckerOperator",
-]
-
-#: Allowed values of the ``mode`` argument of the contraction functions.
-MODES = ("all", "right", "auto")
+__all__ = ["split_layout", "diagonal_blocks", "BlockDiagonal", "KroneckerOperator",
+           "apply_blockwise", "inner_product", "is_operator"]
 
 
-# ---------------------------------------------------------------------------
-# helpers
-# ---------------------------------------------------------------------------
 def is_operator(obj: Any) -> bool:
     """True if ``obj`` is a lazy operator (has ``apply_right`` and ``to_dense``).
 
@@ -103,13 +39,6 @@ def is_operator(obj: Any) -> bool:
         and callable(getattr(obj, "apply_right", None))
         and callable(getattr(obj, "to_dense", None))
     )
-
-
-def _check_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise ValueError(
-            f"Invalid mode={mode!r}; `mode` must be one of {', '.join(repr(m) for m in MODES)}."
-        )
 
 
 def _as_tensor(x, dtype=None) -> tf.Tensor:
@@ -132,361 +61,10 @@ def _dims_compatible(a: Sequence[Optional[int]], b: Sequence[Optional[int]]) -> 
     return all(x is None or y is None or x == y for x, y in zip(a, b))
 
 
-def _static_rank(obj) -> Optional[int]:
-    shape = getattr(obj, "shape", None)
-    if shape is None:
-        return None
-    shape = tf.TensorShape(shape)
-    return shape.rank
-
-
-def _square_half_rank(obj) -> Optional[int]:
-    """len(T) if ``obj`` is a (static) square operator of shape T + T, else None."""
-    if obj is None:
-        return None
-    shape = getattr(obj, "shape", None)
-    if shape is None:
-        return None
-    shape = tf.TensorShape(shape)
-    if shape.rank is None or shape.rank % 2:
-        return None
-    h = shape.rank // 2
-    dims = shape.as_list()
-    if _dims_compatible(dims[:h], dims[h:]):
-        return h
-    return None
-
-
 def _densify(x):
     return x.to_dense() if is_operator(x) else _as_tensor(x)
 
 
-def _sum_terms(terms: list):
-    """Sum a non-empty list of tensors / lazy operators.
-
-    A single term is returned as is (so a lazy operator stays lazy); several
-    terms are densified where necessary and added with ``tf.add_n``.
-    """
-    if len(terms) == 1:
-        return terms[0]
-    dense = [_densify(t) for t in terms]
-    return tf.add_n(dense)
-
-
-# ---------------------------------------------------------------------------
-# eye and tensor-level products
-# ---------------------------------------------------------------------------
-def eye(shape, dtype=tf.float32) -> tf.Tensor:
-    """Identity operator on tensors of shape ``shape``.
-
-    Args:
-      shape: int, tuple/list of ints or ``tf.TensorShape`` (fully defined),
-        the shape ``S`` of the tensors the operator acts on.
-      dtype: dtype of the result (default ``tf.float32``).
-
-    Returns:
-      Dense tensor ``T`` of shape ``S + S`` with
-      ``T[i_1..i_r, u_1..u_r] = prod_k delta(i_k, u_k)``; for ``S = ()`` the
-      scalar ``1``.
-    """
-    if isinstance(shape, int):
-        shape = (shape,)
-    shape = tf.TensorShape(shape)
-    if not shape.is_fully_defined():
-        raise ValueError(f"eye() needs a fully defined shape, got {shape}.")
-    dims = shape.as_list()
-    n = math.prod(dims)
-    return tf.reshape(tf.eye(n, dtype=dtype), dims + dims)
-
-
-def tensor_prod(x, y) -> tf.Tensor:
-    """Outer (tensor) product ``U_{ijk} (x) V^{uvw} = T^{uvw}_{ijk}``.
-
-    Args:
-      x: tensor of shape ``S``.
-      y: tensor of shape ``R`` (same dtype as ``x``).
-
-    Returns:
-      Tensor of shape ``S + R`` with ``T[s.., r..] = x[s..] * y[r..]``.
-    """
-    x = _densify(x)
-    y = _densify(y)
-    xd = _dims(x, "x")
-    yd = _dims(y, "y")
-    # Broadcasting product: x[..., 1, ..., 1] * y  (no tensordot reshapes).
-    xr = tf.reshape(x, tf.concat([tf.shape(x), tf.ones([len(yd)], tf.int32)], 0))
-    out = xr * y
-    return tf.ensure_shape(out, xd + yd)
-
-
-def tensor_transuvection(x, y, mode: str = "all", axes: Optional[int] = None):
-    """Contraction (transvection) of ``x`` with ``y``.
-
-    Modes:
-
-    * ``"all"``: ``x`` and ``y`` have the same shape ``S``; returns the scalar
-      ``sum(x * y)``.
-    * ``"right"``: ``x`` has shape ``S + T`` and ``y`` shape ``T``; contracts
-      the trailing ``y.ndim`` axes of ``x`` with all of ``y`` and returns shape
-      ``S`` (``U^{uvw}_{ijk} . V_{uvw} = T_{ijk}``: operator applied to a
-      tensor).
-    * ``"auto"``: ``x`` has shape ``S + T`` and ``y`` shape ``T + R``;
-      contracts the trailing ``axes`` axes of ``x`` with the leading ``axes``
-      axes of ``y`` and returns shape ``S + R`` (operator composition).
-      ``axes`` defaults to ``x.ndim // 2`` (operator convention: the input
-      half of ``x``).
-
-    ``axes`` is only used in mode ``"auto"``.
-
-    Lazy operators: if ``x`` is a lazy operator (see :func:`is_operator`),
-    mode ``"right"`` returns ``x.apply_right(y)``; mode ``"auto"`` with a lazy
-    ``y`` of the same class returns ``x.compose(y)`` (when available), and
-    otherwise falls back to the dense ``x.to_dense()``; mode ``"all"`` uses
-    ``x.to_dense()``.  A lazy ``y`` that cannot be handled lazily is
-    densified.
-
-    Returns:
-      Scalar tensor (``"all"``), tensor of shape ``S`` (``"right"``), tensor
-      of shape ``S + R`` or a lazy operator (``"auto"``).
-
-    Raises:
-      ValueError: on an unknown ``mode`` or incompatible static shapes.
-    """
-    _check_mode(mode)
-    if x is None or y is None:
-        raise ValueError("tensor_transuvection() got None; None blocks must be skipped by the caller.")
-
-    if is_operator(x):
-        if mode == "right" and not is_operator(y):
-            return x.apply_right(_as_tensor(y))
-        if mode == "auto" and is_operator(y):
-            compose = getattr(x, "compose", None)
-            rank = _static_rank(x)
-            if (
-                type(x) is type(y)
-                and callable(compose)
-                and (axes is None or rank is None or int(axes) == rank // 2)
-            ):
-                return compose(y)
-        x = x.to_dense()
-    if is_operator(y):
-        y = y.to_dense()
-
-    x = _as_tensor(x)
-    y = _as_tensor(y)
-    xd = _dims(x, "x")
-    yd = _dims(y, "y")
-
-    if mode == "all":
-        if not _dims_compatible(xd, yd):
-            raise ValueError(
-                f"tensor_transuvection(mode='all') needs equal shapes, got {x.shape} and {y.shape}."
-            )
-        return tf.reduce_sum(x * y)
-
-    if mode == "right":
-        k = len(yd)
-        if k > len(xd) or not _dims_compatible(xd[len(xd) - k:], yd):
-            raise ValueError(
-                "tensor_transuvection(mode='right') needs x.shape = S + y.shape, "
-                f"got x.shape={x.shape}, y.shape={y.shape}."
-            )
-        if k == 0:
-            return x * y
-        return tf.tensordot(x, y, axes=[list(range(len(xd) - k, len(xd))), list(range(k))])
-
-    # mode == "auto"
-    k = len(xd) // 2 if axes is None else int(axes)
-    if k < 0 or k > len(xd) or k > len(yd):
-        raise ValueError(
-            f"tensor_transuvection(mode='auto'): invalid axes={k} for x.shape={x.shape}, "
-            f"y.shape={y.shape}."
-        )
-    if not _dims_compatible(xd[len(xd) - k:], yd[:k]):
-        raise ValueError(
-            "tensor_transuvection(mode='auto'): trailing axes of x must match leading axes "
-            f"of y; got x.shape={x.shape}, y.shape={y.shape}, axes={k}."
-        )
-    if k == 0:
-        return tensor_prod(x, y)
-    return tf.tensordot(x, y, axes=k)
-
-
-# ---------------------------------------------------------------------------
-# vec / mat level
-# ---------------------------------------------------------------------------
-def vec_outer_prod(xs: Sequence, ys: Sequence) -> List[list]:
-    """Outer product of two vecs.
-
-    Args:
-      xs: vec ``[X_0, ..., X_{n-1}]``.
-      ys: vec ``[Y_0, ..., Y_{m-1}]``.
-
-    Returns:
-      mat (``n`` rows of ``m`` entries) with
-      ``M[i][j] = tensor_prod(X_i, Y_j)`` of shape ``shape(X_i) + shape(Y_j)``;
-      an entry is ``None`` when ``X_i`` or ``Y_j`` is ``None``.
-    """
-    return [
-        [None if (x is None or y is None) else tensor_prod(x, y) for y in ys]
-        for x in xs
-    ]
-
-
-def vec_inner_prod(xs: Sequence, ys: Sequence, mode: str = "all"):
-    """Inner product ``sum_i tensor_transuvection(X_i, Y_i, mode)``.
-
-    Args:
-      xs: vec (or a mat row) ``[X_0, ..., X_{n-1}]``; ``None`` entries are
-        structural zeros and are skipped.
-      ys: vec ``[Y_0, ..., Y_{n-1}]`` of the same length (``None`` entries are
-        skipped as well).
-      mode: ``"all"``, ``"right"`` or ``"auto"`` (see
-        :func:`tensor_transuvection`).
-
-    Returns:
-      A scalar (``"all"``), a tensor of the common shape of the terms
-      (``"right"``/``"auto"``) or, for a single lazy ``"auto"`` term, a lazy
-      operator.
-
-    Raises:
-      ValueError: bad ``mode``, different lengths, or every term skipped.
-    """
-    _check_mode(mode)
-    if len(xs) != len(ys):
-        raise ValueError(f"vec_inner_prod: length mismatch, {len(xs)} vs {len(ys)}.")
-    terms = [
-        tensor_transuvection(x, y, mode)
-        for x, y in zip(xs, ys)
-        if x is not None and y is not None
-    ]
-    if not terms:
-        raise ValueError(
-            "vec_inner_prod: every term is None (structural zero); cannot infer the result shape."
-        )
-    return _sum_terms(terms)
-
-
-def mat_vec_prod(ms: Sequence[Sequence], xs: Sequence, mode: str = "right") -> list:
-    """Matrix-vector product ``[vec_inner_prod(row_i, xs, mode) for row_i in ms]``.
-
-    Args:
-      ms: mat with rows of length ``len(xs)``; entry ``M[i][j]`` of shape
-        ``shape(Y_i) + shape(X_j)``, ``None`` or a lazy operator.
-      xs: vec ``[X_0, ..., X_{n-1}]``.
-      mode: contraction mode, default ``"right"`` (operator applied to a
-        tensor).
-
-    Returns:
-      vec ``[Y_0, ..., Y_{m-1}]`` with ``Y_i = sum_j M[i][j] . X_j``.
-
-    Raises:
-      ValueError: bad ``mode``, row length mismatch, or a row whose every
-      block is ``None``.
-    """
-    _check_mode(mode)
-    out = []
-    for i, row in enumerate(ms):
-        if len(row) != len(xs):
-            raise ValueError(f"mat_vec_prod: row {i} has {len(row)} entries, vec has {len(xs)}.")
-        if all(m is None for m in row):
-            raise ValueError(f"mat_vec_prod: row {i} has only None blocks; cannot infer its shape.")
-        out.append(vec_inner_prod(row, xs, mode))
-    return out
-
-
-def mat_mat_prod(
-    mxs: Sequence[Sequence], mys: Sequence[Sequence], mode: str = "auto", axes=None
-) -> List[list]:
-    """Matrix-matrix product of two mats.
-
-    ``result[i][j] = sum_k tensor_transuvection(MX[i][k], MY[k][j], mode, axes_k)``;
-    terms where either factor is ``None`` are skipped and an entry whose every
-    term is skipped stays ``None``.  A single lazy-operator term (e.g. the
-    composition of two :class:`KroneckerOperator`) stays lazy; several terms
-    are densified and added.
-
-    Number of contracted axes ``axes_k = len(T_k)`` for the inner index ``k``
-    (only used in mode ``"auto"``): ``axes`` may be an int (same for every
-    ``k``) or a sequence with one int (or ``None``) per ``k``.  When not given,
-    it is inferred from a square diagonal block ``MY[k][k]`` or ``MX[k][k]``
-    (shape ``T_k + T_k``), and otherwise falls back to the
-    :func:`tensor_transuvection` default ``x.ndim // 2`` -- which is right for
-    square mats acting on one vec, but pass ``axes`` explicitly for
-    rectangular blocks between variables of different ranks without a
-    diagonal to infer from.
-
-    Args:
-      mxs: mat with ``n`` rows of ``K`` entries, ``MX[i][k]`` of shape
-        ``S_i + T_k``.
-      mys: mat with ``K`` rows of ``m`` entries, ``MY[k][j]`` of shape
-        ``T_k + R_j``.
-      mode: contraction mode, default ``"auto"``.
-      axes: ``None``, int, or a length-``K`` sequence (see above).
-
-    Returns:
-      mat with ``n`` rows of ``m`` entries, entry of shape ``S_i + R_j``.
-    """
-    _check_mode(mode)
-    K = len(mys)
-    m = len(mys[0]) if K else 0
-    for k, row in enumerate(mys):
-        if len(row) != m:
-            raise ValueError(f"mat_mat_prod: row {k} of the right mat has {len(row)} entries, expected {m}.")
-    for i, row in enumerate(mxs):
-        if len(row) != K:
-            raise ValueError(
-                f"mat_mat_prod: row {i} of the left mat has {len(row)} entries, right mat has {K} rows."
-            )
-
-    if mode != "auto":
-        ks = [None] * K
-    elif axes is None:
-        ks = []
-        for k in range(K):
-            h = _square_half_rank(mys[k][k]) if k < m else None
-            if h is None and k < len(mxs):
-                h = _square_half_rank(mxs[k][k])
-            ks.append(h)
-    elif isinstance(axes, int):
-        ks = [axes] * K
-    else:
-        ks = list(axes)
-        if len(ks) != K:
-            raise ValueError(f"mat_mat_prod: axes has {len(ks)} entries, expected {K}.")
-
-    out = []
-    for row in mxs:
-        out_row = []
-        for j in range(m):
-            terms = [
-                tensor_transuvection(row[k], mys[k][j], mode, ks[k])
-                for k in range(K)
-                if row[k] is not None and mys[k][j] is not None
-            ]
-            out_row.append(_sum_terms(terms) if terms else None)
-        out.append(out_row)
-    return out
-
-
-def block_diagonal_mat(blocks: Sequence) -> List[list]:
-    """Block-diagonal mat with ``blocks[i]`` on the diagonal.
-
-    Args:
-      blocks: sequence of ``n`` operators (dense operator tensors of shape
-        ``shape(X_i) + shape(X_i)``, lazy operators, or ``None``).
-
-    Returns:
-      ``n x n`` mat with ``M[i][i] = blocks[i]`` and ``None`` (never stored)
-      off the diagonal.
-    """
-    n = len(blocks)
-    return [[blocks[i] if i == j else None for j in range(n)] for i in range(n)]
-
-
-# ---------------------------------------------------------------------------
-# Lazy operators
-# ---------------------------------------------------------------------------
 def split_layout(dim: int, split_dim: int) -> Tuple[int, int]:
     """``(num_blocks, block_size)`` for a ``dim``-sized matrix cut into diagonal blocks of
     ``split_dim``: ``ceil(dim / split_dim)`` blocks, the last one padded. ``split_dim >= dim``
@@ -903,3 +481,33 @@ class KroneckerOperator:
         left = _to_matrix(self._left)
         right = _to_matrix(self._right)
         return self._apply_scale(tf.einsum("iu,vj->ijuv", left, right))
+
+
+# ---------------------------------------------------------------------------
+# The products training applies (a block-diagonal mat on a vec; an inner product)
+# ---------------------------------------------------------------------------
+def apply_blockwise(operators: Sequence, matrices: Sequence) -> list:
+    """``[op_i . X_i]``: the block-diagonal mat with ``operators`` on its diagonal applied to the
+    vec ``matrices`` (each operator a lazy operator with ``apply_right``, e.g. a
+    :class:`KroneckerOperator` on ``[p_i, q_i]``; returns the ``[p_i, q_i]`` results). Seed 000's
+    ``mat_vec_prod(block_diagonal_mat(operators), matrices, mode="right")``, whose off-diagonal
+    blocks are structural zeros, to the same values and ops.
+    """
+    if len(operators) != len(matrices):
+        raise ValueError(f"apply_blockwise: {len(operators)} operators, {len(matrices)} matrices.")
+    return [op.apply_right(_as_tensor(x)) for op, x in zip(operators, matrices)]
+
+
+def inner_product(xs: Sequence, ys: Sequence) -> tf.Tensor:
+    """``Σ_i ⟨X_i, Y_i⟩ = Σ_i sum(X_i · Y_i)`` over two vecs of equal shapes (a scalar); seed
+    000's ``vec_inner_prod(xs, ys, mode="all")``, to the same values and ops."""
+    if len(xs) != len(ys) or not xs:
+        raise ValueError(f"inner_product: needs two non-empty vecs of one length, got {len(xs)} "
+                         f"and {len(ys)}.")
+    terms = []
+    for x, y in zip(xs, ys):
+        x, y = _as_tensor(x), _as_tensor(y)
+        if not _dims_compatible(_dims(x, "x"), _dims(y, "y")):
+            raise ValueError(f"inner_product: shapes differ, {x.shape} and {y.shape}.")
+        terms.append(tf.reduce_sum(x * y))
+    return terms[0] if len(terms) == 1 else tf.add_n(terms)

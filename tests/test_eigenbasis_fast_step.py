@@ -34,7 +34,7 @@ from thor_tf.rules.eigenbasis_ops import (GRAM_RATIO, newton_schulz, newton_schu
                                           rotate_in, rotate_out)
 
 from test_eigenbasis import EVERY_2
-from test_orthogonal_step import np_newton_schulz
+from test_eigenbasis_orthogonal import np_newton_schulz
 
 
 def _dense_block_diag(q, n):

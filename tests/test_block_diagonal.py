@@ -1,4 +1,6 @@
-"""Tests for thor_tf.algebra against numpy einsum / kron references (float64)."""
+"""thor_tf.block_diagonal (split layouts, BlockDiagonal, KroneckerOperator, the products training
+applies) and the general vec/mat/eye algebra of tests/algebra_reference.py, against NumPy einsum /
+kron references in float64."""
 
 import os
 
@@ -8,7 +10,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from thor_tf import algebra as A
+import algebra_reference as A
+from thor_tf import block_diagonal
 
 RTOL = 1e-10
 ATOL = 1e-12
@@ -467,3 +470,36 @@ def test_block_diag_kronecker_mat_vec_in_tf_function():
         e = min(s + 3, 7)
         inv_ref[s:e, s:e] = np.linalg.inv(blk[s:e, s:e])
     close(g(t(x)), inv_ref @ x @ rv.numpy(), rtol=1e-8, atol=1e-9)
+
+
+
+def test_training_products_equal_the_block_diagonal_mat_algebra_bitwise():
+    # The inverse rule applies apply_blockwise / inner_product; they must give seed 000's
+    # mat_vec_prod(block_diagonal_mat(.)) and vec_inner_prod(mode="all") to the bit (the training
+    # step computed those before), in float32 as training runs and in float64, and the NumPy
+    # float64 values.
+    r = rng(19)
+    shapes = [(5, 4), (7, 3), (2, 6)]
+    lefts = [r.normal(size=(p, p)) for p, _ in shapes]
+    rights = [r.normal(size=(q, q)) for _, q in shapes]
+    scales = [0.5, 0.25, 2.0]
+    xs = [r.normal(size=s) for s in shapes]
+    refs = [c * _np_block_diag(lm, 2) @ x @ _np_block_diag(rm, 3)
+            for c, lm, rm, x in zip(scales, lefts, rights, xs)]
+    for dtype, tol in ((tf.float64, 1e-12), (tf.float32, 1e-5)):
+        ops = [block_diagonal.KroneckerOperator(
+            block_diagonal.BlockDiagonal.from_dense(tf.constant(lm, dtype), 2),
+            block_diagonal.BlockDiagonal.from_dense(tf.constant(rm, dtype), 3),
+            scale=tf.constant(c, dtype)) for c, lm, rm in zip(scales, lefts, rights)]
+        x = [tf.constant(v, dtype) for v in xs]
+        got = block_diagonal.apply_blockwise(ops, x)
+        want = A.mat_vec_prod(A.block_diagonal_mat(ops), x, mode="right")
+        for g, w, ref in zip(got, want, refs):
+            assert g.dtype == dtype and np.array_equal(g.numpy(), w.numpy())
+            np.testing.assert_allclose(g.numpy(), ref, rtol=tol, atol=tol)
+        inner = block_diagonal.inner_product(got, x)
+        assert np.array_equal(inner.numpy(), A.vec_inner_prod(got, x, mode="all").numpy())
+        np.testing.assert_allclose(inner.numpy(), sum(np.sum(g * v) for g, v in zip(refs, xs)),
+                                   rtol=tol)
+    with pytest.raises(ValueError, match="inner_product"):
+        block_diagonal.inner_product([t(np.ones((2, 3)))], [t(np.ones((3, 2)))])

@@ -1,5 +1,5 @@
 """The eigenbasis rule's orthogonalized step (``Eigenbasis(step="orthogonal")``, SOAP-Muon) and
-its Newton–Schulz iteration (thor_tf/orthogonalize.py) against float64 NumPy references.
+its Newton–Schulz iteration (thor_tf/rules/eigenbasis_ops.py) against float64 NumPy references.
 
 * Newton–Schulz: five quintic iterations written out in NumPy float64 (wide orientation, the
   Frobenius normalization first), on a batch of tall and wide matrices; and what the iteration is

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 import thor_tf
 from digits_models import digits, small_cnn
-from thor_tf import scheduler
+from thor_tf import scheduler, trace_rule
 from thor_tf.callbacks import TraceRuleLogger
 
 # THOR's inverse rule (K-FAC step, KL clip, damping, momentum) is what these tests check.
@@ -119,7 +119,7 @@ def test_boundaries_delta_equal_omega1_reuses_and_equal_omega2_does_not_freeze()
 
 def test_decide_function_boundaries():
     delta = tf.constant([0.2, 0.1, 0.05, 0.01, 0.005, np.inf])
-    refresh, freeze = scheduler.decide(delta, 0.1, 0.01)
+    refresh, freeze = trace_rule.decide(delta, 0.1, 0.01)
     assert refresh.numpy().tolist() == [True, False, False, False, False, True]
     assert freeze.numpy().tolist() == [False, False, False, False, True, False]
 
@@ -181,10 +181,10 @@ def test_bad_frequency_raises(frequency):
 
 
 def test_presets_set_omegas():
-    for preset, (w1, w2) in scheduler.PRESETS.items():
+    for preset, (w1, w2) in trace_rule.PRESETS.items():
         opt = thor_tf.ThorOptimizer(preset=preset)
         assert (opt.omega1, opt.omega2) == (w1, w2)
-    assert scheduler.PRESETS == {"thor": (0.01, 0.0), "thor_stop": (0.01, 0.001), "thor_nt": (0.0, 0.0)}
+    assert trace_rule.PRESETS == {"thor": (0.01, 0.0), "thor_stop": (0.01, 0.001), "thor_nt": (0.0, 0.0)}
 
 
 def test_logger_writes_tensorboard_scalars(tmp_path, capsys):
@@ -265,7 +265,7 @@ def test_trace_product_is_the_trace_of_the_damped_kronecker_block():
     G = np.cov(rng.normal(size=(3, 20)))
     lam = 0.07
     expected = np.trace(np.kron(A, G) + lam * np.eye(12))
-    got = scheduler.trace_product(np.trace(A), np.trace(G), lam, 4, 3)
+    got = trace_rule.trace_product(np.trace(A), np.trace(G), lam, 4, 3)
     np.testing.assert_allclose(got, expected, rtol=1e-12)
 
 
@@ -277,19 +277,19 @@ def _run_filter(sequences, refresh_at=(), omega1=float("inf"), omega2=0.0, first
     (``refresh_at``). Returns (Δ [S, K], refresh [S, K]) as NumPy arrays."""
     seqs = tf.constant(sequences, tf.float32)
     n, k = sequences.shape
-    state = scheduler.initial_filter_state((n,))
+    state = trace_rule.initial_filter_state((n,))
     calm = tf.zeros((n,), tf.int64)
     has_used = tf.zeros((n,), tf.bool)
     deltas, refreshes = [], []
     for t in range(k):
         obs = seqs[:, t]
-        state = scheduler.filter_observe(state, obs)
-        delta = scheduler.filter_delta(state, 0.0, has_used)
-        refresh, freeze, calm = scheduler.decide(delta, omega1, omega2, calm, scheduler.FREEZE_AFTER)
+        state = trace_rule.filter_observe(state, obs)
+        delta = trace_rule.filter_delta(state, 0.0, has_used)
+        refresh, freeze, calm = trace_rule.decide(delta, omega1, omega2, calm, trace_rule.FREEZE_AFTER)
         if t == 0 or t in refresh_at:
             refresh = tf.ones_like(refresh)
-        state = scheduler.filter_refresh(state, refresh)
-        state = scheduler.filter_noise(state, obs)
+        state = trace_rule.filter_refresh(state, refresh)
+        state = trace_rule.filter_noise(state, obs)
         has_used = tf.logical_or(has_used, refresh)
         deltas.append(delta.numpy())
         refreshes.append(refresh.numpy())
@@ -321,7 +321,7 @@ def test_filter_reads_a_step_change_right_after_a_refresh_as_later(x):
     later = seqs.copy()
     later[:, 45:] *= 1 + x
     d_b, _ = _run_filter(later, refresh_at=(20,))
-    window = scheduler.TRACE_WINDOW
+    window = trace_rule.TRACE_WINDOW
     # Reference: m_ref ≈ 1 (refresh at point 20), the new level 1 + x: Δ ≈ |x| / 1.
     read_a = d_a[:, 21 + 1]  # within two points of the step
     read_b = d_b[:, 45 + window - 1]  # once the window holds only post-step points
@@ -335,7 +335,7 @@ def test_filter_reads_a_step_change_right_after_a_refresh_as_later(x):
 
 def test_filtered_rule_freezes_only_after_sustained_evidence():
     x, y = _batch()
-    n = scheduler.FREEZE_AFTER
+    n = trace_rule.FREEZE_AFTER
     rows, _ = _run(_controlled(0.05, 0.01, trace_filter="mean"), x, y, [1.0] * (n + 3))
     assert [r["decision"] for r in rows] == ["refresh"] + ["reuse"] * (n - 1) + ["freeze"] + ["frozen"] * 2
     rows, _ = _run(_controlled(0.05, 0.01, trace_filter="none"), x, y, [1.0] * 3)
@@ -350,7 +350,7 @@ def test_filtered_rule_freezes_only_after_sustained_evidence():
 
 def test_adaptive_interval_grows_while_layers_reuse_and_shrinks_when_they_refresh():
     x, y = _batch()
-    cadence = scheduler.AdaptiveCadence(base=1, max_interval=4)
+    cadence = trace_rule.AdaptiveCadence(base=1, max_interval=4)
     wrapped = _controlled(0.05, 0.0, frequency=cadence)
     traces = []
     original = wrapped.train_step
@@ -377,7 +377,7 @@ def test_adaptive_cadence_serializes_and_validates():
     opt = thor_tf.ThorOptimizer(frequency="adaptive")
     assert opt.get_config()["frequency"] == "adaptive"
     assert opt.cadence.adaptive.base == 10 and opt.cadence.adaptive.max_interval == 80
-    custom = thor_tf.ThorOptimizer(frequency=scheduler.AdaptiveCadence(5, 20), trace_filter="none")
+    custom = thor_tf.ThorOptimizer(frequency=trace_rule.AdaptiveCadence(5, 20), trace_filter="none")
     config = custom.get_config()
     assert config["trace_filter"] == "none"
     again = thor_tf.ThorOptimizer.from_config(config)
@@ -468,3 +468,14 @@ def test_max_block_age_round_trips_through_the_optimizer_config(tmp_path):
     wrapped.save(path)
     loaded = keras.models.load_model(path)
     assert loaded.optimizer.max_block_age == 7 and loaded.optimizer.config.max_block_age == 7
+
+
+def test_scheduler_module_reexports_the_trace_rule_objects():
+    # thor_tf.scheduler is the old home: its names must be the trace rule's own objects (not
+    # copies), so isinstance checks and config round trips agree whichever module a user imports.
+    names = [n for n in dir(scheduler) if not n.startswith("_")]
+    assert {"AdaptiveCadence", "CadenceSchedule", "PRESETS", "TRACE_FILTERS", "TRACE_WINDOW",
+            "FREEZE_AFTER", "FilterState", "filter_step", "decide"} <= set(names)
+    for name in names:
+        assert getattr(scheduler, name) is getattr(trace_rule, name), name
+    assert trace_rule.TRACE_WINDOW == 8 and trace_rule.FREEZE_AFTER == 5
