@@ -19,7 +19,7 @@ from typing import Any, Optional, Tuple
 import keras
 
 from thor_tf import rules
-from thor_tf.scheduler import PRESETS, TRACE_FILTERS, CadenceSchedule
+from thor_tf.trace_rule import PRESETS, TRACE_FILTERS, CadenceSchedule
 from thor_tf.split_plan import resolve_split_dim, split_config
 
 FISHER_TYPES = ("empirical", "sampled")
@@ -99,7 +99,7 @@ class ThorConfig:
     """THOR's options (see ``ThorOptimizer`` for each one's meaning), validated on construction.
 
     Derived, read-only: ``omegas`` (ω1, ω2 after the preset), ``cadence`` (the
-    :class:`~thor_tf.scheduler.CadenceSchedule` of ``frequency``); ``split_dim`` is resolved to
+    :class:`~thor_tf.trace_rule.CadenceSchedule` of ``frequency``); ``split_dim`` is resolved to
     an int, a :class:`~thor_tf.split_plan.SplitPlan` or ``"auto"`` (a calibration JSON path is
     read once, here; ``"auto"`` becomes a plan at the start of ``fit``); :data:`RULE_OPTIONS`
     are handed to ``update_rule`` and then read back from it.

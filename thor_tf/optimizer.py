@@ -79,7 +79,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         refresh (the last ``scheduler.TRACE_WINDOW`` = 8 at most) with the mean that produced the
         block in use, less 2 standard errors of sampling noise, and freezes only after
         ``scheduler.FREEZE_AFTER`` = 5 consecutive Δ < ω2; ``"none"`` is THOR's rule as published
-        (the current batch's traces, immediate freeze). See :mod:`thor_tf.scheduler`. Replaces
+        (the current batch's traces, immediate freeze). See :mod:`thor_tf.trace_rule`. Replaces
         ``trace_smoothing`` (which now raises ValueError).
       loss_reduction: how the loss that the gradients come from reduces over the batch, undone so
         that G is the mean of per-example outer products: ``"auto"`` (default) reads the compiled

@@ -260,7 +260,7 @@ class Inverse(UpdateRule):
             update = update + ops.cast(config.weight_decay, variable.dtype) * variable
         if config.clip_norm is not None:
             update = tf.clip_by_norm(update, config.clip_norm)
-        velocity = optimizer._momentums[optimizer._get_variable_index(variable)]
+        velocity = optimizer._momentums[_keras_compat.variable_index(optimizer, variable)]
         new_velocity = self.momentum * velocity + update
         ok = optimizer.step_ok
         if ok is not None:
