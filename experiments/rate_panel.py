@@ -1,6 +1,6 @@
 """THOR's rate sensitivity beside the baselines' grids: the suite's median finals against the peak.
 
-    python experiments/rate_panel.py --baselines docs/suite_metrics.csv \\
+    python experiments/rate_panel.py --baselines docs/results/suite_metrics.csv \\
         --thor 0.01=runs/p1/metrics.csv --thor 0.03=runs/p3/metrics.csv ... --default 0.03 \\
         --out docs/rate_panel
 
@@ -162,7 +162,7 @@ def _peak_file(text):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baselines", required=True, help="the suite's metrics.csv with the "
-                        "baselines' rows (e.g. docs/suite_metrics.csv)")
+                        "baselines' rows (e.g. docs/results/suite_metrics.csv)")
     parser.add_argument("--thor", type=_peak_file, action="append", required=True,
                         metavar="PEAK=CSV", help="THOR's metrics.csv at a peak (repeat)")
     parser.add_argument("--default", type=float, default=None, help="THOR's default peak")

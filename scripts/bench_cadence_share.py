@@ -2,7 +2,7 @@
 points: how much of the gap is the step itself and how much the curvature work every 10 steps.
 
 Per workload, THOR (defaults) and the workload's best baseline at its best rate
-(``docs/suite.json``: the optimizer and rate the suite's grid chose, with the suite's own
+(``docs/results/suite_grid.json``: the optimizer and rate the suite's grid chose, with the suite's own
 schedule) are built and called once (tracing), then ``--steps`` ``train_on_batch`` calls each,
 alternating between the two in one process (the first of each pair alternates too), so a slow
 spell of a shared machine hits both alike. Per repeat (a seed: weights and batch order):
@@ -17,7 +17,7 @@ Reported: per workload the median and the spread over repeats, JSON in ``--out``
 it. The first steps include the first refreshes of every block (the cadence points are heaviest
 then), so ``amortized_ratio`` over a short window is an upper bound of a long run's.
 
-    python scripts/bench_cadence_share.py --out docs/bench_cadence_share.json   # ~12 min
+    python scripts/bench_cadence_share.py --out docs/results/bench_cadence_share.json   # ~12 min
     python scripts/bench_cadence_share.py --quick     # one small workload, 12 steps: the harness
 """
 
@@ -138,7 +138,7 @@ def main(argv=None):
                         "resnet20,autoencoder")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--repeats", type=int, default=3, help="seeds 0..repeats-1")
-    parser.add_argument("--suite", default=str(ROOT / "docs" / "suite.json"))
+    parser.add_argument("--suite", default=str(ROOT / "docs" / "results" / "suite_grid.json"))
     parser.add_argument("--out", default="runs/bench_cadence_share.json")
     parser.add_argument("--quick", action="store_true",
                         help="the tabular MLP, 12 steps, 2 repeats, small data: the harness")

@@ -24,7 +24,7 @@ batch (each part its own ``tf.function``, median of ``--refresh-steps``): per bl
 ``inverse``, ``refresh_total`` (their sum over blocks) against ``forward_backward``, whose ratio
 ``profile_refresh_over_forward_backward`` is less sensitive to step-to-step noise than the above.
 
-    python scripts/bench_conv_factor.py --refresh                 # docs/bench_conv_factor.json
+    python scripts/bench_conv_factor.py --refresh                 # docs/results/bench_conv_factor.json
     python scripts/bench_conv_factor.py --seeds 1 --repeats 3     # a smoke test
 """
 
@@ -227,7 +227,7 @@ def main(argv=None):
                    help="timed steps (median) of each refresh measure")
     p.add_argument("--memory", action="store_true",
                    help="also the peak memory one call adds, per layer and method (fresh processes)")
-    p.add_argument("--out", default="docs/bench_conv_factor.json")
+    p.add_argument("--out", default="docs/results/bench_conv_factor.json")
     p.add_argument("--refresh-worker", choices=("im2col", "shifted"), help=argparse.SUPPRESS)
     p.add_argument("--memory-worker", nargs=2, metavar=("LAYER", "METHOD"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)

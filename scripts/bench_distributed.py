@@ -21,7 +21,7 @@ R trains on the same global batches. Per worker:
 
 Inputs are random (timing does not depend on the data). Writes JSON (``--out``) and a PNG next to it.
 
-    python scripts/bench_distributed.py --out docs/bench_distributed.json
+    python scripts/bench_distributed.py --out docs/results/bench_distributed.json
     python scripts/bench_distributed.py --models cnn --replicas 1,2 --quick   # a smoke test
 """
 

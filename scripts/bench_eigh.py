@@ -18,7 +18,7 @@ The ways alternate within each repeat so that the load of a shared machine hits 
 Reports the median of ``--repeats`` timed runs after 2 untimed ones, per block (µs), and each
 way's ratio to Cholesky and power_qr's to eigh64.
 
-    python scripts/bench_eigh.py --out docs/bench_eigh.json
+    python scripts/bench_eigh.py --out docs/results/bench_eigh.json
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ the function's own graph and of its function library: ``tf.cond`` branches, ``ma
 The summary gives medians over the repeats and each optimizer's median over SGD's and over the
 best (fastest) baseline's.
 
-    python scripts/bench_first_fit.py --out docs/bench_first_fit.json
+    python scripts/bench_first_fit.py --out docs/results/bench_first_fit.json
     python scripts/bench_first_fit.py --models digits --repeats 1   # a quick look
 
 ``--thor-from before=/path/to/checkout`` adds THOR from another checkout of thor_tf as one more
@@ -212,7 +212,7 @@ def summarize(runs, optimizers):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="docs/bench_first_fit.json")
+    parser.add_argument("--out", default="docs/results/bench_first_fit.json")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     parser.add_argument("--repeats", type=int, default=3)

@@ -5,7 +5,7 @@ On a shared machine the speed moves from one few-second window to the next, and 
 ``experiments/timing.py`` measures does not show it (docs/timing.md, "What the load does not
 see"): the suite's runs of THOR and of the baseline, a minute apart, can meet hosts 25 % apart.
 Here, per workload and seed, THOR (defaults) and the workload's best baseline at its best rate
-(``docs/suite.json``'s choice, the suite's own schedule) are built in one process on the same
+(``docs/results/suite_grid.json``'s choice, the suite's own schedule) are built in one process on the same
 weights and batches, and trained through the suite's segments (one Keras ``fit`` epoch between
 two evaluations, timed as the suite times them: ``timing.fit_segment``), alternating: segment 1
 of one, segment 1 of the other, segment 2 of the first... (which one goes first alternates by
@@ -136,7 +136,7 @@ def main(argv=None):
     parser.add_argument("--workloads", default=WORKLOADS)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--evals", type=int, default=10, help="evaluations per run (the suite's)")
-    parser.add_argument("--suite", default=str(ROOT / "docs" / "suite.json"))
+    parser.add_argument("--suite", default=str(ROOT / "docs" / "results" / "suite_grid.json"))
     parser.add_argument("--out", default="runs/bench_interleaved.json")
     parser.add_argument("--quick", action="store_true",
                         help="the tabular MLP, one seed, 4 evaluations: the harness")

@@ -21,7 +21,7 @@ round by round, then their median (steadier when the machine's speed drifts). Th
 f is ``plain + (cadence − plain)/f`` (:func:`amortized`), also with the refresh-all step as the
 cadence step (an upper bound); ``mean_ms`` is the measured mean over every timed step.
 
-Writes ``--out`` (JSON, default docs/bench_lm_step.json) with the ratios THOR/AdamW and THOR/Muon.
+Writes ``--out`` (JSON, default docs/results/bench_lm_step.json) with the ratios THOR/AdamW and THOR/Muon.
 
     python scripts/bench_lm_step.py                          # baby GPT, ~3 min on 2 cores
     python scripts/bench_lm_step.py --repeats 3              # a quick look
@@ -123,7 +123,7 @@ def main(argv=None):
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma list from {','.join(VARIANTS)} (default: all)")
     p.add_argument("--random-data", action="store_true", help="random tokens instead of the corpus")
-    p.add_argument("--out", default="docs/bench_lm_step.json")
+    p.add_argument("--out", default="docs/results/bench_lm_step.json")
     args, lm_argv = p.parse_known_args(argv)
 
     import keras

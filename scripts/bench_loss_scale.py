@@ -13,7 +13,7 @@ data, and for THOR the ratio of G's mean eigenvalue ``tr(G)/dim`` to the per-fac
 ``√λ`` (averaged over layers) at the end: far below 1 means the damping swamps G and the step is
 SGD's divided by ``√λ``.
 
-    python scripts/bench_loss_scale.py --out docs/bench_loss_scale.json   # ~2 minutes on 2 cores
+    python scripts/bench_loss_scale.py --out docs/results/bench_loss_scale.json   # ~2 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--out", default="docs/bench_loss_scale.json")
+    parser.add_argument("--out", default="docs/results/bench_loss_scale.json")
     args = parser.parse_args()
     results = {}
     for setting in SETTINGS:

@@ -4,7 +4,7 @@ eigenbasis rule orthogonalizes in each suite workload's step: CPU and wall time 
 bucket, their sum per step and model, and each result's largest difference from a float64
 iteration.
 
-    python scripts/bench_ns_spectral.py --out docs/bench_ns_spectral.json
+    python scripts/bench_ns_spectral.py --out docs/results/bench_ns_spectral.json
 
 The buckets are read from the rule itself: each workload's THOR step is traced once (one
 ``train_on_batch``) with ``newton_schulz_many`` recording the ``[blocks, rows, cols]`` of each
@@ -16,7 +16,7 @@ process, one traced with ``method="iterate"`` and one with ``"spectral"``, their
 and their ratios go to the JSON's ``paired`` list.
 
     python scripts/bench_ns_spectral.py --paired resnet20,char_gpt,autoencoder --steps 100 \
-        --out docs/bench_ns_spectral_paired.json
+        --out docs/results/bench_ns_spectral_paired.json
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="docs/bench_ns_spectral.json")
+    parser.add_argument("--out", default="docs/results/bench_ns_spectral.json")
     parser.add_argument("--paired", default="", help="workloads whose whole step to compare")
     parser.add_argument("--steps", type=int, default=100, help="--paired: steps per model")
     args = parser.parse_args(argv)

@@ -5,7 +5,7 @@ seconds (trace + compile) and the largest difference between the two results. It
 iteration's products (``method="iterate"``); the default evaluation through ``eigh`` is compared
 with them in ``scripts/bench_ns_spectral.py``.
 
-    python scripts/bench_ns_xla.py --out docs/bench_ns_xla.json
+    python scripts/bench_ns_xla.py --out docs/results/bench_ns_xla.json
 
 Shapes ``[batch, rows, cols]`` (a size bucket's blocks): the Fashion CNN's dense step
 ``[1, 3137, 128]`` (Gram-space iteration) and conv2 ``[1, 289, 64]``, the autoencoder's
@@ -52,7 +52,7 @@ def measure(function, x, calls, repeats):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="docs/bench_ns_xla.json")
+    parser.add_argument("--out", default="docs/results/bench_ns_xla.json")
     parser.add_argument("--quick", action="store_true", help="two small shapes, 1 repeat")
     args = parser.parse_args(argv)
     import tensorflow as tf

@@ -13,7 +13,7 @@ Per model (the Fashion-MNIST CNN by default), after one THOR step (so every bloc
 ``precondition − core`` is what the layout work (pad, reshape, concat, casts) and the KL clip
 cost; ``flops / gemm rate`` is the floor. Medians of ``--repeats``; one process.
 
-    python scripts/bench_precondition.py --out docs/bench_precondition.json
+    python scripts/bench_precondition.py --out docs/results/bench_precondition.json
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ All in one process, one model per variant in turn, in an order that rotates over
 process's CPU time, all threads); the median step is the steady one. Writes ``--out`` (JSON):
 per variant the median over repeats and its ratios to SGD, Adam and Muon.
 
-    python scripts/bench_resnet50_step.py --out docs/bench_resnet50_step.json   # ~5 min
+    python scripts/bench_resnet50_step.py --out docs/results/bench_resnet50_step.json   # ~5 min
     python scripts/bench_resnet50_step.py --quick    # a small CNN, 2 steps: the harness only
 """
 
@@ -114,7 +114,7 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default="docs/bench_resnet50_step.json")
+    parser.add_argument("--out", default="docs/results/bench_resnet50_step.json")
     args = parser.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted(set(variants) - set(VARIANTS))

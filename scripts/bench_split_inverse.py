@@ -14,7 +14,7 @@ split inverse is). The JSON records the 1-minute load average before and after: 
 the absolute times move with it.
 
 Examples:
-  python scripts/bench_split_inverse.py --out docs/bench_split_inverse.json
+  python scripts/bench_split_inverse.py --out docs/results/bench_split_inverse.json
   python scripts/bench_split_inverse.py --quick        # seconds, for CI
 """
 

@@ -30,7 +30,7 @@ the mean includes the cadence points. Inputs are random (timing does not depend 
 Writes ``--out`` (JSON): per model and variant the median over repeats, and ratios to SGD/AdamW.
 
     python scripts/bench_step_parts.py --models fashion_cnn,resnet20,char_gpt \\
-        --out docs/bench_step_parts.json                                 # ~10 min on 2 cores
+        --out docs/results/bench_step_parts.json                                 # ~10 min on 2 cores
 """
 
 from __future__ import annotations

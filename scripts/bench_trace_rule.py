@@ -19,9 +19,9 @@ trace checks are counted at every cadence point where the layer was not frozen.
 Writes ``<out>.json`` after every run (partial results survive an interrupted grid) and
 ``<out>.png`` (total refreshes against test accuracy, mean ± sd over seeds, one point per setting).
 
-    python scripts/bench_trace_rule.py --model cnn --seeds 0,1,2 --out docs/bench_trace_rule_cnn.json
+    python scripts/bench_trace_rule.py --model cnn --seeds 0,1,2 --out docs/results/bench_trace_rule_cnn.json
     python scripts/bench_trace_rule.py --model resnet20 --max-train 8192 --max-test 2000 \\
-        --seeds 0,1,2 --out docs/bench_trace_rule_resnet20.json
+        --seeds 0,1,2 --out docs/results/bench_trace_rule_resnet20.json
     python scripts/bench_trace_rule.py --quick            # seconds, for a smoke test
 """
 

@@ -20,7 +20,7 @@ The model (DESIGN §3.7 for what is exchanged, README "Distributed training"):
   every step, the traces at a cadence point, the factors when some layer refreshes, the inverses
   with ``inverse_assignment="balanced"``; tests/test_project_scale.py checks them at R = 1, 2, 4).
 * **Refresh fraction** per layer from the measured trace-rule runs
-  (``docs/bench_trace_rule_{cnn,resnet20}.json``, setting ``thor``: refreshes / cadence points);
+  (``docs/results/bench_trace_rule_{cnn,resnet20}.json``, setting ``thor``: refreshes / cadence points);
   ResNet-50 has no measured run and borrows ResNet-20's mean fraction (said where it is used).
 * **Steps** (per replica, weak scaling: the per-replica batch is fixed): SGD-momentum; THOR's
   plain step (preconditioning only); cadence step (+ traces); refresh step (every layer refreshes:
@@ -32,7 +32,7 @@ The model (DESIGN §3.7 for what is exchanged, README "Distributed training"):
 
 Checks: (1) on this machine at R = 1, 2, 4 logical CPU devices (the replicas share the two cores:
 replicated work costs R times, collectives are measured here with the α-β fit of a
-MirroredStrategy all-reduce) against ``docs/bench_distributed.json``'s recorded step times; (2)
+MirroredStrategy all-reduce) against ``docs/results/bench_distributed.json``'s recorded step times; (2)
 against MindSpore's published ResNet-50 per-step times on 8 devices (THOR 20.4 ms at batch 32 per
 Ascend 910, SGD 118 ms at batch 256; THOR 76 ms at batch 32 on 8 V100).
 
@@ -43,9 +43,9 @@ SGD and THOR alike: not modelled); input pipelines, host overhead, stragglers, n
 across jobs, memory (``"all"`` keeps every inverse on every replica either way); XLA fusion
 (changes kernel counts); the accuracy side (steps to target, in the README's runs).
 
-    python scripts/project_scale.py --out docs/project_scale.json          # ~4 minutes here
-    python scripts/project_scale.py --check-models cnn,resnet20 --out docs/project_scale.json  # ~11
-    python scripts/project_scale.py --no-measure --out docs/project_scale.json   # re-project only
+    python scripts/project_scale.py --out docs/results/project_scale.json          # ~4 minutes here
+    python scripts/project_scale.py --check-models cnn,resnet20 --out docs/results/project_scale.json  # ~11
+    python scripts/project_scale.py --no-measure --out docs/results/project_scale.json   # re-project only
 """
 
 from __future__ import annotations
@@ -713,8 +713,8 @@ def refresh_fractions(name, shape):
     """Per layer, the fraction of cadence points at which it refreshed in the measured trace-rule
     runs (setting ``thor``: the defaults, frequency 10, mean over seeds). ResNet-50 has none:
     ResNet-20's mean fraction for every layer. Returns ``(fractions, source)``."""
-    own = os.path.join(ROOT, "docs", f"bench_trace_rule_{name}.json")
-    path = own if os.path.exists(own) else os.path.join(ROOT, "docs", "bench_trace_rule_resnet20.json")
+    own = os.path.join(ROOT, "docs", "results", f"bench_trace_rule_{name}.json")
+    path = own if os.path.exists(own) else os.path.join(ROOT, "docs", "results", "bench_trace_rule_resnet20.json")
     with open(path) as fh:
         summary = json.load(fh)["summary"]["thor"]
     points = summary["cadence_points"][0]
@@ -1089,7 +1089,7 @@ def main(argv=None):
     p.add_argument("--out", default="runs/project_scale.json")
     p.add_argument("--models", default="cnn,resnet20,resnet50", help="models to measure here")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per stage (median)")
-    p.add_argument("--bench", default=os.path.join(ROOT, "docs", "bench_distributed.json"),
+    p.add_argument("--bench", default=os.path.join(ROOT, "docs", "results", "bench_distributed.json"),
                    help="bench_distributed JSON with the measured R = 1, 2, 4 steps")
     p.add_argument("--check-models", default="cnn",
                    help="models whose R = 1, 2, 4 steps are re-measured for the check (''"

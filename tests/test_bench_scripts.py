@@ -224,7 +224,7 @@ def test_bench_cadence_share_ratios_and_quick_run(tmp_path):
     # steps 5..20: 7 of 4 ms, 7 of 6 ms and the two cadence points; the baseline 15 x 4 and one 6
     assert r["amortized_ratio"] == pytest.approx(((7 * 4 + 7 * 6 + 70) / 16) / ((15 * 4 + 6) / 16))
     assert r["cpu_amortized_ratio"] == pytest.approx(r["amortized_ratio"])
-    chosen = bench.best_baselines(os.path.join(ROOT, "docs", "suite.json"))
+    chosen = bench.best_baselines(os.path.join(ROOT, "docs", "results", "suite_grid.json"))
     assert chosen["tabular_mlp"][0] in ("sgd", "adam", "adamw", "muon")
     for bad in (["--workloads", "mnist_gan"], ["--steps", "3"], ["--repeats", "0"]):
         with pytest.raises(SystemExit):

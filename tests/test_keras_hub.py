@@ -3,7 +3,7 @@ configs (random weights, ``preprocessor=None``; presets download weights and are
 
 Skipped without keras-hub (``bash .ci/hub`` installs it over tensorflow-cpu) or on Keras < 3.15
 (KerasHub 0.32's floor; ``.ci/floor`` runs Keras 3.8). Findings behind these tests:
-docs/keras_hub_notes.md. GPT-2's token embedding is both the lookup and the output head: it has
+docs/finetune.md. GPT-2's token embedding is both the lookup and the output head: it has
 a lookup and a tied head block (thor_tf/blocks/reversible_embedding.py).
 """
 

@@ -4,7 +4,7 @@ inversion assignment balances.
 
 No timing here: the measurements live in the script. Everything is recomputed independently from
 the layer shapes (written out by hand), counted in a live run (the bytes), or checked against
-recorded figures (docs/bench_distributed.json) and published ones (ResNet-50's parameter count
+recorded figures (docs/results/bench_distributed.json) and published ones (ResNet-50's parameter count
 and multiply-adds).
 """
 
@@ -143,10 +143,10 @@ def test_bytes_equal_bench_distributed_recorded(ps):
 
 @pytest.mark.parametrize("model", ["cnn", "resnet20"])
 def test_bench_distributed_json_agrees_with_the_model(ps, shapes, model):
-    """The figures in docs/bench_distributed.json (recorded by an earlier engine, before the
+    """The figures in docs/results/bench_distributed.json (recorded by an earlier engine, before the
     per-block "balanced" assignment: a check of the document, not of today's engine, which the
     live run above checks) are the model's bytes at R = 1, 2, 4."""
-    with open(os.path.join(ROOT, "docs", "bench_distributed.json")) as fh:
+    with open(os.path.join(ROOT, "docs", "results", "bench_distributed.json")) as fh:
         results = [r for r in json.load(fh)["results"] if r["model"] == model]
     assert sorted(r["replicas"] for r in results) == [1, 2, 4]
     for rec in results:
