@@ -712,6 +712,10 @@ def parse_args(argv=None):
     parser.add_argument("--report-only", action="store_true",
                         help="no training: rebuild the outputs from --out's metrics.csv")
     parser.add_argument("--out", default="runs/batch_scaling")
+    parser.add_argument("--record", default=None, metavar="PATH",
+                        help="also write the record (JSON) there and its plots beside it, e.g. "
+                             "docs/results/batch_scaling.json (then python -m "
+                             "thor_tf_experiments.report)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, seed 0 (CI)")
     args = parser.parse_args(argv)
     args.workloads = [w for w in args.workloads.split(",") if w]
@@ -775,12 +779,30 @@ def main(argv=None):
             record["projection"] = project(record, floats)
     finally:
         sweep.close()
-    from thor_tf_experiments.reports import environment_info
+    import platform
+    import subprocess
 
-    record.update({"quick": args.quick, "seeds": args.seeds, "evals": args.evals,
-                   "budget": "S_m = S_1 / sqrt(m) steps", "machine": environment_info(),
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True,
+                                cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    record.update({"commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                   "machine": f"{platform.machine()}, {os.cpu_count()} cores; "
+                              f"{platform.platform()}",
+                   "quick": args.quick, "seeds": args.seeds, "evals": args.evals,
+                   "budget": "S_m = S_1 / sqrt(m) steps",
                    "seconds": round(time.perf_counter() - started, 1)})
     write_outputs(record, out)
+    if args.record:
+        path = Path(args.record)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+        plot(record, path.with_name(path.stem + "_steps.png"),
+             path.with_name(path.stem + "_seconds.png"))
+        if "projection" in record:
+            plot_projection(record["projection"], path.with_name(path.stem + "_projection.png"))
     return record
 
 
