@@ -479,9 +479,9 @@ def newton_schulz(x, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, epsilon=1e-7,
       (two of them with ``X``: its Gram matrix, and ``X`` times ``U diag(σ_K/σ_0) Uᵀ``)
       instead of ~4 products per iteration: 0.70× the CPU of the autoencoder's whole step,
       whose buckets are large (r up to 785). On the suite's small buckets the two are within a
-      few percent of each other in a whole step (paired, CPU, spectral / iterate: tabular
-      0.96×, digits 1.01×, ViT 1.00×, Fashion CNN 1.03×, char GPT 1.04×; docs/overhead.md),
-      so one method serves all. Within float32 round-off of the iteration: ``σ_K/σ_0`` is smooth in ``σ²`` (→ ``a^K`` at 0), so directions that ``eigh``
+      few percent of each other in a whole step or below it (paired, CPU time, spectral /
+      iterate: tabular 0.89×, digits 0.95×, ViT 0.98×, Fashion CNN 1.00×, char GPT 1.00×;
+      docs/results/bench_ns_spectral_paired.json), so one method serves all. Within float32 round-off of the iteration: ``σ_K/σ_0`` is smooth in ``σ²`` (→ ``a^K`` at 0), so directions that ``eigh``
       mixes (clustered ``σ``) get the same factor either way.
     * ``"iterate"``: the products themselves; on a matrix whose long side is at least
       :data:`GRAM_RATIO` times its short side in the small Gram space
