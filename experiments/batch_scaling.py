@@ -73,6 +73,8 @@ MAX_WIDENINGS = 2
 GRID_FACTOR = 3.0
 FIELDS = ("batch", "phase") + suite.FIELDS
 THOR_PEAK = "thor_peak"      # THOR with an explicit peak (its ``lr`` column holds the peak)
+#: The keys of a record's batch cell that are not optimizers.
+CELL_KEYS = ("best_baseline", "paired_seconds")
 
 
 # --------------------------------------------------------------------------------------------
@@ -366,6 +368,26 @@ def _seed_rows(rows, workload_name, batch, optimizer, rate):
             for r in by_phase.get("interleaved", by_phase.get("sweep"))]
 
 
+def paired_seconds(workload, rows, name, batch, baseline, target):
+    """Per seed, THOR's seconds to the target over the baseline's from the same interleaved
+    pair (None where one never got there; the pair saw the same host, the seeds may not have),
+    their median (None when none), and the seeds where only THOR got there."""
+    pair = [r for r in rows if r["workload"] == name and r["batch"] == batch
+            and r["phase"] == "interleaved"]
+    thor = _runs_by_seed([r for r in pair if r["optimizer"] == "thor"])
+    base = _runs_by_seed([r for r in pair if r["optimizer"] == baseline])
+    ratios, only_thor = {}, []
+    for seed in sorted(set(thor) & set(base)):
+        t = suite.reach(workload, thor[seed], target)[1]
+        b = suite.reach(workload, base[seed], target)[1]
+        ratios[seed] = None if t is None or not b else t / b
+        if t is not None and b is None:
+            only_thor.append(seed)
+    present = [v for v in ratios.values() if v is not None]
+    return {"per_seed": ratios, "median": statistics.median(present) if present else None,
+            "only_thor_seeds": only_thor}
+
+
 def summarize(workload_names, sweep_rows, tuning, multiples, quick):
     """The record of the study: ``{"workloads": {name: {...}}}`` (module docstring)."""
     record = {}
@@ -408,6 +430,7 @@ def summarize(workload_names, sweep_rows, tuning, multiples, quick):
                 info["seconds_paired"] = optimizer in ("thor", best)
                 cell[optimizer] = info
             cell["best_baseline"] = best
+            cell["paired_seconds"] = paired_seconds(base, sweep_rows, name, b, best, target)
             out_batches[str(b)] = cell
         scaling = {}
         for optimizer in ("thor", "thor_best", "best_baseline"):
@@ -588,10 +611,10 @@ def markdown(record):
                   f"Target: {w['metric']} {w['target']:.4g} (the best baseline's median final "
                   f"at batch {w['base_batch']}, {w['target_from']}).", "",
                   "| batch | optimizer | rate | seeds | final | steps to target | examples | "
-                  "seconds to target |", "|---|---|---|---|---|---|---|---|"]
+                  "seconds to target (interleaved pair) |", "|---|---|---|---|---|---|---|---|"]
         for b_key, cell in w["batches"].items():
             for optimizer in ["thor", "thor_best"] + sorted(
-                    o for o in cell if not o.startswith("thor") and o != "best_baseline"):
+                    o for o in cell if not o.startswith("thor") and o not in CELL_KEYS):
                 if optimizer not in cell:
                     continue
                 info = cell[optimizer]
@@ -599,12 +622,18 @@ def markdown(record):
                     optimizer, optimizer + (" (best)" if optimizer == cell["best_baseline"]
                                             else ""))
                 edge = " (grid end)" if info.get("at_edge") and optimizer != "thor" else ""
-                paired = " (paired)" if info.get("seconds_paired") else ""
+                seconds = (_fmt(info["seconds_to_target"], ".1f")
+                           if info.get("seconds_paired") else "–")
                 lines.append(f"| {b_key} | {label} | {info['rate']:.3g}{edge} | "
                              f"{len(info['seeds'])} | {info['final']:.4f} | "
                              f"{_fmt(info['steps_to_target'], 'g')} | "
-                             f"{_fmt(info['examples_to_target'], ',')} | "
-                             f"{_fmt(info['seconds_to_target'], '.1f')}{paired} |")
+                             f"{_fmt(info['examples_to_target'], ',')} | {seconds} |")
+            ps = cell.get("paired_seconds") or {}
+            lines.append(f"| {b_key} | THOR / best, seconds per seed | | | | | | "
+                         + ", ".join(_fmt(v, ".2f", "–") for v in ps.get("per_seed", {}).values())
+                         + f"; median {_fmt(ps.get('median'), '.2f', 'n/a')}"
+                         + (f"; only THOR reached it on seed(s) {ps['only_thor_seeds']}"
+                            if ps.get("only_thor_seeds") else "") + " |")
         scaling = w["scaling"]
         proj = record.get("projection", {}).get("workloads", {}).get(name)
         if proj:
@@ -661,7 +690,7 @@ def plot(record, path_steps, path_seconds):
             w = record["workloads"][name]
             batches = sorted(int(b) for b in w["batches"])
             optimizers = sorted({o for c in w["batches"].values() for o in c
-                                 if o != "best_baseline"})
+                                 if o not in CELL_KEYS})
             for optimizer in optimizers:
                 xs, ys = [], []
                 for b in batches:

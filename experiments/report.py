@@ -44,6 +44,8 @@ RECORDS = {
              "at the default: --optimizers thor --seeds 0,1,2)"),
     "outside": (RESULTS / "outside.json", "python experiments/suite.py --workloads NAME "
                 "(docs/outside.md)"),
+    "batch_scaling": (RESULTS / "batch_scaling.json",
+                      "python experiments/batch_scaling.py --record docs/results/batch_scaling.json"),
 }
 
 #: How the suite's workloads are named and their metric printed; a workload not listed here
@@ -267,6 +269,77 @@ def steps_and_seconds_line(suite):
             f"{min(steady):.2f}–{max(steady):.2f}×.")
 
 
+def _largest_batch_cells(record):
+    """Per workload of the batch-scaling record: ``(name, batch, multiple, cell)`` at its
+    largest batch."""
+    out = []
+    for name, w in record["workloads"].items():
+        batch = max(int(b) for b in w["batches"])
+        out.append((name, batch, batch // w["base_batch"], w["batches"][str(batch)]))
+    return out
+
+
+def _vs_baseline(cell, key):
+    """THOR's ``key`` (steps or seconds to the target) over the best baseline's, as text."""
+    t, b = cell["thor"].get(key), cell[cell["best_baseline"]].get(key)
+    if t is None:
+        return "never" if b is not None else "neither reaches it"
+    if b is None:
+        return "only THOR reaches it"
+    return f"{t / b:.2f}×"
+
+
+def batch_scaling_line(record):
+    """README's line on where THOR pays: at the largest batch of the study, THOR's steps and
+    seconds to the target over the best baseline's (re-tuned at that batch), per workload."""
+    parts = []
+    for name, batch, multiple, cell in _largest_batch_cells(record):
+        label = SUITE_WORKLOADS.get(name, (name,))[0]
+        steps = _vs_baseline(cell, "steps_to_target")
+        if steps.endswith("×"):
+            paired = (cell.get("paired_seconds") or {}).get("median")
+            seconds = (f"{paired:.2f}×" if paired is not None
+                       else _vs_baseline(cell, "seconds_to_target"))
+            what = f"steps {steps}, seconds {seconds}"
+        else:
+            what = {"never": "THOR never reaches the target",
+                    "only THOR reaches it": "only THOR reaches the target",
+                    "neither reaches it": "neither reaches the target"}[steps]
+            what += (f" (finals {cell['thor']['final']:.4g} against "
+                     f"{cell[cell['best_baseline']]['final']:.4g})")
+        parts.append(f"{label} at batch {batch:,} ({multiple}×): {what}")
+    return ("At larger batches, with the baselines re-tuned at each batch "
+            "([docs/batch_scaling.md](docs/batch_scaling.md)): " + "; ".join(parts) + ".")
+
+
+def batch_scaling_table(record):
+    """docs/results.md's table of the batch-scaling record: per workload and batch, THOR's and
+    the best baseline's steps and seconds to the target."""
+    out = ["| workload | batch | best baseline (rate) | final, THOR / baseline | "
+           "steps to target, THOR / baseline | seconds to target, THOR over baseline (median "
+           "of the interleaved pairs) | THOR's best peak |", "|---|---|---|---|---|---|---|"]
+    for name, w in record["workloads"].items():
+        label = SUITE_WORKLOADS.get(name, (name,))[0]
+        for b, cell in sorted(w["batches"].items(), key=lambda kv: int(kv[0])):
+            base = cell[cell["best_baseline"]]
+            thor = cell["thor"]
+            fmt = lambda v, spec: "never" if v is None else format(v, spec)  # noqa: E731
+            paired = cell.get("paired_seconds") or {}
+            if paired.get("median") is not None:
+                seconds = f"{paired['median']:.2f}×"
+            elif paired.get("only_thor_seeds"):
+                seconds = f"only THOR reaches it (seeds {paired['only_thor_seeds']})"
+            else:
+                seconds = "–"
+            baseline = f"{OPTIMIZER_NAMES.get(cell['best_baseline'], cell['best_baseline'])} " \
+                       f"{base['rate']:.2g}"
+            out.append(f"| {label} | {int(b):,} | {baseline} | "
+                       f"{thor['final']:.4g} / {base['final']:.4g} | "
+                       f"{fmt(thor['steps_to_target'], 'g')} / {fmt(base['steps_to_target'], 'g')} | "
+                       f"{seconds} | {cell['thor_best']['rate']:.2g} |")
+    return out
+
+
 def readme_block(records, root=ROOT):
     rows = all_rows(records, root)
     outside = outside_summary(records["outside"], root)
@@ -277,6 +350,7 @@ def readme_block(records, root=ROOT):
         f"{outside[0]['seeds']} seeds): THOR ahead on {ahead} of {len(outside)} "
         f"([docs/results.md](docs/results.md#outside-the-suite)). "
         + steps_and_seconds_line(records["suite"]),
+        "", batch_scaling_line(records["batch_scaling"]),
         END]
     return "\n".join(lines)
 
@@ -353,6 +427,13 @@ def results_page(records, root=ROOT):
         out.append(f"| `{o['workload']}` | {o['metric']} | {o['thor']} | {o['baseline']} | "
                    f"{'**yes**' if o['ahead'] else 'no'} |")
     out += ["", f"THOR ahead on {sum(o['ahead'] for o in outside)} of {len(outside)}.", "",
+            "## Larger batches", "",
+            "THOR at its defaults against each workload's best baseline re-tuned at every batch "
+            "(medians over 3 seeds; seconds from THOR and the baseline trained in turn in one "
+            "process); method, plots and the critical batches in "
+            "[batch_scaling.md](batch_scaling.md).", ""]
+    out += batch_scaling_table(records["batch_scaling"])
+    out += ["",
             "## The records", "",
             "One current record per benchmark in [`results/`](results/); the history of every "
             "earlier run is in git.", "",

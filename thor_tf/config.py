@@ -27,7 +27,7 @@ FISHER_TYPES = ("empirical", "sampled")
 #: damping_split=..., kl_clip=..., inverse_assignment=...)``), still taken by name here and
 #: handed to the rule (:func:`thor_tf.rules.with_options`): ``wrap(model, update_rule="inverse",
 #: kl_clip=None)``. Set on a rule that does not take them, they raise ``ValueError`` naming the
-#: rule. Not unset: the rule's own value; after construction, the rule's value (None when it has
+#: rule. Unset: the rule's own value. After construction they hold the rule's value (None when it has
 #: no such option).
 RULE_OPTIONS = ("momentum", "kl_clip", "inverse_assignment", "damping_split")
 #: What those options were worth in configs saved before they moved to the rule (every saved
@@ -48,7 +48,7 @@ UNSET = _Unset()
 #: "auto" reads the compiled loss in ``ThorModel.fit`` and assumes "mean" in the user's own code.
 LOSS_REDUCTIONS = ("auto", "mean", "sum")
 DEFAULT_FREQUENCY = 10
-#: Noise filter of the trace rule ("none" = the rule as published); see README and scheduler.py.
+#: Noise filter of the trace rule ("none" = the rule as published); see trace_rule.py.
 DEFAULT_TRACE_FILTER = "mean"
 #: Steps after which a block is refreshed whatever the trace rule says (issue 18's 3-seed
 #: benchmark on the CNN, ResNet-20 and ViT, docs/results.md); None: the rule alone.
