@@ -657,13 +657,17 @@ def plot_projection(projection, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    for name, p in projection["workloads"].items():
+    for index, (name, p) in enumerate(projection["workloads"].items()):
         rows = [r for r in p["rows"] if r["ratio"] is not None]
         ax.plot([r["replicas"] for r in rows], [r["ratio"] for r in rows], marker="o",
                 label=f"{name} (vs {p['baseline']})")
         extra = [r for r in rows if r["thor"]["extrapolated"] or r["baseline"]["extrapolated"]]
         ax.scatter([r["replicas"] for r in extra], [r["ratio"] for r in extra], s=60,
                    facecolors="none", edgecolors="k")
+        only = [r["replicas"] for r in p["rows"] if r.get("only_thor")]
+        ax.scatter(only, [-0.04 * index] * len(only), marker="v", s=40,
+                   color=ax.lines[-1].get_color() if ax.lines else None,
+                   label=f"{name}: only THOR reaches the target (near 0)" if only else None)
     ax.axhline(1.0, color="k", lw=0.6, ls=":")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("replicas (suite batch each)")
@@ -676,12 +680,18 @@ def plot_projection(projection, path):
 
 
 def plot(record, path_steps, path_seconds):
+    """Steps (log-log, with the perfect-scaling line from the best baseline at B) and seconds to
+    the target against the batch: THOR at its default and best peak, the best baseline at each
+    batch (re-tuned there); a triangle at the top of the panel where one never reached it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(record["workloads"])
+    lines = (("thor", "THOR (default)", "tab:red", "-"),
+             ("thor_best", "THOR (best peak)", "tab:red", "--"),
+             ("best_baseline", "best baseline (re-tuned)", "tab:blue", "-"))
     for key, path, label in (("steps_to_target", path_steps, "steps to target"),
                              ("seconds_to_target", path_seconds, "seconds to target")):
         fig, axes = plt.subplots(1, max(1, len(names)), figsize=(4.6 * max(1, len(names)), 3.8),
@@ -689,20 +699,23 @@ def plot(record, path_steps, path_seconds):
         for ax, name in zip(axes[0], names):
             w = record["workloads"][name]
             batches = sorted(int(b) for b in w["batches"])
-            optimizers = sorted({o for c in w["batches"].values() for o in c
-                                 if o not in CELL_KEYS})
-            for optimizer in optimizers:
-                xs, ys = [], []
+            values = {}
+            for optimizer, _, _, _ in lines:
                 for b in batches:
-                    value = w["batches"][str(b)].get(optimizer, {}).get(key)
-                    if value is not None:
-                        xs.append(b)
-                        ys.append(value)
-                if not xs:
-                    continue
-                color = suite.COLORS.get(optimizer.split("_")[0], "tab:gray")
-                style = "--" if optimizer == "thor_best" else "-"
-                ax.plot(xs, ys, style, marker="o", color=color, label=optimizer)
+                    cell = w["batches"][str(b)]
+                    info = cell.get(cell["best_baseline"] if optimizer == "best_baseline"
+                                    else optimizer, {})
+                    if key == "seconds_to_target" and not info.get("seconds_paired", True):
+                        continue
+                    values.setdefault(optimizer, {})[b] = info.get(key)
+            top = max([v for per in values.values() for v in per.values() if v] or [1.0]) * 1.3
+            for optimizer, text, color, style in lines:
+                per = values.get(optimizer, {})
+                xs = [b for b in batches if per.get(b) is not None]
+                ax.plot(xs, [per[b] for b in xs], style, marker="o", color=color, label=text)
+                never = [b for b in batches if b in per and per[b] is None]
+                ax.scatter(never, [top] * len(never), marker="^", color=color, s=50,
+                           label=f"{text}: never" if never else None)
             if key == "steps_to_target":
                 base = w["batches"][str(batches[0])]
                 start = base.get(base["best_baseline"], {}).get(key)
@@ -714,7 +727,7 @@ def plot(record, path_steps, path_seconds):
             ax.set_xlabel("batch size")
             ax.set_ylabel(label)
             ax.set_title(f"{name} (target {w['target']:.3g})", fontsize=9)
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=6)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)

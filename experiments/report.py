@@ -340,6 +340,43 @@ def batch_scaling_table(record):
     return out
 
 
+def _fmt_batch(value):
+    if value is None:
+        return "n/a"
+    return "above the largest batch" if value == float("inf") else f"{value:,.0f}"
+
+
+def batch_scaling_block(record):
+    """docs/batch_scaling.md's results (between the results markers): the table, per workload
+    the critical and halving batches, and the projection across replicas."""
+    out = [BEGIN, GENERATED, ""] + batch_scaling_table(record) + [
+        "", "| workload | critical batch B_crit, THOR / best baseline | halving batch, THOR / "
+            "best baseline | projected seconds to the target, THOR over the best baseline at "
+            "B per replica, R = 1, 2, 4, 8, 16, 32, 64 (* extrapolated) |",
+        "|---|---|---|---|"]
+    projection = (record.get("projection") or {}).get("workloads", {})
+    for name, w in record["workloads"].items():
+        label = SUITE_WORKLOADS.get(name, (name,))[0]
+        sc = w["scaling"]
+        rows = (projection.get(name) or {}).get("rows", [])
+
+        def cell(r):
+            text = ("THOR only" if r.get("only_thor") else
+                    "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}")
+            return text + ("*" if r["thor"]["extrapolated"] or r["baseline"]["extrapolated"]
+                           else "")
+
+        out.append(f"| {label} | {_fmt_batch(sc['thor']['critical_batch'])} / "
+                   f"{_fmt_batch(sc['best_baseline']['critical_batch'])} | "
+                   f"{_fmt_batch(sc['thor']['halving_batch'])} / "
+                   f"{_fmt_batch(sc['best_baseline']['halving_batch'])} | "
+                   f"{', '.join(cell(r) for r in rows)} |")
+    out += ["", "![steps to the target against the batch](results/batch_scaling_steps.png)", "",
+            "![seconds to the target against the batch](results/batch_scaling_seconds.png)", "",
+            "![projected seconds across replicas](results/batch_scaling_projection.png)", "", END]
+    return "\n".join(out)
+
+
 def readme_block(records, root=ROOT):
     rows = all_rows(records, root)
     outside = outside_summary(records["outside"], root)
@@ -457,7 +494,13 @@ def render(root=ROOT):
     if start < 0 or end < start:
         raise ValueError(f"README.md has no {BEGIN} ... {END} block")
     readme = readme[:start] + readme_block(records, root) + readme[end + len(END):]
-    return {"README.md": readme, "docs/results.md": results_page(records, root)}
+    page = (root / "docs" / "batch_scaling.md").read_text()
+    start, end = page.find(BEGIN), page.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"docs/batch_scaling.md has no {BEGIN} ... {END} block")
+    page = page[:start] + batch_scaling_block(records["batch_scaling"]) + page[end + len(END):]
+    return {"README.md": readme, "docs/results.md": results_page(records, root),
+            "docs/batch_scaling.md": page}
 
 
 def plot_suite(root=ROOT):

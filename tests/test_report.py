@@ -43,6 +43,8 @@ def test_a_new_suite_record_regenerates_the_table(tmp_path):
     the report picks the new record up (here: one workload's finals and ratios changed)."""
     shutil.copytree(os.path.join(ROOT, "docs", "results"), tmp_path / "docs" / "results")
     shutil.copy(os.path.join(ROOT, "README.md"), tmp_path / "README.md")
+    shutil.copy(os.path.join(ROOT, "docs", "batch_scaling.md"),
+                tmp_path / "docs" / "batch_scaling.md")
     suite_path = tmp_path / "docs" / "results" / "suite.json"
     record = json.loads(suite_path.read_text())
     record.pop("commit")  # an older script's record: shown as such, not an error
@@ -64,3 +66,25 @@ def test_check_mode_exits_zero_on_the_committed_files():
                            "sys.exit(report.main(['--check']))"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_batch_scaling_record_gives_readme_its_line_and_the_page_its_table():
+    """README's line on larger batches and docs/batch_scaling.md's table come from the
+    batch-scaling record: a changed cell changes both."""
+    records = report.load_records(ROOT)
+    record = json.loads(json.dumps(records["batch_scaling"]))
+    name = next(iter(record["workloads"]))
+    w = record["workloads"][name]
+    largest = str(max(int(b) for b in w["batches"]))
+    cell = w["batches"][largest]
+    base = cell["best_baseline"]
+    cell["thor"].update(steps_to_target=10, final=0.5)
+    cell[base].update(steps_to_target=40)
+    cell["paired_seconds"] = {"per_seed": {"0": 0.3}, "median": 0.3, "only_thor_seeds": []}
+    line = report.batch_scaling_line(record)
+    assert f"at batch {int(largest):,} ({int(largest) // w['base_batch']}×): steps 0.25×, " \
+           f"seconds 0.30×" in line, line
+    table = "\n".join(report.batch_scaling_block(record).splitlines())
+    assert "| 10 / 40 | 0.30× |" in table
+    cell[base].update(steps_to_target=None)
+    assert "only THOR reaches the target" in report.batch_scaling_line(record)
