@@ -246,8 +246,8 @@ def test_wrong_scale_or_product_order_is_caught(variant):
     a_b = homogeneous(a_b, True)
     assert not np.allclose(_example_sums(a_a, g_a, n), mat_a, rtol=1e-3, atol=1e-6)
     assert not np.allclose(_example_sums(a_b, g_b, n), mat_b, rtol=1e-3, atol=1e-6)
-    wrapped = thor_tf.wrap(model, learning_rate=1.0, momentum=0.0, damping=0.1, kl_clip=None,
-                           verbose=False)
+    # Factors only: the rule in use (the default) does not matter here.
+    wrapped = thor_tf.wrap(model, learning_rate=1.0, damping=0.1, verbose=False)
     wrapped.compile(loss="mse", run_eagerly=True)
     wrapped.train_on_batch(x, y.astype("float32"))
     got_a, got_b = wrapped.thor.factors("blk/lora_a"), wrapped.thor.factors("blk/lora_b")
@@ -424,7 +424,7 @@ def test_qlora_int8_adapters_have_their_blocks(case):
     a_a, g_a, a_b, g_b = _rows(case, x.astype(np.float64), g, params)
     a_b = homogeneous(a_b, _b_folded(case))
     frozen = [(v, v.numpy()) for v in layer.non_trainable_variables]
-    wrapped = thor_tf.wrap(model, learning_rate=0.1, momentum=0.0, damping=0.1, verbose=False)
+    wrapped = thor_tf.wrap(model, learning_rate=0.1, damping=0.1, verbose=False)
     assert [bl.name for bl in wrapped.thor.blocks] == ["blk/lora_a", "blk/lora_b"]
     wrapped.compile(loss="mse")
     wrapped.train_on_batch(x, y.astype("float32"))
