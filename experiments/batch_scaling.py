@@ -1,6 +1,6 @@
 """Where second-order pays: steps and seconds to a target against the batch size.
 
-    python experiments/batch_scaling.py                       # fashion_cnn, resnet20, char_gpt
+    python experiments/batch_scaling.py --record docs/results/batch_scaling.json  # ~2 h, 2 cores
     python experiments/batch_scaling.py --workloads char_gpt --multiples 1,4
     python experiments/batch_scaling.py --quick               # tiny sizes, seed 0 (CI)
     python experiments/batch_scaling.py --report-only         # rebuild JSON, table, plots
@@ -43,8 +43,12 @@ Outputs in ``--out`` (default ``runs/batch_scaling``): ``metrics.csv`` (every ev
 skips the runs it holds, so the sweep resumes), ``batch_scaling.json`` (``{"workloads": {name:
 {"target", "batches": {b: {optimizer: {"rate", "final", "steps_to_target",
 "examples_to_target", "seconds_to_target"}}}}}}`` and the tuning detail),
-``batch_scaling.md`` (the table) and two plots: steps to target against batch (log-log, with
-the perfect-scaling line) and seconds to target against batch.
+``batch_scaling.md`` (the table) and three plots: steps to target against batch (log-log, with
+the perfect-scaling line), seconds to target against batch, and the projection across R
+data-parallel replicas (:func:`project`). ``--record PATH`` also writes the record and its plots
+there (``docs/results/batch_scaling.json``: what ``python -m thor_tf_experiments.report`` reads).
+Seconds are compared as THOR's over the baseline's per seed of an interleaved pair, then the
+median (``paired_seconds``).
 """
 
 from __future__ import annotations
