@@ -3,8 +3,9 @@
 MirroredStrategy over 2 and 4 logical CPU devices against one device (weights, KL-clip ν,
 decisions, factors and inverses; every optimizer variable identical on all replicas), checkpoints
 of a 2-replica run resumed on 1 and 2 replicas, two MultiWorkerMirroredStrategy worker processes on
-127.0.0.1 against one process (custom loop and ``fit``), a dead worker failing the other, and the
-skip path (NaN batches, loss scaling) on 2 replicas. Each case runs in a subprocess (logical devices
+127.0.0.1 against one process (custom loop and ``fit``), a dead worker failing the other, the
+skip path (NaN batches, loss scaling) on 2 replicas, and the default rule with a refresh at every
+step against one device's own reordering of the batch's rows (with oneDNN and without). Each case runs in a subprocess (logical devices
 and TF_CONFIG must be set before TensorFlow starts); the scripts are in tests/scripts/.
 """
 
