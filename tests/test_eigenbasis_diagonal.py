@@ -24,7 +24,7 @@ from thor_tf.split_plan import SplitPlan
 
 from reference import dense_backward, dense_forward, homogeneous, mean_outer
 from test_eigenbasis import EVERY_2, LR, NumpyEigenbasis
-from test_eigenbasis_orthogonal import np_newton_schulz
+from test_newton_schulz import np_newton_schulz
 
 
 def _mlp(widths, seed=0):
