@@ -438,15 +438,18 @@ def basis_change(q_old, q_new):
 
 def rotate_first_moment(m, r_a, r_g, a_dim, g_dim):
     """``R_Aᵀ m R_G``: a first moment ``[a_dim, g_dim]`` kept in the old bases, in the new ones
-    (exact: the first moment is linear in the gradient)."""
-    left = BlockDiagonal(tf.linalg.matrix_transpose(r_a), a_dim).matmul(m)
-    return BlockDiagonal(r_g, g_dim).rmatmul(left)
+    (exact: the first moment is linear in the gradient). ``r_a`` or ``r_g`` None: that side is
+    not rotated (R = I: a side kept as its diagonal, whose basis is 1)."""
+    left = m if r_a is None else BlockDiagonal(tf.linalg.matrix_transpose(r_a), a_dim).matmul(m)
+    return left if r_g is None else BlockDiagonal(r_g, g_dim).rmatmul(left)
 
 
 def rotate_second_moment(v, r_a, r_g, a_dim, g_dim):
     """``(R_A∘R_A)ᵀ v (R_G∘R_G)``: the diagonal second moment ``[a_dim, g_dim]`` carried into the
     new bases, entry ``(i, j) = Σ_kl R_A[k,i]² v[k,l] R_G[l,j]²`` (the diagonal of
     ``Rᵀ diag(v) R`` on each side: the old coordinates treated as uncorrelated). It stays ≥ 0
-    and keeps the total ``Σ v`` (the columns of an orthogonal R have unit norm)."""
-    left = BlockDiagonal(tf.linalg.matrix_transpose(tf.square(r_a)), a_dim).matmul(v)
-    return BlockDiagonal(tf.square(r_g), g_dim).rmatmul(left)
+    and keeps the total ``Σ v`` (the columns of an orthogonal R have unit norm). ``r_a`` or
+    ``r_g`` None: that side is not rotated, as :func:`rotate_first_moment`."""
+    left = v if r_a is None else BlockDiagonal(
+        tf.linalg.matrix_transpose(tf.square(r_a)), a_dim).matmul(v)
+    return left if r_g is None else BlockDiagonal(tf.square(r_g), g_dim).rmatmul(left)
