@@ -25,7 +25,8 @@ def pytest_configure(config):
 #: The tests marked ``numerics`` (node ids; a parametrized test by its name takes every case, or
 #: one case by its id): those whose tolerance is float32 round-off, so that they fail when a
 #: tolerance holds only on the kernels of one CPU. Chosen by what they assert and by CI's time
-#: (~2 minutes on 2 cores for the second pass; `python -m pytest -m numerics tests` runs them).
+#: (the second pass took 190 s with -n 2 on 2 cores other jobs shared, load ~5; `python -m
+#: pytest -m numerics tests` runs them).
 NUMERICS = (
     # The update rules' steps against float64 first principles, and the pieces they are made of.
     "tests/test_eigenbasis.py::test_dense_steps_match_float64_first_principles",
