@@ -78,8 +78,36 @@ def float64_iteration(x, steps=5):
     return np.stack(out)
 
 
-def paired(workload_name, steps):
-    """Steady-step medians of the two methods, trained side by side (module docstring)."""
+def float32_spectral(xs, steps=5, coefficients=None, epsilon=1e-7, method=None):
+    """The evaluation ``"auto"`` made on a CPU before 2026-11 (the library at 14e272e): every
+    short side up to 1024 through a float32 ``eigh`` of a float32 Gram matrix, ``P`` and ``X P``
+    in float32; up to ~100x the float32 iteration's error on nearly singular matrices. Kept here
+    only as the ``--paired`` baseline of what the accurate default costs."""
+    import tensorflow as tf
+    from thor_tf.rules.newton_schulz import NS_COEFFICIENTS
+
+    a, b, c = (tf.constant(v, tf.float32) for v in (coefficients or NS_COEFFICIENTS))
+    out = []
+    for x in xs:
+        tall = x.shape[-2] > x.shape[-1]
+        x = x / (tf.sqrt(tf.reduce_sum(tf.square(x), axis=[-2, -1], keepdims=True)) + epsilon)
+        x = tf.where(tf.reduce_all(tf.math.is_finite(x), axis=[-2, -1], keepdims=True), x,
+                     tf.zeros_like(x))
+        gram = tf.matmul(x, x, transpose_a=True) if tall else tf.matmul(x, x, transpose_b=True)
+        w, u = tf.linalg.eigh(gram)
+        s2, gain = tf.maximum(w, 0.0), None
+        for k in range(steps):
+            f = a + s2 * (b + c * s2)
+            gain = f if gain is None else gain * f
+            s2 = s2 * tf.square(f)
+        p = tf.matmul(u * tf.expand_dims(gain, -2), u, transpose_b=True)
+        out.append(tf.matmul(x, p) if tall else tf.matmul(p, x))
+    return out
+
+
+def paired(workload_name, steps, methods=("iterate", "spectral")):
+    """Steady-step medians of two methods, trained side by side (module docstring); a method is
+    one of ``newton_schulz``'s or ``"float32_spectral"`` (:func:`float32_spectral`)."""
     import functools
     import statistics
     import time
@@ -93,14 +121,15 @@ def paired(workload_name, steps):
     data = workload.load(False)
     order = suite.batch_order(data.num_train, workload.batch_size, workload.epochs, 0,
                               workload.single_pass)
-    models, methods = [], ("iterate", "spectral")
+    models = []
     real = eigenbasis_module.newton_schulz_many
     try:
         for method in methods:
             keras.utils.set_random_seed(0)
             model = suite.compiled_model("thor", 0.0, workload, data, False, len(order), {})
-            eigenbasis_module.newton_schulz_many = functools.partial(newton_schulz_many,
-                                                                     method=method)
+            eigenbasis_module.newton_schulz_many = (
+                float32_spectral if method == "float32_spectral"
+                else functools.partial(newton_schulz_many, method=method))
             model.train_on_batch(data.x_train[order[0]], data.y_train[order[0]])  # traced here
             models.append(model)
     finally:
@@ -118,13 +147,14 @@ def paired(workload_name, steps):
     for k, method in enumerate(methods):
         entry[method] = {"wall_ms": round(1e3 * statistics.median(wall[k][2:]), 3),
                          "cpu_ms": round(1e3 * statistics.median(cpu[k][2:]), 3)}
+    first, second = methods
     for measure in ("wall_ms", "cpu_ms"):
-        entry["spectral_over_iterate_" + measure[:-3]] = round(
-            entry["spectral"][measure] / entry["iterate"][measure], 3)
-    print(f"{workload_name} paired: wall {entry['iterate']['wall_ms']:.1f} -> "
-          f"{entry['spectral']['wall_ms']:.1f} ms ({entry['spectral_over_iterate_wall']:.3f}x), "
-          f"CPU {entry['iterate']['cpu_ms']:.1f} -> {entry['spectral']['cpu_ms']:.1f} ms "
-          f"({entry['spectral_over_iterate_cpu']:.3f}x)", flush=True)
+        entry[f"{second}_over_{first}_" + measure[:-3]] = round(
+            entry[second][measure] / entry[first][measure], 3)
+    print(f"{workload_name} paired: wall {entry[first]['wall_ms']:.1f} -> "
+          f"{entry[second]['wall_ms']:.1f} ms ({entry[f'{second}_over_{first}_wall']:.3f}x), "
+          f"CPU {entry[first]['cpu_ms']:.1f} -> {entry[second]['cpu_ms']:.1f} ms "
+          f"({entry[f'{second}_over_{first}_cpu']:.3f}x)", flush=True)
     return entry
 
 
@@ -135,6 +165,8 @@ def main(argv=None):
     parser.add_argument("--out", default="docs/results/bench_ns_spectral.json")
     parser.add_argument("--paired", default="", help="workloads whose whole step to compare")
     parser.add_argument("--steps", type=int, default=100, help="--paired: steps per model")
+    parser.add_argument("--methods", default="iterate,spectral",
+                        help="--paired: the two methods (newton_schulz's, or float32_spectral)")
     args = parser.parse_args(argv)
     import tensorflow as tf
     from thor_tf.rules.eigenbasis_ops import newton_schulz
@@ -142,7 +174,8 @@ def main(argv=None):
     report = {"tensorflow": tf.__version__, "repeats": args.repeats, "workloads": []}
     if args.paired:
         report = {"tensorflow": tf.__version__, "paired": [
-            paired(name, args.steps) for name in args.paired.split(",")]}
+            paired(name, args.steps, tuple(args.methods.split(",")))
+            for name in args.paired.split(",")], "command": " ".join(sys.argv)}
         with open(args.out, "w") as handle:
             json.dump(report, handle, indent=1)
         print(f"wrote {args.out}")

@@ -31,6 +31,29 @@ def run_self(script, args, timeout=1800, **environ):
     return json.loads(lines[0][len("RESULT"):])
 
 
+def thor_defaults():
+    """What ``thor_tf.wrap(model)`` uses when given no options, as a benchmark record stores it:
+    the split (resolved: the default rule's plan), the update rule (name and config), the
+    cadence (``frequency``, ``preset``, ``trace_filter``, ``max_block_age``) and
+    ``graph_optimization``. A record of THOR at its defaults carries this under
+    ``"thor_defaults"``; tests/test_bench_records.py asserts it equals thor_tf's, so changing a
+    default fails until the record is re-measured."""
+    import inspect
+
+    from thor_tf import model
+    from thor_tf.config import ThorConfig
+    from thor_tf.split_plan import split_config
+
+    config = ThorConfig()
+    rule = config.update_rule
+    return {"split_dim": split_config(config.split_dim),
+            "update_rule": {"name": rule.name, **rule.get_config()},
+            "frequency": config.frequency, "preset": config.preset,
+            "trace_filter": config.trace_filter, "max_block_age": config.max_block_age,
+            "graph_optimization": inspect.signature(
+                model.ThorModel.__init__).parameters["graph_optimization"].default}
+
+
 def write_results(out, summary, script, argv, plot, plot_data):
     """Write ``summary`` with the machine, date and command to JSON ``out``, and the plot of
     ``plot_data`` (``plot(plot_data, path)``) to the PNG next to it."""

@@ -67,6 +67,11 @@ CASES = [
     ((1, 1), (1, 1), "valid", (1, 1), True, 5, 4),    # channel 4 and the bias in the last block
     ((1, 1), (2, 2), "same", (1, 1), False, 5, None),
     ((3, 3), (1, 1), "same", (1, 1), True, 2, 100),   # split >= a_dim: one exact block
+    # split 1: the diagonal alone (conv_diagonal_sums), strides, dilation, VALID, no bias
+    ((3, 3), (2, 2), "same", (1, 1), True, 3, 1),
+    ((2, 3), (2, 1), "valid", (2, 2), False, 2, 1),
+    ((3, 2), (1, 1), "same", (2, 2), True, 2, 1),
+    ((1, 1), (1, 1), "valid", (1, 1), True, 5, 1),
 ]
 
 
@@ -104,25 +109,27 @@ def test_half_precision_inputs_give_float32_statistics(dtype):
     assert_close(got, reference_a([rounded], (3, 3), (1, 1), "same", (1, 1), True, 12))
 
 
-def test_dynamic_spatial_sizes_under_tf_function():
+@pytest.mark.parametrize("split", [8, 1])
+def test_dynamic_spatial_sizes_under_tf_function(split):
     block = conv_block(2, (3, 3), strides=(2, 2))
-    fn = tf.function(lambda x: block.factor_a([Record(x, None)], split_dim=8),
+    fn = tf.function(lambda x: block.factor_a([Record(x, None)], split_dim=split),
                      input_signature=[tf.TensorSpec([None, None, None, 2], tf.float32)])
     for shape in [(2, 7, 6, 2), (1, 4, 9, 2)]:
         x = np.random.default_rng(3).normal(size=shape).astype("float32")
-        assert_close(fn(x), reference_a([x], (3, 3), (2, 2), "same", (1, 1), True, 8))
+        assert_close(fn(x), reference_a([x], (3, 3), (2, 2), "same", (1, 1), True, split))
 
 
+@pytest.mark.parametrize("split", [5, 1])
 @pytest.mark.parametrize("padding,stride,dilation", [("causal", 1, 2), ("same", 2, 1), ("valid", 1, 1)])
-def test_conv1d_uses_the_shifted_path(padding, stride, dilation):
+def test_conv1d_uses_the_shifted_path(padding, stride, dilation, split):
     x = np.random.default_rng(4).normal(size=(3, 9, 4)).astype("float32")
     layer = keras.layers.Conv1D(2, 3, strides=stride, padding=padding, dilation_rate=dilation)
     layer.build((None, None, 4))
     block = Conv1DBlock("conv", layer)
     assert block.a_factor_method == "shifted"
     rows = conv1d_patches(x.astype(np.float64), 3, stride, padding, dilation)
-    want = split_blocks(mean_outer(homogeneous(rows.reshape(-1, rows.shape[-1]), True)), 5)
-    assert_close(block.factor_a(records(x), split_dim=5), want)
+    want = split_blocks(mean_outer(homogeneous(rows.reshape(-1, rows.shape[-1]), True)), split)
+    assert_close(block.factor_a(records(x), split_dim=split), want)
 
 
 def test_block_segments_cover_the_features_in_order():

@@ -3,8 +3,9 @@
 MirroredStrategy over 2 and 4 logical CPU devices against one device (weights, KL-clip ν,
 decisions, factors and inverses; every optimizer variable identical on all replicas), checkpoints
 of a 2-replica run resumed on 1 and 2 replicas, two MultiWorkerMirroredStrategy worker processes on
-127.0.0.1 against one process (custom loop and ``fit``), a dead worker failing the other, and the
-skip path (NaN batches, loss scaling) on 2 replicas. Each case runs in a subprocess (logical devices
+127.0.0.1 against one process (custom loop and ``fit``), a dead worker failing the other, the
+skip path (NaN batches, loss scaling) on 2 replicas, and the default rule with a refresh at every
+step against one device's own reordering of the batch's rows (with oneDNN and without). Each case runs in a subprocess (logical devices
 and TF_CONFIG must be set before TensorFlow starts); the scripts are in tests/scripts/.
 """
 
@@ -126,9 +127,10 @@ def _run(script, *args):
     return _result(proc.stdout, proc.stderr)
 
 
-def _run_file(name, *args, timeout=300):
+def _run_file(name, *args, timeout=300, env=None):
     proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, name), *map(str, args)],
-                          capture_output=True, text=True, env=_env(), timeout=timeout)
+                          capture_output=True, text=True, env=_env(**(env or {})),
+                          timeout=timeout)
     return _result(proc.stdout, proc.stderr)
 
 
@@ -189,6 +191,43 @@ def test_replicas_take_the_single_device_step(replicas, assignment, rule):
         # carry the same sensitivity as the weights: 3e-4 measured on TF 2.16).
         assert r["factor_inverse_diff"] < SAME_STEP[rule], (name, r)
         assert r["replicas_identical"], (name, r)
+
+
+#: Two replicas against one device under the default rule with a refresh at every step
+#: (docs/distributed.md, "What bounds the difference"). The replicas change only the order of the
+#: sums over the batch's rows (factors, gradients), so they land where one device lands with each
+#: batch's rows reordered: within REORDERED times the larger of two such reorderings (measured
+#: 0.7–1.0×, both kernel paths). That difference is the rule's own first-order response to
+#: float32 round-off: δF ≈ u·‖F‖ in a factor turns an eigenvector pair whose eigenvalues are g
+#: apart by θ ≈ δF/g, and Adam's division in the eigenbasis passes a rotated entry near its floor
+#: f = ε_r·RMS with slope up to 1/f: a step moves by ≈ θ·|M'|/f (1.0–1.7e-4 of the first step
+#: measured, 1.1e-4 of the run's movement after 3 steps). EVERY_REFRESH_CAP is 9× that; one
+#: example of the first batch's 64 replaced moves the weights by 0.28 of it (2500×).
+REORDERED = 4.0
+EVERY_REFRESH_CAP = 1e-3
+#: The factors after the first step, relative to their largest entry: float32 sums of n products
+#: differ by ~√n·u between orders (n = 64 rows for the Dense layers, 64·36 patches for the
+#: convolution: ≤ 3e-6; measured ≤ 3e-7); a wrong all-reduce weight or scale is O(1).
+FACTOR_ROUND_OFF = 1e-5
+#: The kernel paths: this machine's default, and TensorFlow's own kernels without oneDNN (what
+#: TensorFlow runs by default on CPUs without AVX-512, e.g. AMD EPYC).
+KERNEL_PATHS = {"default": {}, "onednn_off": {"TF_ENABLE_ONEDNN_OPTS": "0"}}
+
+
+@pytest.mark.parametrize("kernels", sorted(KERNEL_PATHS))
+def test_replicas_with_a_refresh_at_every_step_differ_as_one_device_reordered(kernels):
+    """The default rule (eigenbasis, orthogonalized step) with every layer's basis renewed at every
+    step, 3 steps of a Conv2D + Dense model on 2 replicas against one device on the same global
+    batches (64 rows: the Dense layers' A is full rank), on both kernel paths: the replicas are
+    within REORDERED of one device's own reordering and under EVERY_REFRESH_CAP, their factors
+    within round-off; a real difference (one example of the batch replaced) is ≥ 100× the cap."""
+    r = _run_file("replicas_every_refresh.py", "pool", 3, 64, env=KERNEL_PATHS[kernels])
+    assert r["refreshes"] == [3, 3, 3], r
+    reordered = max(r["swapped"], r["reversed"])
+    assert r["many"] <= REORDERED * reordered, r
+    assert r["many"] < EVERY_REFRESH_CAP and reordered < EVERY_REFRESH_CAP, r
+    assert r["many_factors"] < FACTOR_ROUND_OFF, r
+    assert r["other"] > 100 * EVERY_REFRESH_CAP and r["other_factors"] > 100 * FACTOR_ROUND_OFF, r
 
 
 def test_checkpoint_of_a_two_replica_run_resumes_exactly_on_one_and_two_replicas():

@@ -15,37 +15,14 @@ import keras
 import pytest
 
 import thor_tf
-from thor_tf.rules.eigenbasis_ops import NS_COEFFICIENTS, newton_schulz
+from thor_tf.rules.eigenbasis_ops import newton_schulz
 from thor_tf.rules import Eigenbasis
 from thor_tf.split_plan import SplitPlan
 
 from reference import homogeneous, mean_outer
+from test_newton_schulz import np_newton_schulz
 from test_eigenbasis import (EVERY_2, LR, NumpyEigenbasis, _linear_targets, _plain_mlp,
                              _regression, _rotation_run, _softmax_data)
-
-
-def np_newton_schulz(x, steps=5):
-    """Muon's quintic Newton–Schulz in float64, on the wide orientation."""
-    x = np.asarray(x, np.float64)
-    tall = x.shape[0] > x.shape[1]
-    if tall:
-        x = x.T
-    a, b, c = NS_COEFFICIENTS
-    x = x / (np.linalg.norm(x) + 1e-7)
-    for _ in range(steps):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.T if tall else x
-
-
-def test_newton_schulz_matches_float64_iteration():
-    rng = np.random.default_rng(0)
-    for shape in [(7, 5), (5, 7), (16, 16), (33, 1)]:
-        batch = rng.normal(size=(3,) + shape)
-        got = newton_schulz(batch.astype(np.float32)).numpy()
-        for x, y in zip(batch, got):
-            want = np_newton_schulz(x)
-            np.testing.assert_allclose(y, want, atol=2e-5 * np.abs(want).max(), rtol=0)
 
 
 def test_newton_schulz_orthogonalizes():

@@ -67,7 +67,8 @@ def test_wrap_keeps_predictions_and_registers_layers(factory, blocks, capsys):
     stats = wrapped.thor.layer_stats()
     assert len(stats) == blocks
     for row in stats:
-        assert {"name", "kind", "a_dim", "g_dim", "split_dim", "refreshes", "last_refresh_step"} <= set(row)
+        assert {"name", "kind", "a_dim", "g_dim", "split_a", "split_g", "refreshes",
+                "last_refresh_step"} <= set(row)
         assert row["refreshes"] >= 1 and row["last_refresh_step"] >= 0
 
 

@@ -261,15 +261,61 @@ def test_freeze_after_wrap_trains_the_head_exactly_then_fine_tunes(capsys):
     assert [s["refreshes"] > 0 for s in wrapped.thor.layer_stats()] == [True] * 3
 
 
-# -- 7. layer_stats reports the split from wrap on ------------------------------------------------
-def test_layer_stats_report_the_split_dim_given_to_wrap(tmp_path):
+# -- 7. layer_stats reports the splits each layer's factors use ------------------------------------
+#: small_cnn's factor dimensions, from its layers (not from thor_tf): A is the layer's fan-in plus 1
+#: for the bias (the bias row folded in), G its units or filters.
+SMALL_CNN_DIMS = {"conv": (3 * 3 * 1 + 1, 8), "fc": (8 * 8 * 8 + 1, 32), "out": (32 + 1, 10)}
+
+
+def _splits(wrapped):
+    return {s["name"]: (s["split_a"], s["split_g"]) for s in wrapped.thor.layer_stats()}
+
+
+def test_layer_stats_report_the_splits_each_factor_uses(tmp_path):
+    """``split_a``/``split_g`` are the diagonal block sizes A and G are kept in (the dimension where
+    it is not split, 1 where only the diagonal is kept), from ``wrap`` on and the same once the
+    state exists; the plan itself stays in the options."""
+    x, y = digits(32)
     wrapped = thor_tf.wrap(small_cnn(), split_dim=16, verbose=False)
-    assert [s["split_dim"] for s in wrapped.thor.layer_stats()] == [16, 16, 16]
+    assert {s["name"]: (s["a_dim"], s["g_dim"])
+            for s in wrapped.thor.layer_stats()} == SMALL_CNN_DIMS
+    assert _splits(wrapped) == {"conv": (10, 8), "fc": (16, 16), "out": (16, 10)}
     path = os.path.join(tmp_path, "calibration.json")
     with open(path, "w") as fh:
         fh.write('{"split_dim": 32}')
     wrapped = thor_tf.wrap(small_cnn(), split_dim=path, verbose=False)
-    assert {s["split_dim"] for s in wrapped.thor.layer_stats()} == {32}
+    assert _splits(wrapped) == {"conv": (10, 8), "fc": (32, 32), "out": (32, 10)}
+    # A plan: dimension 10 (the conv's A, the output's G) by its entry, 32 (fc's G) kept as its
+    # diagonal by its entry, fc's A (513) over diagonal_above, the others at the default.
+    plan = thor_tf.SplitPlan(12, by_dim={10: 4, 32: 1}, diagonal_above=500)
+    wrapped = thor_tf.wrap(small_cnn(), split_dim=plan, verbose=False)
+    wrapped.compile(loss="sparse_categorical_crossentropy")
+    expected = {"conv": (4, 8), "fc": (1, 1), "out": (12, 4)}
+    assert _splits(wrapped) == expected
+    wrapped.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert _splits(wrapped) == expected  # read from the state now
+    assert wrapped.thor_optimizer.config.split_dim == plan
+
+
+def test_layer_stats_report_the_splits_auto_chose():
+    """Under ``split_dim="auto"`` the splits are None until ``fit`` calibrates, then those of
+    the plan it chose, each factor's dimension computed here from the layers."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 12)).astype("float32")
+    y = rng.integers(0, 4, 64)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(24, activation="tanh",
+                                                                     name="hidden"),
+                              keras.layers.Dense(4, use_bias=False, name="out")])
+    dims = {"hidden": (12 + 1, 24), "out": (24, 4)}
+    wrapped = thor_tf.wrap(model, split_dim="auto", verbose=False, learning_rate=0.01)
+    wrapped.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert _splits(wrapped) == {"hidden": (None, None), "out": (None, None)}
+    wrapped.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    plan = wrapped.thor_optimizer.config.split_dim
+    assert isinstance(plan, thor_tf.SplitPlan)
+    assert _splits(wrapped) == {name: tuple(min(plan.size(d), d) for d in dims[name])
+                                for name in dims}
 
 
 # -- 8. BackupAndRestore: an interrupted run continues the uninterrupted trajectory -------------

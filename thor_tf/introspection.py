@@ -9,20 +9,27 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from thor_tf.block_diagonal import BlockDiagonal
+from thor_tf.block_diagonal import BlockDiagonal, split_layout
+from thor_tf.split_plan import AUTO
 
 
 class Introspection:
     """Read-outs of an engine's blocks and state (``self.blocks``, ``self.state``, ...)."""
 
     def layer_stats(self):
-        """One dict per registered layer (host values; call between steps, not in the graph)."""
+        """One dict per registered layer (host values; call between steps, not in the graph).
+
+        ``split_a``/``split_g``: the diagonal block size A's and G's factor are kept in (the
+        factor's dimension where it is not split, 1 where only its diagonal is kept: an
+        eigenbasis side left unrotated), read from THOR's state once it is built, else what
+        ``split_dim`` gives; None where ``split_dim="auto"`` has not chosen yet. The model's
+        ``split_dim`` itself (an int or a plan) is an option: ``model.thor_optimizer.config``."""
         split = self.config.split_dim if self.optimizer is not None else self.split_dim
         stats = []
         state = self._state
         for i, b in enumerate(self.blocks):
             row = dict(b.describe())
-            row["split_dim"] = split
+            row["split_a"], row["split_g"] = self._splits_in_use(i, b, split)
             if state is not None:
                 row.update({
                     "refreshes": int(state.refreshes.numpy()[i]),
@@ -37,6 +44,20 @@ class Introspection:
                             "frozen_at_step": -1, "last_delta": float("nan")})
             stats.append(row)
         return stats
+
+    def _splits_in_use(self, i, block, split):
+        """``(A's block size, G's)`` of block ``i`` (:meth:`layer_stats`)."""
+        state = self._state
+        if state is not None:
+            held = state.layers[i]
+            return int(held.A.shape[-1]), int(held.G.shape[-1])
+        if split is None:  # wrap's default before compile: the rule's split
+            split = self.config.rule.default_split if self.optimizer is not None else None
+        if split is None or split == AUTO:
+            # Not chosen yet; a factor diagonal by structure (Embedding's A) is 1 whatever it is.
+            return tuple(1 if size == 1 else None for size in block.split_sizes(1 << 30))
+        return tuple(split_layout(dim, size)[1] for dim, size in
+                     zip((block.a_dim, block.g_dim), block.split_sizes(split)))
 
     def curvature_to_damping(self):
         """``{name: (tr G / g_dim) / √λ}`` of the refreshed layers' factors in use (host values):

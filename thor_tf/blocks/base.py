@@ -51,6 +51,8 @@ def block_gram(rows, split_dim=None, row_weights=None):
         count = tf.cast(tf.shape(rows)[0], rows.dtype)
     if split_dim is None or split_dim >= n:
         return (tf.matmul(rows, rows, transpose_a=True) / count)[None]
+    if split_dim == 1:  # the diagonal: one reduction, not n products of 1×1 blocks
+        return tf.reshape(tf.reduce_sum(tf.square(rows), axis=0) / count, [n, 1, 1])
     nb, _ = split_layout(n, split_dim)
     pad = nb * split_dim - n
     if pad:

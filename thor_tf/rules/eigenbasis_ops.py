@@ -48,11 +48,8 @@ only matrix products. The eigenbasis rule orthogonalizes its step after Adam's d
 eigenbasis (SOAP-Muon), not the gradient: orthogonalizing the rotated gradient would be Muon,
 since ``orth(Q_Aᵀ M Q_G) = Q_Aᵀ orth(M) Q_G``.
 
-Conventions: matrices are ``[..., r, c]`` float32; the iteration works on the small Gram
-matrix, ``X Xᵀ`` (``[r, r]``) of a wide matrix and ``XᵀX`` (``[c, c]``) of a tall one, whose
-products then multiply ``X`` from the right (no transposes). The polynomial acts on each singular
-value alone, so it is evaluated through one float32 ``eigh`` of that Gram matrix
-(:func:`newton_schulz`'s ``method="spectral"``) rather than by its ~20 products.
+The iteration and its two evaluations (float32 products, or a float64 ``eigh`` of the small
+Gram matrix) are in :mod:`thor_tf.rules.newton_schulz`.
 """
 
 from __future__ import annotations
@@ -63,7 +60,11 @@ import tensorflow as tf
 from thor_tf import _keras_compat, lean
 from thor_tf.block_diagonal import BlockDiagonal
 
-__all__ = ["GRAM_RATIO", "NS_COEFFICIENTS", "NS_METHODS", "NS_STEPS", "RAGGED_PADDING",
+# Newton–Schulz lives in its own module; its names stay importable from here.
+from thor_tf.rules.newton_schulz import (NS_COEFFICIENTS, NS_METHODS, NS_STEPS,  # noqa: F401
+                                         SPECTRAL_MAX, newton_schulz, newton_schulz_many)
+
+__all__ = ["NS_COEFFICIENTS", "NS_METHODS", "NS_STEPS", "RAGGED_PADDING",
            "REFRESHES", "SPECTRAL_MAX", "TIE_BREAK", "basis_change", "eigh_blocks",
            "eigh_selected", "newton_schulz", "newton_schulz_many", "off_diagonal_ratio",
            "power_qr_step", "refresh_selected", "rotate_first_moment", "rotate_in", "rotate_out",
@@ -437,184 +438,18 @@ def basis_change(q_old, q_new):
 
 def rotate_first_moment(m, r_a, r_g, a_dim, g_dim):
     """``R_Aᵀ m R_G``: a first moment ``[a_dim, g_dim]`` kept in the old bases, in the new ones
-    (exact: the first moment is linear in the gradient)."""
-    left = BlockDiagonal(tf.linalg.matrix_transpose(r_a), a_dim).matmul(m)
-    return BlockDiagonal(r_g, g_dim).rmatmul(left)
+    (exact: the first moment is linear in the gradient). ``r_a`` or ``r_g`` None: that side is
+    not rotated (R = I: a side kept as its diagonal, whose basis is 1)."""
+    left = m if r_a is None else BlockDiagonal(tf.linalg.matrix_transpose(r_a), a_dim).matmul(m)
+    return left if r_g is None else BlockDiagonal(r_g, g_dim).rmatmul(left)
 
 
 def rotate_second_moment(v, r_a, r_g, a_dim, g_dim):
     """``(R_A∘R_A)ᵀ v (R_G∘R_G)``: the diagonal second moment ``[a_dim, g_dim]`` carried into the
     new bases, entry ``(i, j) = Σ_kl R_A[k,i]² v[k,l] R_G[l,j]²`` (the diagonal of
     ``Rᵀ diag(v) R`` on each side: the old coordinates treated as uncorrelated). It stays ≥ 0
-    and keeps the total ``Σ v`` (the columns of an orthogonal R have unit norm)."""
-    left = BlockDiagonal(tf.linalg.matrix_transpose(tf.square(r_a)), a_dim).matmul(v)
-    return BlockDiagonal(tf.square(r_g), g_dim).rmatmul(left)
-
-
-#: Muon's quintic coefficients (a, b, c): ``X ← a X + (b A + c A²) X`` with ``A = X Xᵀ``.
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-#: Iterations (Muon's default).
-NS_STEPS = 5
-
-
-def newton_schulz(x, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, epsilon=1e-7,
-                  method="auto"):
-    """Approximate orthogonal factor of each matrix of ``x`` (``[..., r, c]``, float32): Muon's
-    Newton–Schulz iteration.
-
-    ``X ← X / (‖X‖_F + ε)`` (spectral norm ≤ 1), then ``steps`` times ``A = X Xᵀ``,
-    ``X ← aX + (bA + cA²)X`` (on a tall ``X``: ``A = XᵀX``, ``X ← aX + X(bA + cA²)``, the
-    same iteration on ``Xᵀ``). A zero matrix stays zero.
-
-    ``method`` (``"auto"``, the default: ``"spectral"`` where TensorFlow sees no GPU,
-    ``"iterate"`` where it sees one; a GPU's ``eigh`` of many small matrices was not measured,
-    and its products are fast):
-
-    * ``"spectral"`` (used up to :data:`SPECTRAL_MAX` rows on the short side): the same
-      polynomial, evaluated through the eigendecomposition of the small Gram matrix
-      (wide: ``A_0 = X Xᵀ = U diag(σ²) Uᵀ``). Every iterate is ``X_k = p_k(A_0) X_0`` with
-      ``p_k`` a polynomial, so the iteration acts on each singular value alone:
-      ``σ_{k+1} = σ_k (a + bσ_k² + cσ_k⁴)``, and the result is ``U diag(σ_K/σ_0) Uᵀ X_0``
-      (:func:`_spectral_iterations`). One float32 ``eigh`` of ``[r, r]`` and three products
-      (two of them with ``X``: its Gram matrix, and ``X`` times ``U diag(σ_K/σ_0) Uᵀ``)
-      instead of ~4 products per iteration: 0.70× the CPU of the autoencoder's whole step,
-      whose buckets are large (r up to 785). On the suite's small buckets the two are within a
-      few percent of each other in a whole step or below it (paired, CPU time, spectral /
-      iterate: tabular 0.89×, digits 0.95×, ViT 0.98×, Fashion CNN 1.00×, char GPT 1.00×;
-      docs/results/bench_ns_spectral_paired.json), so one method serves all. Within float32 round-off of the iteration: ``σ_K/σ_0`` is smooth in ``σ²`` (→ ``a^K`` at 0), so directions that ``eigh``
-      mixes (clustered ``σ``) get the same factor either way.
-    * ``"iterate"``: the products themselves; on a matrix whose long side is at least
-      :data:`GRAM_RATIO` times its short side in the small Gram space
-      (:func:`_gram_space_iteration`), narrower ones on ``X`` itself.
-
-    A matrix with a non-finite entry gives zeros under ``"spectral"`` (``eigh`` would raise;
-    the rule discards such a step, see ``Eigenbasis.update_step``) and NaN under ``"iterate"``.
-    """
-    return newton_schulz_many([x], steps, coefficients, epsilon, method)[0]
-
-
-def newton_schulz_many(xs, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, epsilon=1e-7,
-                       method="auto"):
-    """:func:`newton_schulz` of each tensor of ``xs`` (a list of ``[..., r_i, c_i]`` float32), as
-    a list. The same values; under ``"spectral"`` the scalar recursion of the gain runs once on
-    the eigenvalues of all of them concatenated (its ~30 elementwise ops per step once, not once
-    per tensor: the eigenbasis rule calls this with one tensor per bucket of shapes).
-
-    A tall tensor (``r > c``) is iterated as it is, on its ``[c, c]`` Gram matrix ``XᵀX`` with
-    the products on the right (``X ← aX + X(bA + cA²)``), the transpose of the wide iteration on
-    ``Xᵀ``: the products' transpose flags instead of two transposes (a ``Transpose`` of a small
-    matrix costs as much as a product on this CPU)."""
-    if method not in NS_METHODS:
-        raise ValueError(f"`method` must be one of {NS_METHODS}; got {method!r}.")
-    if method == "auto":
-        method = "iterate" if tf.config.list_logical_devices("GPU") else "spectral"
-    a, b, c = coefficients
-    out, spectral, tall = [None] * len(xs), [], []
-    for n, x in enumerate(xs):
-        x = tf.convert_to_tensor(x, tf.float32)
-        tall.append(x.shape[-2] > x.shape[-1])
-        short, long = sorted((int(x.shape[-2]), int(x.shape[-1])))
-        norm = tf.sqrt(tf.reduce_sum(tf.square(x), axis=[-2, -1], keepdims=True))
-        x = x / (norm + epsilon)
-        if int(steps) <= 0:
-            pass
-        elif method == "spectral" and short <= SPECTRAL_MAX:
-            spectral.append(n)
-        elif long >= GRAM_RATIO * short:
-            x = _gram_space_iteration(x, int(steps), coefficients, tall[n])
-        else:
-            for _ in range(int(steps)):
-                gram = _gram(x, tall[n])
-                poly = b * gram + c * tf.matmul(gram, gram)
-                x = a * x + (tf.matmul(x, poly) if tall[n] else tf.matmul(poly, x))
-        out[n] = x
-    if spectral:
-        for n, x in zip(spectral, _spectral_iterations([out[n] for n in spectral], int(steps),
-                                                       coefficients,
-                                                       [tall[n] for n in spectral])):
-            out[n] = x
-    return out
-
-
-def _gram(x, tall):
-    """``XᵀX`` (``[..., c, c]``) of a tall ``x``, ``XXᵀ`` (``[..., r, r]``) of a wide one."""
-    return tf.matmul(x, x, transpose_a=True) if tall else tf.matmul(x, x, transpose_b=True)
-
-
-#: :func:`newton_schulz`'s ways of evaluating the iteration.
-NS_METHODS = ("auto", "spectral", "iterate")
-#: Largest short side evaluated through ``eigh`` (measured up to 785 rows: never slower than
-#: the products on this CPU; above, ``eigh``'s ~9r³ serial work is not measured).
-SPECTRAL_MAX = 1024
-
-
-def _spectral_iterations(xs, steps, coefficients, talls):
-    """Muon's iteration on each normalized ``x`` of ``xs`` (``[..., r, c]``) through the
-    eigenvalues of its small Gram matrix: for a wide ``x``, ``A_0 = x xᵀ = U diag(σ²) Uᵀ`` and
-    the result ``U diag(g(σ²)) Uᵀ x``; for a tall one (``talls``: per tensor, ``r > c``),
-    ``A_0 = xᵀx`` and ``x U diag(g(σ²)) Uᵀ``. ``g`` is the iteration's gain on a singular value
-    ``σ = √λ`` (``Π_k (a + bσ_k² + cσ_k⁴)``, ``σ_{k+1}² = σ_k²(a + bσ_k² + cσ_k⁴)²``),
-    evaluated once on all the tensors' eigenvalues, concatenated. A single row or column (short
-    side 1) needs no ``eigh``: its Gram matrix is its squared norm and ``U = 1``."""
-    a, b, c = (tf.constant(value, tf.float32) for value in coefficients)  # once, not per use
-    bases, sizes, s2s = [], [], []
-    for x, tall in zip(xs, talls):
-        finite = tf.reduce_all(tf.math.is_finite(x), axis=[-2, -1], keepdims=True)
-        x = tf.where(finite, x, tf.zeros_like(x))
-        if int(x.shape[-1 if tall else -2]) == 1:  # its Gram matrix is its squared norm
-            w, u = tf.reduce_sum(tf.square(x), axis=-2 if tall else -1), None
-        else:
-            w, u = tf.linalg.eigh(_gram(x, tall))  # ascending λ = σ², U
-        bases.append((x, u, tall))
-        sizes.append(int(np.prod(w.shape)))
-        s2s.append(tf.reshape(w, [-1]))
-    # Round-off can make a null direction's λ slightly negative.
-    s2 = tf.maximum(s2s[0] if len(s2s) == 1 else tf.concat(s2s, 0), 0.0)
-    gain = None
-    for k in range(steps):
-        f = a + s2 * (b + c * s2)
-        gain = f if gain is None else gain * f
-        if k + 1 < steps:
-            s2 = s2 * tf.square(f)
-    gains = [gain] if len(xs) == 1 else tf.split(gain, sizes)
-    out = []
-    for (x, u, tall), g in zip(bases, gains):
-        g = tf.reshape(g, x.shape[:-2] + [int(x.shape[-1] if tall else x.shape[-2])])
-        if u is None:
-            # A single row or column: its gain times it ([..., 1, c] tall, [..., r, 1] wide).
-            out.append(x * tf.expand_dims(g, -2 if tall else -1))
-            continue
-        # P = U diag(g) Uᵀ on the short side first ([..., s, s]: s³ multiply-adds), then one
-        # product with x (s²·l): x P tall, P x wide. The same matrix as (x U) diag(g) Uᵀ, whose
-        # two products with x cost 2·s²·l (the Fashion CNN's [3137, 128] dense step: 103 of 206
-        # MFLOP fewer per step).
-        p = tf.matmul(u * tf.expand_dims(g, -2), u, transpose_b=True)
-        out.append(tf.matmul(x, p) if tall else tf.matmul(p, x))
-    return out
-
-
-#: Width over height from which :func:`newton_schulz` iterates in the Gram space: the two forms'
-#: multiply-add counts (``10·r²·c + 5·r³`` and ``2·r²·c + 17·r³``) cross at ``c ≈ 1.5·r``; 2
-#: leaves the narrower ones, where the extra small products cost more than they save, as they were.
-GRAM_RATIO = 2
-
-
-def _gram_space_iteration(x, steps, coefficients, tall=False):
-    """Muon's iteration on a normalized ``x`` (``[..., r, c]``) carried out on its small Gram
-    matrices. Wide (``r ≤ c``): every iterate is ``X_k = S_k X_0`` with ``S_{k+1} = M_k S_k``,
-    ``M_k = aI + bA_k + cA_k²`` and ``A_{k+1} = X_{k+1} X_{k+1}ᵀ = M_k A_k M_k`` (``M_k`` is a
-    polynomial of the symmetric ``A_k``), so only ``A_0 = X_0 X_0ᵀ`` and the final ``S X_0`` touch
-    the ``c`` columns. Tall (``tall``): the same on ``A_0 = X_0ᵀX_0`` with ``X_k = X_0 S_k`` (the
-    ``M_k`` commute). Equal to the plain iteration up to float32 round-off."""
-    a, b, c = coefficients
-    gram = _gram(x, tall)  # A_0
-    # Constants made once (a Python float is a new graph constant at each use); same values.
-    a_eye = tf.constant(a * np.eye(int(gram.shape[-1]), dtype=np.float32))
-    b, c = tf.constant(b, x.dtype), tf.constant(c, x.dtype)
-    s = None
-    for k in range(steps):
-        m = a_eye + b * gram + c * tf.matmul(gram, gram)
-        s = m if s is None else tf.matmul(m, s)
-        if k + 1 < steps:
-            gram = tf.matmul(tf.matmul(m, gram), m)
-    return tf.matmul(x, s) if tall else tf.matmul(s, x)
+    and keeps the total ``Σ v`` (the columns of an orthogonal R have unit norm). ``r_a`` or
+    ``r_g`` None: that side is not rotated, as :func:`rotate_first_moment`."""
+    left = v if r_a is None else BlockDiagonal(
+        tf.linalg.matrix_transpose(tf.square(r_a)), a_dim).matmul(v)
+    return left if r_g is None else BlockDiagonal(tf.square(r_g), g_dim).rmatmul(left)

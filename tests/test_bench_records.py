@@ -1,0 +1,48 @@
+"""The records of THOR at its defaults were measured at today's defaults (no timing here).
+
+``docs/results/first_fit_resnet50.json`` (``scripts/bench_first_fit.py``: ResNet-50's first fit
+against SGD, Adam and Muon) and ``docs/results/bench_resnet50_step.json``
+(``scripts/bench_resnet50_step.py``: its steady step) store the defaults THOR ran with
+(``bench_worker.thor_defaults``: the split plan, the update rule's config, the cadence,
+``graph_optimization``). A change to any of them fails here until the record is re-measured
+with the command it stores: the default split's ``diagonal_above=512`` once made ResNet-50's
+first fit 7.6× SGD's while the record still said 1.46× (issue 53).
+"""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECORDS = ("first_fit_resnet50.json", "bench_resnet50_step.json")
+
+
+def _thor_defaults():
+    path = os.path.join(ROOT, "scripts", "bench_worker.py")
+    spec = importlib.util.spec_from_file_location("bench_worker", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.thor_defaults()
+
+
+@pytest.mark.parametrize("name", RECORDS)
+def test_record_was_measured_at_the_current_defaults(name):
+    with open(os.path.join(ROOT, "docs", "results", name)) as fh:
+        record = json.load(fh)
+    assert record.get("command", "").startswith("python scripts/"), "the record keeps its command"
+    stored = record.get("thor_defaults")
+    current = json.loads(json.dumps(_thor_defaults()))  # as JSON stores it
+    assert stored == current, (
+        f"docs/results/{name} was measured at THOR's defaults {stored}; they are now "
+        f"{current}: re-measure it with `{record.get('command')}` (and update the docs that "
+        f"cite it).")
+
+
+def test_the_first_fit_record_ran_thor_at_the_default_split():
+    with open(os.path.join(ROOT, "docs", "results", "first_fit_resnet50.json")) as fh:
+        record = json.load(fh)
+    thor = [r for r in record["runs"] if r["optimizer"] == "thor" and r["model"] == "resnet50"]
+    assert thor and all(r["split_dim"] == record["thor_defaults"]["split_dim"] for r in thor)
+    assert {"sgd", "thor"} <= set(record["summary"]["resnet50"]["optimizers"])
