@@ -31,13 +31,13 @@ NUMERICS = (
     # The update rules' steps against float64 first principles, and the pieces they are made of.
     "tests/test_eigenbasis.py::test_dense_steps_match_float64_first_principles",
     "tests/test_eigenbasis.py::test_other_blocks_replay_the_float64_rule",
-    "tests/test_eigenbasis_orthogonal.py::test_newton_schulz_matches_float64_iteration",
     "tests/test_eigenbasis_orthogonal.py::test_dense_orthogonal_steps_match_float64_first_principles",
     "tests/test_eigenbasis_fast_step.py::test_rotations_match_dense_block_diagonal_products",
     "tests/test_eigenbasis_fast_step.py::test_stacked_moment_carry_against_float64_and_the_blocks_it_must_keep",
-    "tests/test_eigenbasis_fast_step.py::test_gram_space_iteration_matches_the_float64_iteration",
-    "tests/test_eigenbasis_fast_step.py::test_spectral_evaluation_matches_the_float64_iteration",
     "tests/test_eigenbasis_fast_step.py::test_many_tensors_at_once_are_each_their_own_iteration",
+    "tests/test_newton_schulz.py::test_within_a_small_multiple_of_the_float32_iterations_error",
+    "tests/test_newton_schulz.py::test_a_batch_is_each_matrix_alone",
+    "tests/test_eigenbasis_diagonal.py::test_diagonal_sides_match_float64_first_principles",
     "tests/test_eigenbasis_power_refresh.py::test_power_step_moves_a_near_basis_to_the_float64_eigenvectors",
     "tests/test_eigenbasis_power_refresh.py::test_off_diagonal_ratio_against_float64",
     "tests/test_eigenbasis_power_refresh.py::test_first_refresh_and_a_failed_check_fall_back_to_float64_eigh",
@@ -49,7 +49,9 @@ NUMERICS = (
     "tests/test_loss_scale.py::test_step_under_a_loss_weight_matches_the_float64_formula",
     "tests/test_reliability.py::test_mixed_float16_factors_equal_the_float64_reference",
     # Replicas against one device under the default rule, and resumed runs.
-    "tests/test_distribute.py::test_replicas_take_the_single_device_step[2-all-eigenbasis]",
+    # (its kernel paths inherit the pass's environment: under .ci/run's AVX2 cap, [onednn_off] is
+    # the AMD EPYC's path; test_replicas_take_the_single_device_step's 5e-3 is 60x its errors)
+    "tests/test_distribute.py::test_replicas_with_a_refresh_at_every_step_differ_as_one_device_reordered[onednn_off]",
     "tests/test_distribute.py::test_checkpoint_of_a_two_replica_run_resumes_exactly_on_one_and_two_replicas",
     "tests/test_eigenbasis.py::test_save_and_load_resume_the_same_run",
 )
