@@ -397,11 +397,17 @@ def test_lora_blocks_on_two_replicas_take_the_single_device_step():
 
     r = _run_file("replicas_vs_one.py", 2, "all", "lora")["lora"]
     assert r["replicas"] == 2 and r["copies"] == 2, r
-    assert r["relative_weight_diff"] < 1e-4, r
+    # The all-reduced sums round otherwise than one device's (~1e-6 relative); the default
+    # rule's step grows that up to 1/ε_r = 100 (Adam in the eigenbasis) and Newton–Schulz's
+    # gain on small singular values (up to ~485): 1e-3 of the step (measured 5.3e-5 with oneDNN,
+    # 3.7e-5 without; the former 1e-4 was 1.9x away; in test_distribute.py, replicas each on
+    # their own factors were 84 % of a step off).
+    same_step = 1e-3
+    assert r["relative_weight_diff"] < same_step, r
     assert r["decisions_many"] == r["decisions_one"] and len(r["decisions_one"]) == 4, r
     assert all(d[0] >= 1 for d in r["decisions_one"]), r
     assert abs(r["nu_many"] - r["nu_one"]) <= 1e-5 * abs(r["nu_one"]), r
-    assert r["factor_inverse_diff"] < 1e-4, r
+    assert r["factor_inverse_diff"] < same_step, r  # eigenvalues and moments: as sensitive
     assert r["replicas_identical"], r
 
 

@@ -135,11 +135,17 @@ def test_models_saved_by_the_release_before_load_and_continue_its_steps(name, ru
         warnings.simplefilter("error", UserWarning)     # nothing dropped that was set
         loaded = keras.models.load_model(os.path.join(here, f"{name}.keras"))
     assert loaded.optimizer.update_rule == rule
+    before = loaded.get_weights()
     rng = np.random.default_rng(0)
     x = rng.normal(size=(32, 6)).astype("float32")
     y = rng.integers(0, 3, 32)
     for _ in range(2):
         loaded.train_on_batch(x, y)
     expected = np.load(os.path.join(here, f"{name}_after_2_steps.npz"))
+    # The steps were saved from one CPU's kernels: elsewhere the batch's sums round differently
+    # (~sqrt(32)·eps ≈ 3e-7 relative), grown up to 1/ε_r = 100 by the eigenbasis rule's Adam
+    # step: 1e-4 of the distance the two steps moved the weights (measured up to 1.2e-5 of it
+    # with oneDNN off or its ISA capped, 1e-6 under the inverse rule; bitwise where saved).
+    moved = max(np.abs(expected[f"arr_{k}"] - w).max() for k, w in enumerate(before))
     for k, w in enumerate(loaded.get_weights()):
-        np.testing.assert_allclose(w, expected[f"arr_{k}"], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(w, expected[f"arr_{k}"], rtol=0, atol=1e-4 * moved)
