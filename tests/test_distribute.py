@@ -239,11 +239,19 @@ def test_checkpoint_of_a_two_replica_run_resumes_exactly_on_one_and_two_replicas
     or eigenvalue not restored shows. (The rule's default on these small blocks, `eigh` at every
     refresh, restores the same variables; that variant, 32 s, was left out for CI's time.)"""
     result = _run_file("checkpoint_replicas.py", RULE_ARG["power_qr"])
+    two = result.pop("uninterrupted_on_2")
     assert set(result) == {"keras_save_onto_1", "keras_save_onto_2", "checkpoint_onto_1",
                            "backup_onto_1"}, result
+    # Resumed on 2 replicas, the run is the uninterrupted 2-replica run (same summation order):
+    # within float32 round-off of the step, far below any variable not restored (a step's size).
+    assert two["resumed_on_2_diff"] < 1e-4, two
+    # Across replica counts the default rule amplifies round-off (docs/distributed.md: 1e-4…8e-3
+    # of the run's movement by kernel path); a resume is held to what 2 replicas uninterrupted
+    # reach, or SAME_STEP where that is smaller.
+    bound = max(SAME_STEP["power_qr"], 2 * two["relative_weight_diff"])
     for how, r in result.items():
         assert r["iterations"] == 8, (how, r)
-        assert r["relative_weight_diff"] < SAME_STEP["power_qr"], (how, r)
+        assert r["relative_weight_diff"] < bound, (how, r, two)
         assert r["counters_equal"] and r["decisions_equal"], (how, r)
 
 

@@ -5,7 +5,8 @@ saved three ways: ``model.save`` (.keras, resumed on 1 device and on 2 replicas)
 ``tf.train.Checkpoint`` of the model and its optimizer, and ``BackupAndRestore`` (the run is
 killed by an exception in epoch 2, after the epoch-1 backup), both resumed on 1 device. Reports each resumed run's largest
 weight difference to the reference (relative to the reference's largest weight change) and its
-counters against the reference's. argv (optional): the update rule, a name or Keras'
+counters against the reference's; and the same 2 epochs on 2 replicas uninterrupted: its distance
+to the reference, and the 2-replica resume's distance to it. argv (optional): the update rule, a name or Keras'
 serialized dict as JSON (default: thor_tf's).
 """
 
@@ -47,6 +48,19 @@ fit(reference, 2)
 moved = max(np.abs(r.numpy() - s).max() for r, s in zip(reference.trainable_variables, start))
 
 
+def weight_diff(model, other):
+    return float(max(np.abs(a.numpy() - b.numpy()).max() for a, b in
+                     zip(model.trainable_variables, other.trainable_variables)) / moved)
+
+
+# The same 2 epochs on 2 replicas, uninterrupted: how far 2 replicas land from 1 device by
+# round-off alone (the default rule amplifies it, docs/distributed.md), the yardstick of a
+# resume that changes the replica count.
+uninterrupted = in_scope(2, lambda: common.conv_model(**options))
+fit(uninterrupted, 2)
+two_replicas = {"relative_weight_diff": weight_diff(uninterrupted, reference)}
+
+
 def compare(model):
     diff = max(np.abs(a.numpy() - b.numpy()).max()
                for a, b in zip(model.trainable_variables, reference.trainable_variables))
@@ -72,6 +86,8 @@ for replicas in (1, 2):
     loaded = in_scope(replicas, lambda: keras.models.load_model(keras_path))
     fit(loaded, 2, initial_epoch=1)
     result[f"keras_save_onto_{replicas}"] = compare(loaded)
+    if replicas == 2:
+        two_replicas["resumed_on_2_diff"] = weight_diff(loaded, uninterrupted)
 
 # (tf.train.Checkpoint and BackupAndRestore onto 1 device: the replica count that differs.)
 fresh = common.conv_model(**options)
@@ -109,4 +125,5 @@ except Preempted:
 resumed = common.conv_model(**options)
 fit(resumed, 2, callbacks=[keras.callbacks.BackupAndRestore(backup)])
 result["backup_onto_1"] = compare(resumed)
+result["uninterrupted_on_2"] = two_replicas
 common.report(result)
