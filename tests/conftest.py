@@ -51,7 +51,7 @@ NUMERICS = (
     # Replicas against one device under the default rule, and resumed runs.
     # (its kernel paths inherit the pass's environment: under .ci/run's AVX2 cap, [onednn_off] is
     # the AMD EPYC's path; test_replicas_take_the_single_device_step's 5e-3 is 60x its errors)
-    "tests/test_distribute.py::test_replicas_with_a_refresh_at_every_step_differ_as_one_device_reordered[onednn_off]",
+    "tests/test_distribute.py::test_replicas_with_a_refresh_at_every_step_differ_as_one_device_reordered",
     "tests/test_distribute.py::test_checkpoint_of_a_two_replica_run_resumes_exactly_on_one_and_two_replicas",
     "tests/test_eigenbasis.py::test_save_and_load_resume_the_same_run",
 )
