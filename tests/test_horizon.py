@@ -133,3 +133,12 @@ def test_steps_and_seconds_to_the_target_on_a_hand_made_cache(tmp_path, monkeypa
     assert cell["seconds_ratio"] == pytest.approx(1.5)
     assert cell["thor_best"]["rate"] == 0.03 and cell["thor_ahead_in_final"]
     assert record["trained"] == 0
+    # README's line and docs/horizon.md's table follow the record.
+    from thor_tf_experiments import report
+
+    line = report.horizon_line(record)
+    assert "tabular MLP (train MSE): 1× 0.75× (1.50× the seconds)" in line
+    block = report.horizon_block(record)
+    assert "| tabular MLP (train MSE) | 1× (55) | Adam 0.01 | 0.45 | 0.3 / 0.3 / 0.45 | " \
+           "41 / 55 | 0.75×, 1.50× | 0.03 (0.75) | 3, 3 |" in block
+    assert report.horizon_line(None) == "" and "No runs recorded yet" in report.horizon_block(None)
