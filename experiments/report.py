@@ -398,8 +398,12 @@ def horizon_line(record):
         for m, cell in sorted(w["lengths"].items(), key=lambda kv: int(kv[0])):
             steps = _vs_baseline(cell, "steps_to_target")
             seconds = cell.get("seconds_ratio")
-            cells.append(f"{m}× {steps}" + (f" ({seconds:.2f}× the seconds)"
-                                             if seconds is not None else ""))
+            seeds = cell["thor"]["seeds"]
+            notes = [f"{seconds:.2f}× the seconds"] if seconds is not None else []
+            if len(seeds) < len(record.get("seeds") or [0, 1, 2]):     # the study is running
+                notes.append(f"seed{'s' if len(seeds) > 1 else ''} "
+                             f"{', '.join(map(str, seeds))} so far")
+            cells.append(f"{m}× {steps}" + (f" ({'; '.join(notes)})" if notes else ""))
         parts.append(f"{label}: " + ", ".join(cells))
     return ("On longer runs (1×, 4× and 16× the suite's steps, the baselines re-tuned at each "
             "length; [docs/horizon.md](docs/horizon.md)), THOR's steps to the best baseline's "
