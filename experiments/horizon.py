@@ -62,9 +62,10 @@ evaluations besides): a length's tuning is ~9 runs (two baselines x 3 rates, THO
   ==================  =====================  ======================  ======================
 
 1x and 4x of all four: ~1.5 h of the whole machine; 16x: ~4.2 h more, ResNet-20's 16x alone
-1.65 h. At ``nice -n 19`` beside three other agents' jobs the study gets a small share of the
-2 cores (docs/horizon.md: measured), so it spans sessions: the cache makes that safe, and the
-order puts ResNet-20's 16x last (stop there and the record ends at 4x for it).
+1.65 h. Measured at ``nice -n 19`` beside three other agents' jobs (docs/horizon.md): a 1x run
+took 4-8x the estimate in wall time (evaluations included), ~3x expected at 4x and 16x; so 1x +
+4x about 8 h and 16x about 12-15 h: the study spans sessions, which the cache makes safe, and
+the order puts ResNet-20's 16x last (stop there and the record ends at 4x for it).
 """
 
 from __future__ import annotations
