@@ -220,11 +220,7 @@ class Sweep:
             self._fh.flush()
             fresh.append(row)
 
-        args = argparse.Namespace(quick=self.args.quick, evals=self.args.evals,
-                                  thor_option=[] if optimizer != THOR_PEAK else [("peak", lr)])
-        # A THOR run with an explicit peak is the suite's "thor" with ``--thor-option peak=``.
-        suite.train_run(workload, data, "thor" if optimizer == THOR_PEAK else optimizer, lr,
-                        seed, args, lambda row: log(_renamed(row, optimizer)))
+        train_one(workload, data, optimizer, lr, seed, self.args.quick, self.args.evals, log)
         # Drop stale partial rows of the same run, keep the fresh ones.
         self.rows = [r for r in self.rows if not (
             r["workload"] == workload.name and r["batch"] == workload.batch_size
@@ -235,6 +231,16 @@ class Sweep:
     def close(self):
         if self._fh is not None:
             self._fh.close()
+
+
+def train_one(workload, data, optimizer, lr, seed, quick, evals, log):
+    """One run of the suite's recipe (``suite.train_run``), its rows to ``log``: a baseline at
+    ``lr``, THOR at its default (``"thor"``, ``lr`` unused) or at the explicit peak ``lr``
+    (:data:`THOR_PEAK`: the suite's "thor" with ``--thor-option peak=lr``, rows renamed)."""
+    args = argparse.Namespace(quick=quick, evals=evals,
+                              thor_option=[] if optimizer != THOR_PEAK else [("peak", lr)])
+    suite.train_run(workload, data, "thor" if optimizer == THOR_PEAK else optimizer, lr,
+                    seed, args, lambda row: log(_renamed(row, optimizer)))
 
 
 def _renamed(row, optimizer):
@@ -392,6 +398,49 @@ def paired_seconds(workload, rows, name, batch, baseline, target):
             "only_thor_seeds": only_thor}
 
 
+def cell_runs(base, rows, batch, tuned):
+    """``({optimizer: (rows, rate)}, best baseline)`` of one cell (a batch here, a length in
+    ``horizon.py``): THOR at its default, THOR at its best peak (the default's rows when that
+    is the best), every tuned baseline at its best rate; ``tuned`` as :func:`tune` gives."""
+    name = base.name
+    best, _ = leader(base, tuned)
+    peak = tuned[THOR_PEAK]
+    thor = _seed_rows(rows, name, batch, "thor", None)
+    entry = {"thor": (thor, peak["default_peak"]),
+             "thor_best": ((thor if _same(peak["best"], peak["default_peak"]) else
+                            _seed_rows(rows, name, batch, THOR_PEAK, peak["best"])),
+                           peak["best"])}
+    for optimizer, info in tuned.items():
+        if optimizer != THOR_PEAK:
+            entry[optimizer] = (_seed_rows(rows, name, batch, optimizer, info["best"]),
+                                info["best"])
+    return entry, best
+
+
+def median_final(entry, optimizer):
+    """The median over seeds of ``optimizer``'s final metric in a :func:`cell_runs` entry."""
+    return statistics.median(s[-1]["metric"]
+                             for s in _runs_by_seed(entry[optimizer][0]).values())
+
+
+def cell_summary(base, rows, batch, tuned, entry, best, target):
+    """One cell of a record: per optimizer of ``entry`` its :func:`optimizer_summary` against
+    ``target`` (with its grid and edge flag), the best baseline and the paired seconds."""
+    cell = {}
+    for optimizer, (opt_rows, rate) in entry.items():
+        if not opt_rows:
+            continue
+        info = optimizer_summary(base, batch, opt_rows, target, rate)
+        tune_key = THOR_PEAK if optimizer.startswith("thor") else optimizer
+        info["grid"] = tuned[tune_key]["grid"]
+        info["at_edge"] = tuned[tune_key]["at_edge"]
+        info["seconds_paired"] = optimizer in ("thor", best)
+        cell[optimizer] = info
+    cell["best_baseline"] = best
+    cell["paired_seconds"] = paired_seconds(base, rows, base.name, batch, best, target)
+    return cell
+
+
 def summarize(workload_names, sweep_rows, tuning, multiples, quick):
     """The record of the study: ``{"workloads": {name: {...}}}`` (module docstring)."""
     record = {}
@@ -400,42 +449,12 @@ def summarize(workload_names, sweep_rows, tuning, multiples, quick):
         if name not in tuning or not any(r["workload"] == name for r in sweep_rows):
             continue
         batches = sorted(int(b) for b in tuning[name])
-        sign = 1 if base.higher_is_better else -1
-        cells = {}
-        for b in batches:
-            tuned = tuning[name][str(b)]
-            best, best_lr = leader(base, tuned)
-            peak = tuned[THOR_PEAK]
-            entry = {"thor": (_seed_rows(sweep_rows, name, b, "thor", None),
-                              peak["default_peak"]),
-                     "thor_best": ((_seed_rows(sweep_rows, name, b, "thor", None)
-                                    if _same(peak["best"], peak["default_peak"]) else
-                                    _seed_rows(sweep_rows, name, b, THOR_PEAK, peak["best"])),
-                                   peak["best"])}
-            for optimizer, info in tuned.items():
-                if optimizer != THOR_PEAK:
-                    entry[optimizer] = (_seed_rows(sweep_rows, name, b, optimizer, info["best"]),
-                                        info["best"])
-            cells[b] = (entry, best)
+        cells = {b: cell_runs(base, sweep_rows, b, tuning[name][str(b)]) for b in batches}
         entry, first_best = cells[batches[0]]
-        target = statistics.median(
-            s[-1]["metric"] for s in _runs_by_seed(entry[first_best][0]).values())
-        out_batches = {}
-        for b, (entry, best) in cells.items():
-            tuned = tuning[name][str(b)]
-            cell = {}
-            for optimizer, (opt_rows, rate) in entry.items():
-                if not opt_rows:
-                    continue
-                info = optimizer_summary(base, b, opt_rows, target, rate)
-                tune_key = THOR_PEAK if optimizer.startswith("thor") else optimizer
-                info["grid"] = tuned[tune_key]["grid"]
-                info["at_edge"] = tuned[tune_key]["at_edge"]
-                info["seconds_paired"] = optimizer in ("thor", best)
-                cell[optimizer] = info
-            cell["best_baseline"] = best
-            cell["paired_seconds"] = paired_seconds(base, sweep_rows, name, b, best, target)
-            out_batches[str(b)] = cell
+        target = median_final(entry, first_best)
+        out_batches = {str(b): cell_summary(base, sweep_rows, b, tuning[name][str(b)], entry,
+                                            best, target)
+                       for b, (entry, best) in cells.items()}
         scaling = {}
         for optimizer in ("thor", "thor_best", "best_baseline"):
             points = {}
@@ -445,7 +464,6 @@ def summarize(workload_names, sweep_rows, tuning, multiples, quick):
             b_crit, s_min = critical_batch(points)
             scaling[optimizer] = {"critical_batch": b_crit, "min_steps": s_min,
                                   "halving_batch": halving_batch(points)}
-        del sign
         record[name] = {"title": base.title, "metric": base.metric,
                         "higher_is_better": base.higher_is_better, "target": target,
                         "target_from": first_best, "base_batch": batches[0],
@@ -608,6 +626,38 @@ def _fmt(value, spec, none="never"):
     return none if value is None else ("∞" if value == math.inf else format(value, spec))
 
 
+def optimizers_of(cell):
+    """The optimizer entries of a record's cell: THOR's two, then the baselines by name."""
+    names = sorted(k for k, v in cell.items() if isinstance(v, dict) and "final" in v
+                   and not k.startswith("thor"))
+    return [o for o in ["thor", "thor_best"] + names if o in cell]
+
+
+def cell_lines(key, cell):
+    """Markdown rows of one cell (``key``: its batch or length): per optimizer its rate (flagged
+    at a grid end), seeds, final, steps, examples and paired seconds to the target, then THOR's
+    seconds over the best baseline's per seed of the interleaved pairs."""
+    lines = []
+    for optimizer in optimizers_of(cell):
+        info = cell[optimizer]
+        label = {"thor": "THOR (default)", "thor_best": "THOR (best peak)"}.get(
+            optimizer, optimizer + (" (best)" if optimizer == cell["best_baseline"] else ""))
+        edge = " (grid end)" if info.get("at_edge") and optimizer != "thor" else ""
+        seconds = (_fmt(info["seconds_to_target"], ".1f")
+                   if info.get("seconds_paired") else "–")
+        lines.append(f"| {key} | {label} | {info['rate']:.3g}{edge} | "
+                     f"{len(info['seeds'])} | {info['final']:.4f} | "
+                     f"{_fmt(info['steps_to_target'], 'g')} | "
+                     f"{_fmt(info['examples_to_target'], ',')} | {seconds} |")
+    ps = cell.get("paired_seconds") or {}
+    lines.append(f"| {key} | THOR / best, seconds per seed | | | | | | "
+                 + ", ".join(_fmt(v, ".2f", "–") for v in ps.get("per_seed", {}).values())
+                 + f"; median {_fmt(ps.get('median'), '.2f', 'n/a')}"
+                 + (f"; only THOR reached it on seed(s) {ps['only_thor_seeds']}"
+                    if ps.get("only_thor_seeds") else "") + " |")
+    return lines
+
+
 def markdown(record):
     lines = []
     for name, w in record["workloads"].items():
@@ -617,27 +667,7 @@ def markdown(record):
                   "| batch | optimizer | rate | seeds | final | steps to target | examples | "
                   "seconds to target (interleaved pair) |", "|---|---|---|---|---|---|---|---|"]
         for b_key, cell in w["batches"].items():
-            for optimizer in ["thor", "thor_best"] + sorted(
-                    o for o in cell if not o.startswith("thor") and o not in CELL_KEYS):
-                if optimizer not in cell:
-                    continue
-                info = cell[optimizer]
-                label = {"thor": "THOR (default)", "thor_best": "THOR (best peak)"}.get(
-                    optimizer, optimizer + (" (best)" if optimizer == cell["best_baseline"]
-                                            else ""))
-                edge = " (grid end)" if info.get("at_edge") and optimizer != "thor" else ""
-                seconds = (_fmt(info["seconds_to_target"], ".1f")
-                           if info.get("seconds_paired") else "–")
-                lines.append(f"| {b_key} | {label} | {info['rate']:.3g}{edge} | "
-                             f"{len(info['seeds'])} | {info['final']:.4f} | "
-                             f"{_fmt(info['steps_to_target'], 'g')} | "
-                             f"{_fmt(info['examples_to_target'], ',')} | {seconds} |")
-            ps = cell.get("paired_seconds") or {}
-            lines.append(f"| {b_key} | THOR / best, seconds per seed | | | | | | "
-                         + ", ".join(_fmt(v, ".2f", "–") for v in ps.get("per_seed", {}).values())
-                         + f"; median {_fmt(ps.get('median'), '.2f', 'n/a')}"
-                         + (f"; only THOR reached it on seed(s) {ps['only_thor_seeds']}"
-                            if ps.get("only_thor_seeds") else "") + " |")
+            lines += cell_lines(b_key, cell)
         scaling = w["scaling"]
         proj = record.get("projection", {}).get("workloads", {}).get(name)
         if proj:

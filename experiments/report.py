@@ -47,6 +47,12 @@ RECORDS = {
     "batch_scaling": (RESULTS / "batch_scaling.json",
                       "python experiments/batch_scaling.py --record docs/results/batch_scaling.json"),
 }
+#: Records read when present (a study still running): README's line and their page's results
+#: appear once the record exists.
+OPTIONAL_RECORDS = {
+    "horizon": (RESULTS / "horizon.json",
+                "python experiments/horizon.py (resumes from docs/results/horizon_runs.jsonl)"),
+}
 
 #: How the suite's workloads are named and their metric printed; a workload not listed here
 #: (a new one in a new record) is printed by its name with 4 significant digits.
@@ -105,9 +111,12 @@ def _provenance(record):
 
 # -- loading ------------------------------------------------------------------------------------
 def load_records(root=ROOT):
-    """Every record of ``RECORDS`` as a dict (``_path``: its path relative to the root)."""
+    """Every record of ``RECORDS`` (and of ``OPTIONAL_RECORDS`` that exists) as a dict
+    (``_path``: its path relative to the root)."""
     records = {}
-    for name, (path, _) in RECORDS.items():
+    for name, (path, _) in {**RECORDS, **OPTIONAL_RECORDS}.items():
+        if name in OPTIONAL_RECORDS and not (Path(root) / path).exists():
+            continue
         record = json.loads((Path(root) / path).read_text())
         record["_path"] = path.as_posix()
         records[name] = record
@@ -377,6 +386,75 @@ def batch_scaling_block(record):
     return "\n".join(out)
 
 
+def horizon_line(record):
+    """README's line on long runs: per workload, THOR's steps (and paired seconds) to the best
+    baseline's final over the baseline's at each measured length; "" without a record."""
+    if not record or not record.get("workloads"):
+        return ""
+    parts = []
+    for name, w in record["workloads"].items():
+        label = SUITE_WORKLOADS.get(name, (name,))[0]
+        cells = []
+        for m, cell in sorted(w["lengths"].items(), key=lambda kv: int(kv[0])):
+            steps = _vs_baseline(cell, "steps_to_target")
+            seconds = cell.get("seconds_ratio")
+            seeds = cell["thor"]["seeds"]
+            notes = [f"{seconds:.2f}× the seconds"] if seconds is not None else []
+            if len(seeds) < len(record.get("seeds") or [0, 1, 2]):     # the study is running
+                notes.append(f"seed{'s' if len(seeds) > 1 else ''} "
+                             f"{', '.join(map(str, seeds))} so far")
+            cells.append(f"{m}× {steps}" + (f" ({'; '.join(notes)})" if notes else ""))
+        parts.append(f"{label}: " + ", ".join(cells))
+    return ("On longer runs (1×, 4× and 16× the suite's steps, the baselines re-tuned at each "
+            "length; [docs/horizon.md](docs/horizon.md)), THOR's steps to the best baseline's "
+            "final over the baseline's: " + "; ".join(parts) + ".")
+
+
+def horizon_block(record):
+    """docs/horizon.md's results (between the results markers): per workload and length the
+    best baseline and target, THOR's and the baseline's finals and steps to the target, the
+    ratios, and what the runs cost."""
+    out = [BEGIN, GENERATED, ""]
+    if not record or not record.get("workloads"):
+        return "\n".join(out + ["No runs recorded yet (`docs/results/horizon.json` is written "
+                                "by `python experiments/horizon.py`).", "", END])
+    fmt = lambda v, spec: "never" if v is None else format(v, spec)  # noqa: E731
+    out += ["| workload | length (steps) | best baseline (rate) | target | final: THOR / "
+            "THOR's best peak / baseline | steps to target: THOR / baseline | THOR / baseline: "
+            "steps, seconds (interleaved) | THOR's best peak (steps ratio) | seeds: THOR, "
+            "baseline |", "|---|---|---|---|---|---|---|---|---|"]
+    cost = []
+    for name, w in record["workloads"].items():
+        label = SUITE_WORKLOADS.get(name, (name,))[0]
+        for m, cell in sorted(w["lengths"].items(), key=lambda kv: int(kv[0])):
+            best = cell["best_baseline"]
+            base, thor = cell[best], cell["thor"]
+            peak = cell.get("thor_best", thor)
+            seconds = cell.get("seconds_ratio")
+            ps = cell.get("paired_seconds") or {}
+            seconds = (f"{seconds:.2f}×" if seconds is not None else
+                       "only THOR" if ps.get("only_thor_seeds") else "–")
+            edge = " (grid end)" if base.get("at_edge") else ""
+            out.append(
+                f"| {label} | {m}× ({cell['steps']:,}) | "
+                f"{OPTIMIZER_NAMES.get(best, best)} {base['rate']:.2g}{edge} | "
+                f"{cell['target']:.4g} | {thor['final']:.4g} / {peak['final']:.4g} / "
+                f"{base['final']:.4g} | {fmt(thor['steps_to_target'], 'g')} / "
+                f"{fmt(base['steps_to_target'], 'g')} | "
+                f"{_vs_baseline(cell, 'steps_to_target')}, {seconds} | "
+                f"{peak['rate']:.2g} ({fmt(cell.get('best_peak_steps_ratio'), '.2f')}) | "
+                f"{len(thor['seeds'])}, {len(base['seeds'])} |")
+            cost.append(f"{label} {m}×: {cell['runs']} runs, "
+                        f"{cell['wall_seconds'] / 3600:.2f} h")
+    out += ["", "Measured cost (runs in the cache and their wall seconds, evaluations included, "
+            "on the shared 2-core machine): " + "; ".join(cost) + ".", "",
+            "![THOR's steps to the target over the best baseline's against the length]"
+            "(results/horizon_steps.png)", "",
+            "![THOR's seconds to the target over the best baseline's against the length]"
+            "(results/horizon_seconds.png)", "", END]
+    return "\n".join(out)
+
+
 def readme_block(records, root=ROOT):
     rows = all_rows(records, root)
     outside = outside_summary(records["outside"], root)
@@ -387,8 +465,10 @@ def readme_block(records, root=ROOT):
         f"{outside[0]['seeds']} seeds): THOR ahead on {ahead} of {len(outside)} "
         f"([docs/results.md](docs/results.md#outside-the-suite)). "
         + steps_and_seconds_line(records["suite"]),
-        "", batch_scaling_line(records["batch_scaling"]),
-        END]
+        "", batch_scaling_line(records["batch_scaling"])]
+    if horizon_line(records.get("horizon")):
+        lines += ["", horizon_line(records.get("horizon"))]
+    lines += [END]
     return "\n".join(lines)
 
 
@@ -475,12 +555,13 @@ def results_page(records, root=ROOT):
             "One current record per benchmark in [`results/`](results/); the history of every "
             "earlier run is in git.", "",
             "| benchmark | record | commit | machine | written by |", "|---|---|---|---|---|"]
+    commands = {name: cmd for name, (_, cmd) in {**RECORDS, **OPTIONAL_RECORDS}.items()}
     for name, record in records.items():
         commit, machine = _provenance(record)
         if (record.get("thor_rows") or {}).get("commit"):
             commit += f" (THOR's rows: {record['thor_rows']['commit']})"
         out.append(f"| {name} | [`{record['_path'][len('docs/'):]}`]({record['_path'][len('docs/'):]}) | "
-                   f"{commit} | {machine} | `{RECORDS[name][1]}` |")
+                   f"{commit} | {machine} | `{commands[name]}` |")
     return "\n".join(out) + "\n"
 
 
@@ -499,8 +580,15 @@ def render(root=ROOT):
     if start < 0 or end < start:
         raise ValueError(f"docs/batch_scaling.md has no {BEGIN} ... {END} block")
     page = page[:start] + batch_scaling_block(records["batch_scaling"]) + page[end + len(END):]
-    return {"README.md": readme, "docs/results.md": results_page(records, root),
-            "docs/batch_scaling.md": page}
+    pages = {"README.md": readme, "docs/results.md": results_page(records, root),
+             "docs/batch_scaling.md": page}
+    page = (root / "docs" / "horizon.md").read_text()
+    start, end = page.find(BEGIN), page.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"docs/horizon.md has no {BEGIN} ... {END} block")
+    pages["docs/horizon.md"] = (page[:start] + horizon_block(records.get("horizon"))
+                                + page[end + len(END):])
+    return pages
 
 
 def plot_suite(root=ROOT):

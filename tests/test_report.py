@@ -45,6 +45,7 @@ def test_a_new_suite_record_regenerates_the_table(tmp_path):
     shutil.copy(os.path.join(ROOT, "README.md"), tmp_path / "README.md")
     shutil.copy(os.path.join(ROOT, "docs", "batch_scaling.md"),
                 tmp_path / "docs" / "batch_scaling.md")
+    shutil.copy(os.path.join(ROOT, "docs", "horizon.md"), tmp_path / "docs" / "horizon.md")
     suite_path = tmp_path / "docs" / "results" / "suite.json"
     record = json.loads(suite_path.read_text())
     record.pop("commit")  # an older script's record: shown as such, not an error

@@ -1,0 +1,539 @@
+"""Where users train: THOR's steps and seconds on long runs, baselines re-tuned at every length.
+
+    nice -n 19 python experiments/horizon.py               # the study; resumes from its cache
+    python experiments/horizon.py --report-only            # record, plots, docs from the cache
+    python experiments/horizon.py --workloads char_gpt --multiples 1,4
+    python experiments/horizon.py --quick                  # the tabular MLP, seed 0 (CI, ~1 min)
+
+The suite's workloads (``workloads.py``; default the char GPT, the Fashion-MNIST CNN, the ViT and
+ResNet-20, issue 54) at ``m`` times the suite's length for each ``m`` of ``--multiples``
+(default 1, 4, 16), **the same batch**: the image workloads train ``m`` times the suite's
+epochs, the char GPT ``m`` times its 600 steps of fresh batches of random windows (one pass; at
+``m = 1`` the suite's own batches). Each run follows the suite's recipe (``suite.train_run``:
+the same initial weights and batch order for a seed; the baselines' warmup + cosine and THOR's
+``WarmupCosine(total_steps)`` span the run, so THOR's default peak follows the length:
+``3e-2·sqrt(256/T)`` beyond 256 steps). The study's machinery is ``batch_scaling.py``'s:
+
+* **Rates re-tuned at every length** on seed 0 (``batch_scaling.tune``): at ``1×`` each
+  baseline over the suite's grid; at a longer length over three rates a factor 3 apart centred
+  on its best at the previous length (the best rate moves with the length); widened by one rate
+  at an end its best landed on, twice at most (a best still at an end is flagged). THOR at its
+  default and at explicit peaks a factor 3 either side of the default's, widened the same way.
+  The **best baseline** at a length: the best seed-0 final there.
+* **Seeds 0, 1, 2**: THOR at its default and the best baseline at its rate trained *interleaved*
+  (``interleave.py``: one process, segment by segment in turn, both on the same host), THOR at
+  its best peak (when that is not the default) on seeds 1, 2 too.
+* **Target, per length**: the best baseline's median final there. Per length and optimizer: the
+  final, steps, examples and seconds to the target (the first of ``--evals`` evenly spaced
+  evaluations at or past it; medians over seeds; "never" when half or more seeds never get
+  there); THOR's steps over the best baseline's and its seconds over the baseline's per seed
+  of an interleaved pair (their median).
+
+**Order** (the most informative results first): every workload's tuning at 1×, then at 4×, then
+the seeds at 1× and 4×; then 16×'s tuning and seeds. Workloads go cheapest first.
+
+**Resumable**: every finished run (one JSON line: workload, length, optimizer, rate, seed,
+phase; its eval curve as ``[step, seconds, metric, train_loss]``, its first-call and steady
+seconds, its wall seconds) is appended to ``--out``/``horizon_runs.jsonl`` when it ends (an
+interleaved pair's two lines when the pair ends); a rerun reads it and trains only what is
+missing, so a killed study loses at most the run in progress. ``--report-only`` trains nothing.
+
+Outputs in ``--out`` (default ``docs/results``; ``runs/horizon_quick`` with ``--quick``):
+``horizon.json`` (``{"workloads": {name: {"lengths": {m: {optimizer: {"rate", "final",
+"steps_to_target", "examples_to_target", "seconds_to_target", ...}, "target", "best_baseline",
+"steps_ratio", "seconds_ratio", ...}}}}}``), ``horizon_steps.png`` and ``horizon_seconds.png``
+(THOR's steps and seconds to the target over the best baseline's, against the length). When
+``--out`` is the repository's ``docs/results``, ``python -m thor_tf_experiments.report`` is run
+too (docs/horizon.md's results and README's line); elsewhere ``horizon.md`` is written beside.
+
+**Cost** (docs/horizon.md has the measured one). From suite.json's seconds on this 2-core
+machine when it was not shared (steady seconds per step times the steps, plus the first call;
+evaluations besides): a length's tuning is ~9 runs (two baselines x 3 rates, THOR's default and
+2 peaks, ~1 widening) and its seeds ~8 (3 interleaved pairs, THOR's best peak on 2 seeds):
+~17 runs.
+
+  ==================  =====================  ======================  ======================
+  workload            steps at 1x / 4x / 16x  seconds a run            study at 1x + 4x / 16x
+  ==================  =====================  ======================  ======================
+  char GPT            600 / 2,400 / 9,600    14 / 41 / 150           0.26 h / 0.71 h
+  Fashion-MNIST CNN   279 / 1,116 / 4,464    11 / 38 / 144           0.23 h / 0.68 h
+  ViT                 186 / 744 / 2,976      20 / 64 / 242           0.40 h / 1.14 h
+  ResNet-20           186 / 744 / 2,976      32 / 96 / 350           0.60 h / 1.65 h
+  ==================  =====================  ======================  ======================
+
+1x and 4x of all four: ~1.5 h of the whole machine; 16x: ~4.2 h more, ResNet-20's 16x alone
+1.65 h. Measured at ``nice -n 19`` beside three other agents' jobs (docs/horizon.md): a 1x run
+took 4-8x the estimate in wall time (evaluations included), ~3x expected at 4x and 16x; so 1x +
+4x about 8 h and 16x about 12-15 h: the study spans sessions, which the cache makes safe, and
+the order puts ResNet-20's 16x last (stop there and the record ends at 4x for it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from thor_tf_experiments import batch_scaling as bs  # noqa: E402
+from thor_tf_experiments import workloads as wl  # noqa: E402
+
+#: Cheapest first (suite.json's seconds per run).
+WORKLOADS = ("char_gpt", "fashion_cnn", "vit", "resnet20")
+MULTIPLES = (1, 4, 16)
+#: Lengths up to this multiple are tuned and seeded before any longer one starts.
+FIRST_GROUP = 4
+#: Evaluations per run after step 0, at every length (the same resolution of the ratios).
+EVALS = 20
+CACHE = "horizon_runs.jsonl"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class NotCached(LookupError):
+    """A run the record needs is not in the cache (``--report-only`` trains nothing)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Workloads at a length
+# --------------------------------------------------------------------------------------------
+
+def centred_grid(best):
+    """Three rates a factor :data:`batch_scaling.GRID_FACTOR` apart centred on ``best``."""
+    f = bs.GRID_FACTOR
+    return (bs._round_rate(best / f), bs._round_rate(best), bs._round_rate(best * f))
+
+
+def lengthened_workload(name, multiple, quick, grids=None, data=None):
+    """``(workload, data)``: suite workload ``name`` trained ``multiple`` times the suite's
+    length at its batch, the baselines over ``grids`` (default the suite's). ``data``: the
+    suite's data of the workload when already loaded. Raises ``workloads.Unavailable``."""
+    base = wl.WORKLOADS[name].sized(quick)
+    data = base.load(quick) if data is None else data
+    baselines = dict(grids or base.baselines)
+    if base.single_pass:
+        steps = (data.num_train // base.batch_size) * multiple
+        if multiple != 1:
+            data = bs._fresh_windows(data, quick, steps, base.batch_size)
+        return dataclasses.replace(base, baselines=baselines), data
+    return dataclasses.replace(base, epochs=base.epochs * multiple, baselines=baselines), data
+
+
+# --------------------------------------------------------------------------------------------
+# The cache of finished runs
+# --------------------------------------------------------------------------------------------
+
+def _rate_key(rate):
+    return f"{float(rate):.6g}"
+
+
+class RunCache:
+    """The study's finished runs, one JSON line each in ``path`` (module docstring); a run it
+    holds is read back, a missing one trained (or :class:`NotCached` when ``train`` is False).
+    Has ``final`` (and ``interleave``) in the shape ``batch_scaling.tune`` and ``run_seeds``
+    call."""
+
+    def __init__(self, path, quick, evals, train=True):
+        self.path, self.quick, self.evals, self.train = Path(path), quick, evals, train
+        self.runs = {}
+        self.trained = 0
+        #: ``{(workload name, steps): multiple}`` (:class:`Study` sets it; stored with a run).
+        self.multiple = {}
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    run = json.loads(line)
+                except json.JSONDecodeError:        # blank, or being written by a running study
+                    continue
+                self.runs[self.key_of(run)] = run          # a later line replaces an earlier
+
+    @staticmethod
+    def key_of(run):
+        return (run["workload"], run["steps"], run["optimizer"], _rate_key(run["rate"]),
+                run["seed"], run["phase"], run["quick"], run["evals"])
+
+    def get(self, workload, data, optimizer, lr, seed, phase):
+        return self.runs.get((workload.name, bs.total_steps(workload, data), optimizer,
+                              _rate_key(lr), seed, phase, self.quick, self.evals))
+
+    def _missing(self, workload, data, what):
+        if not self.train:
+            raise NotCached(f"{workload.name} at {bs.total_steps(workload, data)} steps: {what}")
+
+    def _store(self, workload, data, optimizer, lr, seed, phase, rows, wall, **extra):
+        last = rows[-1]
+        steps = bs.total_steps(workload, data)
+        run = {"workload": workload.name, "multiple": self.multiple.get((workload.name, steps)),
+               "steps": steps, "batch": workload.batch_size, "optimizer": optimizer,
+               "rate": float(lr), "seed": int(seed), "phase": phase, "quick": self.quick,
+               "evals": self.evals, "final": last["metric"],
+               "curve": [[r["step"], r["seconds"], r["metric"], r["train_loss"]] for r in rows],
+               "first_seconds": last.get("first_seconds"),
+               "steady_seconds_per_step": last.get("steady_seconds_per_step"),
+               "load": last.get("load"), "wall_seconds": round(wall, 1),
+               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **extra}
+        self.runs[self.key_of(run)] = run
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(run, separators=(",", ":")) + "\n")
+        self.trained += 1
+        return run
+
+    def final(self, workload, data, optimizer, lr, seed):
+        """The final metric of a tuning ("sweep") run, trained when missing."""
+        run = self.get(workload, data, optimizer, lr, seed, "sweep")
+        if run is None:
+            self._missing(workload, data, f"{optimizer} {lr:g} seed {seed}")
+            rows, started = [], time.perf_counter()
+            bs.train_one(workload, data, optimizer, lr, seed, self.quick, self.evals,
+                         rows.append)
+            run = self._store(workload, data, optimizer, lr, seed, "sweep", rows,
+                              time.perf_counter() - started)
+        return run["final"]
+
+    def interleave(self, workload, data, baseline, rate, seeds):
+        """THOR (default) and ``baseline`` at ``rate``, each seed an interleaved pair
+        (``interleave.interleaved_rows``), stored when the pair ends; held pairs skipped."""
+        from thor_tf_experiments.interleave import interleaved_rows
+
+        for seed in seeds:
+            if (self.get(workload, data, "thor", 0.0, seed, "interleaved")
+                    and self.get(workload, data, baseline, rate, seed, "interleaved")):
+                continue
+            self._missing(workload, data, f"interleaved pair thor / {baseline} seed {seed}")
+            started = time.perf_counter()
+            rows = interleaved_rows(workload, data, baseline, rate, seed, self.evals,
+                                    quick=self.quick)
+            wall = (time.perf_counter() - started) / 2
+            for optimizer, lr in (("thor", 0.0), (baseline, rate)):
+                self._store(workload, data, optimizer, lr, seed, "interleaved",
+                            [r for r in rows if r["optimizer"] == optimizer], wall,
+                            pair=[baseline, float(rate)])
+
+    def rows(self, name, steps, batch):
+        """The suite-shaped rows (``batch_scaling``'s summary reads them) of every run of
+        ``name`` at ``steps``, ``batch`` being the study's batch for all of them."""
+        out = []
+        for run in self.runs.values():
+            if (run["workload"], run["steps"], run["quick"], run["evals"]) != (
+                    name, steps, self.quick, self.evals):
+                continue
+            for step, seconds, metric, loss in run["curve"]:
+                out.append({"workload": name, "batch": batch, "phase": run["phase"],
+                            "optimizer": run["optimizer"], "lr": run["rate"],
+                            "seed": run["seed"], "step": step, "seconds": seconds,
+                            "metric": metric, "train_loss": loss,
+                            "first_seconds": run.get("first_seconds"),
+                            "steady_seconds_per_step": run.get("steady_seconds_per_step"),
+                            "load": run.get("load")})
+        return out
+
+    def wall_seconds(self, name, steps):
+        runs = [r for r in self.runs.values() if (r["workload"], r["steps"], r["quick"],
+                                                  r["evals"]) == (name, steps, self.quick,
+                                                                  self.evals)]
+        return len(runs), sum(r.get("wall_seconds") or 0.0 for r in runs)
+
+
+class Study:
+    """The workloads at their lengths and their tuning, memoized: a length's grids centre on the
+    previous length's best rates, so tuning at ``m`` needs the tuning before it."""
+
+    def __init__(self, cache, multiples, quick, seed):
+        self.cache, self.multiples, self.quick, self.seed = cache, list(multiples), quick, seed
+        self._data, self._tuned, self._at = {}, {}, {}
+
+    def at(self, name, multiple):
+        """``(workload, data)`` of ``name`` at ``multiple``."""
+        if (name, multiple) not in self._at:
+            index = self.multiples.index(multiple)
+            grids = None
+            if index > 0:
+                before = self.tuned(name, self.multiples[index - 1])
+                grids = {b: centred_grid(before[b]["best"]) for b in before
+                         if b != bs.THOR_PEAK}
+            if name not in self._data:
+                self._data[name] = wl.WORKLOADS[name].sized(self.quick).load(self.quick)
+            workload, data = lengthened_workload(name, multiple, self.quick, grids,
+                                                 self._data[name])
+            self.cache.multiple[(name, bs.total_steps(workload, data))] = multiple
+            self._at[(name, multiple)] = (workload, data)
+        return self._at[(name, multiple)]
+
+    def tuned(self, name, multiple):
+        if (name, multiple) not in self._tuned:
+            workload, data = self.at(name, multiple)
+            self._tuned[(name, multiple)] = bs.tune(self.cache, workload, data, self.seed)
+        return self._tuned[(name, multiple)]
+
+    def seeds(self, name, multiple, seeds):
+        """The interleaved pairs and THOR's best peak on the later seeds."""
+        workload, data = self.at(name, multiple)
+        tuned = self.tuned(name, multiple)
+        best, rate = bs.leader(workload, tuned)
+        self.cache.interleave(workload, data, best, rate, seeds)
+        bs.run_seeds(self.cache, workload, data, tuned, seeds[1:])
+
+
+def schedule(workloads, multiples):
+    """``[(phase, multiple, workload)]`` in the order the study runs them: every workload's
+    tuning then seeds at the lengths up to :data:`FIRST_GROUP`, then the longer ones."""
+    groups = [[m for m in multiples if m <= FIRST_GROUP], [m for m in multiples if m > FIRST_GROUP]]
+    return [(phase, m, name) for group in groups for phase in ("tune", "seeds")
+            for m in group for name in workloads]
+
+
+# --------------------------------------------------------------------------------------------
+# Summary
+# --------------------------------------------------------------------------------------------
+
+def _ratio(cell, a, b, key):
+    x, y = cell.get(a, {}).get(key), cell.get(b, {}).get(key)
+    return None if x is None or not y else x / y
+
+
+def length_cell(study, name, multiple):
+    """The record's cell of ``name`` at ``multiple``: per optimizer ``batch_scaling``'s summary
+    against this length's target (the best baseline's median final), and THOR's ratios."""
+    workload, data = study.at(name, multiple)
+    tuned = study.tuned(name, multiple)
+    steps, batch = bs.total_steps(workload, data), workload.batch_size
+    rows = study.cache.rows(name, steps, batch)
+    entry, best = bs.cell_runs(workload, rows, batch, tuned)
+    target = bs.median_final(entry, best)
+    cell = bs.cell_summary(workload, rows, batch, tuned, entry, best, target)
+    for optimizer, info in list(cell.items()):
+        if isinstance(info, dict) and "final" in info:
+            # Seconds to the target are paired where they come from an interleaved pair.
+            info["seconds_paired"] = optimizer in ("thor", best) and any(
+                r["phase"] == "interleaved" and r["optimizer"] == optimizer for r in rows)
+    runs, wall = study.cache.wall_seconds(name, steps)
+    sign = 1 if workload.higher_is_better else -1
+    cell.update({
+        "multiple": multiple, "steps": steps, "batch": batch,
+        "epochs": None if workload.single_pass else workload.epochs,
+        "examples": steps * batch, "target": target, "target_from": best,
+        "steps_ratio": _ratio(cell, "thor", best, "steps_to_target"),
+        "best_peak_steps_ratio": _ratio(cell, "thor_best", best, "steps_to_target"),
+        "seconds_ratio": cell["paired_seconds"]["median"],
+        "thor_ahead_in_final": sign * (cell["thor"]["final"] - target) > 0,
+        "runs": runs, "wall_seconds": round(wall, 1)})
+    return cell
+
+
+def summarize(study, names, multiples):
+    """The record: ``{"workloads": {name: {"lengths": {m: cell}}}}`` with every length whose
+    tuning is complete (a length's grids come from the one before, so the first incomplete one
+    ends a workload's lengths)."""
+    record = {}
+    for name in names:
+        lengths = {}
+        for m in multiples:
+            try:
+                lengths[str(m)] = length_cell(study, name, m)
+            except (NotCached, wl.Unavailable):
+                break
+        if lengths:
+            base = wl.WORKLOADS[name].sized(study.quick)
+            record[name] = {"title": base.title, "metric": base.metric,
+                            "higher_is_better": base.higher_is_better,
+                            "batch": base.batch_size, "suite_steps": lengths["1"]["steps"]
+                            if "1" in lengths else None, "lengths": lengths}
+    return {"workloads": record}
+
+
+# --------------------------------------------------------------------------------------------
+# Outputs
+# --------------------------------------------------------------------------------------------
+
+def markdown(record):
+    """Per workload, per length: every optimizer's rate, seeds, final and steps, examples and
+    seconds to that length's target (``batch_scaling.cell_lines``)."""
+    lines = []
+    for name, w in record["workloads"].items():
+        lines += [f"### {w['title']}", "",
+                  "| length | optimizer | rate | seeds | final | steps to target | examples | "
+                  "seconds to target (interleaved pair) |", "|---|---|---|---|---|---|---|---|"]
+        for m, cell in w["lengths"].items():
+            key = f"{m}× ({cell['steps']:,} steps, target {cell['target']:.4g})"
+            lines += bs.cell_lines(key, cell)
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def plot(record, path_steps, path_seconds):
+    """THOR's steps (and seconds) to the target over the best baseline's against the length,
+    one line per workload (dashed: THOR at its best peak, steps only); a triangle at the top
+    where THOR never reaches the target, at the bottom where only THOR does."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for path, label, thor_key in ((path_steps, "steps to the target", "steps_to_target"),
+                                  (path_seconds, "seconds to the target (interleaved pairs)",
+                                   None)):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        keys = ("steps_ratio", "best_peak_steps_ratio") if thor_key else ("seconds_ratio",)
+        ratios = [c.get(k) for w in record["workloads"].values() for c in w["lengths"].values()
+                  for k in keys]
+        top = max([1.6] + [1.1 * r for r in ratios if r is not None])
+        shown = sorted({int(m) for w in record["workloads"].values() for m in w["lengths"]})
+        for name, w in record["workloads"].items():
+            ms = sorted(int(m) for m in w["lengths"])
+            cells = [w["lengths"][str(m)] for m in ms]
+            if thor_key:
+                series = {"steps_ratio": "-", "best_peak_steps_ratio": "--"}
+            else:
+                series = {"seconds_ratio": "-"}
+            color = None
+            for key, style in series.items():
+                xs = [m for m, c in zip(ms, cells) if c.get(key) is not None]
+                line, = ax.plot(xs, [c[key] for c, m in zip(cells, ms) if c.get(key) is not None],
+                                style, marker="o", color=color,
+                                label=f"{name}" + (" (best peak)" if "best_peak" in key else ""))
+                color = line.get_color()
+            opt = "thor"
+            never = [m for m, c in zip(ms, cells) if c.get(opt, {}).get("steps_to_target") is None]
+            only = [m for m, c in zip(ms, cells)
+                    if c.get(opt, {}).get("steps_to_target") is not None
+                    and c.get(c["best_baseline"], {}).get("steps_to_target") is None]
+            ax.scatter(never, [top] * len(never), marker="^", color=color, s=50)
+            ax.scatter(only, [0.05] * len(only), marker="v", color=color, s=50)
+        ax.axhline(1.0, color="k", lw=0.6, ls=":")
+        ax.axhline(0.75, color="gray", lw=0.6, ls="--", label="0.75 (issue 54's target)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(shown, [f"{m}×" for m in shown])
+        ax.minorticks_off()
+        ax.set_ylim(0, top * 1.06)
+        ax.set_xlabel("run length (multiple of the suite's, same batch)")
+        ax.set_ylabel("THOR / best baseline")
+        ax.set_title(f"THOR's {label} over the best baseline's (re-tuned at each length)\n"
+                     "^ THOR never reaches it, v only THOR does; dashed: THOR's best peak",
+                     fontsize=8)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+
+def write_outputs(record, out, quiet=False):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "horizon.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    plot(record, out / "horizon_steps.png", out / "horizon_seconds.png")
+    text = markdown(record)
+    if out.resolve() == (ROOT / "docs" / "results").resolve():
+        from thor_tf_experiments import report
+
+        report.main([])          # docs/horizon.md's results and README's line
+    else:
+        (out / "horizon.md").write_text(text)
+    if not quiet:
+        print(text, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    from thor_tf_experiments.cli import parse_ints
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--workloads", default=None,
+                        help=f"comma list of suite workloads (default {','.join(WORKLOADS)})")
+    parser.add_argument("--multiples", type=parse_ints, default=None,
+                        help="lengths as multiples of the suite's (default 1,4,16; --quick 1,2)")
+    parser.add_argument("--seeds", type=parse_ints, default=None,
+                        help="comma list; the first tunes the rates (default 0,1,2; --quick 0)")
+    parser.add_argument("--evals", type=int, default=None,
+                        help=f"evaluations per run after step 0 (default {EVALS}; --quick 4)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="no training: rebuild the record, plots and docs from the cache")
+    parser.add_argument("--out", default=None,
+                        help="cache and record directory (default docs/results; --quick "
+                             "runs/horizon_quick)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, seed 0 (CI)")
+    args = parser.parse_args(argv)
+    default = "tabular_mlp" if args.quick else ",".join(WORKLOADS)
+    args.workloads = [w for w in (args.workloads or default).split(",") if w]
+    unknown = [w for w in args.workloads if w not in wl.WORKLOADS]
+    if unknown:
+        raise SystemExit(f"error: --workloads: unknown {unknown}; allowed: "
+                         f"{', '.join(wl.WORKLOADS)}")
+    if args.multiples is None:
+        args.multiples = [1, 2] if args.quick else list(MULTIPLES)
+    if sorted(args.multiples) != args.multiples or args.multiples[0] != 1:
+        raise SystemExit("error: --multiples must be increasing and start at 1")
+    if args.seeds is None:
+        args.seeds = [0] if args.quick else [0, 1, 2]
+    if args.evals is None:
+        args.evals = 4 if args.quick else EVALS
+    if args.evals < 1:
+        raise SystemExit("error: --evals must be >= 1")
+    if args.out is None:
+        args.out = "runs/horizon_quick" if args.quick else str(ROOT / "docs" / "results")
+    return args
+
+
+def _commit():
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True, cwd=ROOT).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def main(argv=None):
+    import platform
+
+    args = parse_args(argv)
+    out = Path(args.out)
+    cache = RunCache(out / CACHE, args.quick, args.evals, train=not args.report_only)
+    study = Study(cache, args.multiples, args.quick, args.seeds[0])
+    started = time.perf_counter()
+    unavailable = set()
+    for phase, multiple, name in ([] if args.report_only
+                                  else schedule(args.workloads, args.multiples)):
+        if name in unavailable:
+            continue
+        try:
+            workload, data = study.at(name, multiple)
+        except wl.Unavailable as err:
+            print(f"[{name}] skipped: {err}", flush=True)
+            unavailable.add(name)
+            continue
+        steps = bs.total_steps(workload, data)
+        print(f"[{name} {multiple}x {phase}] {steps} steps of batch {workload.batch_size}",
+              flush=True)
+        if phase == "tune":
+            for optimizer, info in study.tuned(name, multiple).items():
+                if info["at_edge"]:
+                    print(f"[{name} {multiple}x] warning: {optimizer}'s best rate "
+                          f"{info['best']:g} is at an end of its grid {list(info['grid'])}",
+                          flush=True)
+        else:
+            study.seeds(name, multiple, args.seeds)
+    cache.train = False              # the record reads what is there
+    record = summarize(study, args.workloads, args.multiples)
+    record.update({"commit": _commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                   "machine": f"{platform.machine()}, {os.cpu_count()} cores; "
+                              f"{platform.platform()}",
+                   "quick": args.quick, "seeds": args.seeds, "evals": args.evals,
+                   "multiples": args.multiples, "cache": CACHE, "trained": cache.trained,
+                   "seconds": round(time.perf_counter() - started, 1)})
+    write_outputs(record, out)
+    return record
+
+
+if __name__ == "__main__":
+    main()

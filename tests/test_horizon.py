@@ -1,0 +1,144 @@
+"""The horizon study (experiments/horizon.py): its lengths and grids, the record's schema from a
+quick run, resuming from the run cache (a second run trains nothing; --report-only rebuilds the
+record), and the steps and seconds to each length's target on a hand-made cache."""
+
+import json
+
+import pytest
+
+from thor_tf_experiments import batch_scaling as bs
+from thor_tf_experiments import horizon as hz
+from thor_tf_experiments import workloads as wl
+
+
+def test_lengthened_workload_keeps_the_batch_and_multiplies_epochs_or_steps():
+    base = wl.WORKLOADS["tabular_mlp"]
+    w4, d4 = hz.lengthened_workload("tabular_mlp", 4, quick=False)
+    assert (w4.batch_size, w4.epochs, w4.baselines) == (base.batch_size, 4 * base.epochs,
+                                                        base.baselines)
+    assert bs.total_steps(w4, d4) == 4 * 220
+    w, _ = hz.lengthened_workload("tabular_mlp", 1, quick=False, grids={"adam": (0.1,)})
+    assert w.baselines == {"adam": (0.1,)}
+    assert hz.centred_grid(0.03) == (0.01, 0.03, 0.09)
+
+
+def test_schedule_puts_short_lengths_and_tuning_first():
+    plan = hz.schedule(["a", "b"], [1, 4, 16])
+    assert plan[:4] == [("tune", 1, "a"), ("tune", 1, "b"), ("tune", 4, "a"), ("tune", 4, "b")]
+    assert plan[4:8] == [("seeds", 1, "a"), ("seeds", 1, "b"), ("seeds", 4, "a"),
+                         ("seeds", 4, "b")]
+    assert plan[8:] == [("tune", 16, "a"), ("tune", 16, "b"), ("seeds", 16, "a"),
+                        ("seeds", 16, "b")]
+
+
+def _no_training(*args, **kwargs):
+    raise AssertionError("a run the cache holds was trained again")
+
+
+def test_quick_run_writes_the_record_and_resumes_from_its_cache(tmp_path, monkeypatch):
+    out = tmp_path / "hz"
+    argv = ["--quick", "--workloads", "tabular_mlp", "--evals", "2", "--out", str(out)]
+    record = hz.main(argv)
+    lines = (out / hz.CACHE).read_text().splitlines()
+    assert record["trained"] == len(lines) > 0
+    w = record["workloads"]["tabular_mlp"]
+    assert set(w["lengths"]) == {"1", "2"}
+    assert w["lengths"]["2"]["steps"] == 2 * w["lengths"]["1"]["steps"]
+    for cell in w["lengths"].values():
+        best = cell["best_baseline"]
+        for name in ("thor", "thor_best", best):
+            assert {"rate", "final", "steps_to_target", "examples_to_target",
+                    "seconds_to_target"} <= set(cell[name])
+        assert cell["target"] == cell[best]["final"]        # one seed: its final
+        assert cell["thor"]["seconds_paired"] and cell[best]["seconds_paired"]
+    # The 2x grid is centred on the 1x best (quick: adam at one rate), widened at an end.
+    adam1 = w["lengths"]["1"]["adam"]["rate"]
+    assert {f"{r:g}" for r in hz.centred_grid(adam1)} <= set(w["lengths"]["2"]["adam"]["grid"])
+    for png in ("horizon_steps.png", "horizon_seconds.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "horizon.json").read_text())["workloads"] == json.loads(
+        json.dumps(record["workloads"]))
+    # A second run with the same cache trains nothing and gives the same record.
+    monkeypatch.setattr(bs, "train_one", _no_training)
+    monkeypatch.setattr("thor_tf_experiments.interleave.interleaved_rows", _no_training)
+    again = hz.main(argv)
+    assert again["trained"] == 0 and (out / hz.CACHE).read_text().splitlines() == lines
+    assert again["workloads"] == record["workloads"]
+    # --report-only rebuilds it from the cache alone.
+    (out / "horizon.json").unlink()
+    rebuilt = hz.main(argv + ["--report-only"])
+    assert rebuilt["workloads"] == record["workloads"]
+    assert (out / "horizon.json").exists()
+
+
+def _run(workload, steps, optimizer, rate, seed, phase, curve, **extra):
+    """One cache line: ``curve`` is ``[(step, seconds, metric)]`` after step 0."""
+    points = [[0, 0.0, 5.0, None]] + [[s, t, m, m] for s, t, m in curve]
+    return {"workload": workload, "multiple": 1, "steps": steps, "batch": 32,
+            "optimizer": optimizer, "rate": rate, "seed": seed, "phase": phase, "quick": True,
+            "evals": 4, "final": points[-1][2], "curve": points, "first_seconds": 1.0,
+            "steady_seconds_per_step": 0.01, "load": 0.0, "wall_seconds": 10.0, **extra}
+
+
+def test_steps_and_seconds_to_the_target_on_a_hand_made_cache(tmp_path, monkeypatch):
+    """tabular_mlp --quick at 1x: 55 steps, evaluations at 14, 28, 41, 55 (4 evals); a loss.
+    Tuning (seed 0): THOR's default (peak 3e-2) beats its peaks 1e-2 and 9e-2; adam (grid 1e-2
+    alone) is the best baseline. Seeds 0, 1, 2 interleaved."""
+    monkeypatch.setattr(bs, "default_peak", lambda steps: 0.03)
+    name, steps = "tabular_mlp", 55
+    assert bs.total_steps(*hz.lengthened_workload(name, 1, quick=True)) == steps
+    grid = [14, 28, 41, 55]
+
+    def curve(metrics, seconds):
+        return list(zip(grid, seconds, metrics))
+
+    runs = [
+        _run(name, steps, "thor", 0.0, 0, "sweep", curve([1.0, 0.5, 0.3, 0.2], [1, 2, 3, 4])),
+        _run(name, steps, bs.THOR_PEAK, 0.01, 0, "sweep", curve([2, 1, 0.9, 0.8], [1, 2, 3, 4])),
+        _run(name, steps, bs.THOR_PEAK, 0.09, 0, "sweep", curve([2, 1, 0.9, 0.7], [1, 2, 3, 4])),
+        _run(name, steps, "adam", 0.01, 0, "sweep", curve([1.5, 0.9, 0.6, 0.4], [1, 2, 3, 4])),
+    ]
+    # Interleaved pairs: adam's finals 0.40, 0.50, 0.45 -> target (median) 0.45.
+    thor = {0: ([1.0, 0.5, 0.3, 0.2], [2, 4, 6, 8]), 1: ([1.0, 0.6, 0.44, 0.3], [2, 4, 6, 8]),
+            2: ([0.9, 0.9, 0.8, 0.7], [2, 4, 6, 8])}
+    adam = {0: ([1.5, 0.9, 0.6, 0.4], [1, 2, 3, 4]), 1: ([1.5, 0.9, 0.7, 0.5], [1, 2, 3, 4]),
+            2: ([1.5, 0.9, 0.45, 0.45], [1, 2, 3, 4])}
+    for seed in (0, 1, 2):
+        runs.append(_run(name, steps, "thor", 0.0, seed, "interleaved", curve(*thor[seed]),
+                         pair=["adam", 0.01]))
+        runs.append(_run(name, steps, "adam", 0.01, seed, "interleaved", curve(*adam[seed]),
+                         pair=["adam", 0.01]))
+    out = tmp_path / "hz"
+    out.mkdir()
+    (out / hz.CACHE).write_text("".join(json.dumps(r) + "\n" for r in runs))
+    monkeypatch.setattr(bs, "train_one", _no_training)
+    monkeypatch.setattr("thor_tf_experiments.interleave.interleaved_rows", _no_training)
+    record = hz.main(["--quick", "--workloads", name, "--multiples", "1", "--seeds", "0,1,2",
+                      "--evals", "4", "--out", str(out)])
+    cell = record["workloads"][name]["lengths"]["1"]
+    assert cell["best_baseline"] == "adam" and cell["target"] == pytest.approx(0.45)
+    t, a = cell["thor"], cell["adam"]
+    # THOR reaches 0.45 at step 41 on seeds 0 (0.3, 6 s) and 1 (0.44, 6 s), never on seed 2.
+    assert t["steps_by_seed"] == [41, 41, None] and t["steps_to_target"] == 41
+    assert t["seconds_by_seed"] == [6, 6, None] and t["seconds_to_target"] == 6
+    assert t["examples_to_target"] == 41 * 32 and t["final"] == pytest.approx(0.3)
+    # adam: 55 (seed 0, 4 s), never (seed 1), 41 (seed 2, 3 s): medians 55 steps, 4 s.
+    assert a["steps_by_seed"] == [55, None, 41] and a["steps_to_target"] == 55
+    assert a["seconds_to_target"] == 4
+    assert cell["steps_ratio"] == pytest.approx(41 / 55)
+    # Paired seconds: seed 0 6/4; seed 1 only THOR gets there; seed 2 THOR never: median 1.5.
+    ps = cell["paired_seconds"]
+    assert ps["per_seed"] == {0: pytest.approx(1.5), 1: None, 2: None}
+    assert ps["only_thor_seeds"] == [1]
+    assert cell["seconds_ratio"] == pytest.approx(1.5)
+    assert cell["thor_best"]["rate"] == 0.03 and cell["thor_ahead_in_final"]
+    assert record["trained"] == 0
+    # README's line and docs/horizon.md's table follow the record.
+    from thor_tf_experiments import report
+
+    line = report.horizon_line(record)
+    assert "tabular MLP (train MSE): 1× 0.75× (1.50× the seconds)" in line
+    block = report.horizon_block(record)
+    assert "| tabular MLP (train MSE) | 1× (55) | Adam 0.01 | 0.45 | 0.3 / 0.3 / 0.45 | " \
+           "41 / 55 | 0.75×, 1.50× | 0.03 (0.75) | 3, 3 |" in block
+    assert report.horizon_line(None) == "" and "No runs recorded yet" in report.horizon_block(None)
