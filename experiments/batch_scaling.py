@@ -795,6 +795,13 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="tiny sizes, seed 0 (CI)")
     args = parser.parse_args(argv)
     args.workloads = [w for w in args.workloads.split(",") if w]
+    return settle_study_args(args)
+
+
+def settle_study_args(args):
+    """The checks and defaults a multiples study shares (this one and ``horizon.py``):
+    ``--workloads`` known, ``--multiples`` increasing from 1 (default 1, 2 quick, else
+    :data:`MULTIPLES`), ``--seeds`` (0 quick, else 0, 1, 2), ``--evals`` at least 1."""
     unknown = [w for w in args.workloads if w not in wl.WORKLOADS]
     if unknown:
         raise SystemExit(f"error: --workloads: unknown {unknown}; allowed: "

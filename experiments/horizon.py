@@ -464,20 +464,9 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     default = "tabular_mlp" if args.quick else ",".join(WORKLOADS)
     args.workloads = [w for w in (args.workloads or default).split(",") if w]
-    unknown = [w for w in args.workloads if w not in wl.WORKLOADS]
-    if unknown:
-        raise SystemExit(f"error: --workloads: unknown {unknown}; allowed: "
-                         f"{', '.join(wl.WORKLOADS)}")
-    if args.multiples is None:
-        args.multiples = [1, 2] if args.quick else list(MULTIPLES)
-    if sorted(args.multiples) != args.multiples or args.multiples[0] != 1:
-        raise SystemExit("error: --multiples must be increasing and start at 1")
-    if args.seeds is None:
-        args.seeds = [0] if args.quick else [0, 1, 2]
     if args.evals is None:
         args.evals = 4 if args.quick else EVALS
-    if args.evals < 1:
-        raise SystemExit("error: --evals must be >= 1")
+    bs.settle_study_args(args)
     if args.out is None:
         args.out = "runs/horizon_quick" if args.quick else str(ROOT / "docs" / "results")
     return args
