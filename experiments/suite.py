@@ -156,8 +156,12 @@ def eval_steps(total, evals):
     return sorted({max(1, round(total * (i + 1) / count)) for i in range(count)})
 
 
-def train_run(workload, data, optimizer, lr, seed, args, log):
-    """Train one (workload, optimizer, lr, seed); one row per evaluation to ``log``."""
+def train_run(workload, data, optimizer, lr, seed, args, log, callbacks=(), on_evaluate=None):
+    """Train one (workload, optimizer, lr, seed); one row per evaluation to ``log``.
+
+    Hooks for diagnostics (``anatomy.py``), unused by the suite: ``callbacks``, Keras callbacks
+    given to every ``fit`` segment (their work is inside the timed segments); ``on_evaluate(model,
+    row)``, called after each evaluation (step 0 included; outside the timed segments)."""
     import keras
     import tensorflow as tf
 
@@ -186,13 +190,16 @@ def train_run(workload, data, optimizer, lr, seed, args, log):
                **clock.fields()}
         rows.append(row)
         log(row)
+        if on_evaluate is not None:
+            on_evaluate(model, row)
         return row
 
     evaluate(0, None)
     for index, stop in enumerate(eval_steps(total, args.evals)):
         idx = order[done:stop].reshape(-1)
         _, train_loss = timing.fit_segment(model, clock, index, data.x_train[idx],
-                                           data.y_train[idx], workload.batch_size)
+                                           data.y_train[idx], workload.batch_size,
+                                           callbacks=callbacks)
         done = stop
         row = evaluate(stop, train_loss)
     extra = ""

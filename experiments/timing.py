@@ -218,15 +218,16 @@ def _round(value, digits):
     return None if value is None else round(float(value), digits)
 
 
-def fit_segment(model, clock, index, x, y, batch_size, verbose=False):
+def fit_segment(model, clock, index, x, y, batch_size, verbose=False, callbacks=()):
     """Train ``model`` one segment: Keras ``fit`` epoch ``index`` over ``x``, ``y`` in order
-    (``x`` an array or a dict of arrays), timed into ``clock``. Returns ``(its training seconds,
-    its train loss)``."""
+    (``x`` an array or a dict of arrays), timed into ``clock``; ``callbacks``: more Keras
+    callbacks for the ``fit`` (after the timer, so their own work inside the epoch is timed).
+    Returns ``(its training seconds, its train loss)``."""
     first = next(iter(x.values())) if isinstance(x, dict) else x
     steps = -(-len(first) // batch_size)
     timer = clock.callback(steps)
     model.fit(x, y, batch_size=batch_size, epochs=index + 1, initial_epoch=index, shuffle=False,
-              verbose=1 if verbose else 0, callbacks=[timer])
+              verbose=1 if verbose else 0, callbacks=[timer, *callbacks])
     return timer.seconds, float(timer.logs.get("loss", float("nan")))
 
 
