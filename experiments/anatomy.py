@@ -42,7 +42,9 @@ the suite's epochs at the suite's batch, ``horizon.lengthened_workload``). Measu
 
 The baseline's rate: ``--baseline-rate``, else its best seed-0 rate at this length in
 ``horizon_runs.jsonl`` (phase "sweep"), else (not tuned at this length) the suite's
-(``suite.json``) with a note in the record.
+(``suite.json``) with a note in the record. ``--rate-check`` trains the baseline alone, seed 0,
+at that rate / 3 and x 3 (``horizon.centred_grid``) and writes their finals to
+``anatomy_<workload>_<m>x_rates.json``: whether the rate is the best at this length.
 
 Outputs in ``--out`` (default ``docs/results``): ``anatomy_<workload>_<m>x.json`` (``runs``:
 one per seed and optimizer, keyed ``"<optimizer>/<seed>"``; ``phases``: the per-phase table,
@@ -393,6 +395,44 @@ def phase_table(runs):
     return table
 
 
+#: Basis ages (steps since the layer's refresh) binned for :func:`staleness_by_age`.
+YOUNG, OLD = 10, 30
+
+
+def staleness_by_age(runs):
+    """Per rotated side, over THOR's evaluations after warmup (every seed): the mean off-diagonal
+    energy of the basis in use when it is young (age <= :data:`YOUNG`) and old (>= :data:`OLD`),
+    with the identity's and the other batch's fresh basis's over the same evaluations, and how
+    many evaluations each bin holds: does a basis get worse as it ages?"""
+    bins = {}
+    for run in runs.values():
+        if run["optimizer"] != "thor":
+            continue
+        for p in run["evals"]:
+            if p["step"] <= run["warmup_steps"] or "staleness" not in p:
+                continue
+            for layer, sides in p["staleness"].items():
+                age = p["layers"][layer]["age"]
+                for side, m in sides.items():
+                    if m["block"] <= 1 or age is None:
+                        continue
+                    key = f"{layer} {side}"
+                    for name, keep in (("young", age <= YOUNG), ("old", age >= OLD),
+                                       ("all", True)):
+                        if keep:
+                            bins.setdefault(key, {}).setdefault(name, []).append(
+                                (m["in_use"], m["identity"], m["fresh_other"]))
+    out = {}
+    for key, groups in bins.items():
+        out[key] = {}
+        for name, values in groups.items():
+            arr = np.array(values)
+            out[key][name] = {"n": len(values), "in_use": float(arr[:, 0].mean()),
+                              "identity": float(arr[:, 1].mean()),
+                              "fresh_other": float(arr[:, 2].mean())}
+    return out
+
+
 def markdown(record):
     """The per-phase table as text (medians over seeds)."""
     table, metric = record["phases"], record["metric"]
@@ -434,6 +474,18 @@ def markdown(record):
                                                         t["refreshes"].items()) + " | " +
                      ", ".join(f"{k} {v:.0f}" for k, v in t["age"].items()) + " | " +
                      ", ".join(f"{k} {v}" for k, v in t["frozen"].items()) + f" | {stale} |")
+    by_age = record.get("staleness_by_age") or {}
+    if by_age:
+        lines += ["", f"Off-diagonal energy by the basis's age (THOR, after warmup, all seeds): "
+                  f"in use when young (age <= {YOUNG}) / old (>= {OLD}); identity; fresh from "
+                  f"the other probe batch (evaluations in each bin):", "",
+                  "| side | young | old | identity | fresh other |", "|---|---|---|---|---|"]
+        def cell(group):
+            return "-" if not group else f"{group['in_use']:.3f} ({group['n']})"
+
+        for key, b in by_age.items():
+            lines.append(f"| {key} | {cell(b.get('young'))} | {cell(b.get('old'))} | "
+                         f"{b['all']['identity']:.3f} | {b['all']['fresh_other']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -590,6 +642,8 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=None,
                         help="output directory (default docs/results; --quick runs/anatomy)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CI)")
+    parser.add_argument("--rate-check", action="store_true",
+                        help="instead: the baseline alone at its rate / 3 and x 3 (seed 0)")
     args = parser.parse_args(argv)
     args.workload = args.workload or (QUICK_WORKLOAD if args.quick else "fashion_cnn")
     args.evals = args.evals or (4 if args.quick else DEFAULT_EVALS)
@@ -658,6 +712,7 @@ def finish(record, path):
     record["seeds"] = sorted({r["seed"] for r in record["runs"].values()})
     if {"thor", record["baseline"]} <= {r["optimizer"] for r in record["runs"].values()}:
         record["phases"] = phase_table(record["runs"])
+        record["staleness_by_age"] = staleness_by_age(record["runs"])
         record["table"] = markdown(record)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1, default=float))
@@ -667,8 +722,35 @@ def finish(record, path):
     print(f"wrote {path}", flush=True)
 
 
+def rate_check(args, multiple):
+    """The baseline alone (no measurements) at the rates a factor 3 either side of its rate here,
+    seed 0, the suite's loop: is the rate the best at this length? ``{rate: final}`` in
+    ``anatomy_<workload>_<m>x_rates.json`` (the rate itself: its final in the anatomy record)."""
+    workload, data = hz.lengthened_workload(args.workload, multiple, args.quick)
+    rate, source = baseline_rate(args.workload, args.baseline, multiple, args.quick,
+                                 args.baseline_rate)
+    path = Path(args.out) / f"anatomy_{args.workload}_{multiple}x_rates.json"
+    record = json.loads(path.read_text()) if path.exists() else {
+        "workload": args.workload, "multiple": multiple, "baseline": args.baseline, "seed": 0,
+        "centre": rate, "centre_source": source, "finals": {}, "curves": {}}
+    run_args = argparse.Namespace(quick=args.quick, thor_option={}, evals=args.evals)
+    for lr in hz.centred_grid(rate):
+        key = hz._rate_key(lr)
+        if lr == rate or key in record["finals"]:
+            continue
+        rows = suite.train_run(workload, data, args.baseline, lr, 0, run_args, lambda row: None)
+        record["finals"][key] = rows[-1]["metric"]
+        record["curves"][key] = [[r["step"], r["metric"]] for r in rows]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1))
+    print(f"wrote {path}: {record['finals']}", flush=True)
+    return record
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.rate_check:
+        return [rate_check(args, m) for m in args.multiple]
     return [run_length(args, m) for m in args.multiple]
 
 
