@@ -41,8 +41,8 @@ the suite's epochs at the suite's batch, ``horizon.lengthened_workload``). Measu
    the mean step size per layer in it (:func:`phase_table`).
 
 The baseline's rate: ``--baseline-rate``, else its best seed-0 rate at this length in
-``horizon_runs.jsonl`` (phase "sweep"), else (not tuned at this length) the suite's
-(``suite.json``) with a note in the record. ``--rate-check`` trains the baseline alone, seed 0,
+``horizon_runs.jsonl`` (phase "sweep"), else the best in ``--rate-check``'s record (below), else
+(not tuned at this length) the suite's (``suite.json``) with a note in the record. ``--rate-check`` trains the baseline alone, seed 0,
 at that rate / 3 and x 3 (``horizon.centred_grid``) and writes their finals to
 ``anatomy_<workload>_<m>x_rates.json``: whether the rate is the best at this length.
 
@@ -372,7 +372,8 @@ def phase_rows(run):
 
 
 def _median_tree(values):
-    """Median over seeds of nested dicts of numbers (keys of the first)."""
+    """Median over seeds of nested dicts of numbers (keys of the first; None, a baseline that
+    never matched THOR, counts as the largest; booleans: how many seeds)."""
     first = values[0]
     if isinstance(first, dict):
         return {k: _median_tree([v[k] for v in values if isinstance(v, dict) and k in v])
@@ -380,8 +381,7 @@ def _median_tree(values):
     if isinstance(first, bool):
         return sum(bool(v) for v in values)  # how many seeds
     if isinstance(first, (int, float)) or first is None:
-        known = [v for v in values if v is not None]
-        return statistics.median(known) if known else None
+        return suite._median(values)  # None (never) sorts last: the median may be never
     return first
 
 
@@ -439,18 +439,24 @@ def markdown(record):
     base = record["baseline"]
     lines = [f"{record['workload']} at {record['multiple']}x ({record['total_steps']} steps, "
              f"seeds {record['seeds']}): THOR vs {base} {record['baseline_rate']:g}", "",
-             f"| phase (end step) | train loss THOR / {base} | held-out loss | held-out {metric} "
-             f"| gap (held-out - train) | {base}'s steps to THOR's held-out loss / THOR's |",
+             f"| phase (end step) | train-subset loss THOR / {base} | held-out loss | held-out "
+             f"{metric} | gap (held-out - train) | {base}'s steps to THOR's train loss, held-out "
+             f"loss, {metric} / THOR's |",
              "|---|---|---|---|---|---|"]
+
+    def ratio(v):
+        return "never" if v is None else f"{v:.2f}"
+
     for t, b in zip(table.get("thor", []), table.get(base, [])):
         if "end_step" not in t:
             continue
-        m = (t.get("match") or {}).get("test_loss")
+        m = t.get("match") or {}
         lines.append(
             f"| {t['phase']} ({t['end_step']}) | {t['train_loss']:.4f} / {b['train_loss']:.4f} | "
             f"{t['test_loss']:.4f} / {b['test_loss']:.4f} | {t['test_metric']:.4f} / "
             f"{b['test_metric']:.4f} | {t['gap']:+.4f} / {b['gap']:+.4f} | "
-            f"{'never' if m is None else f'{m:.2f}'} |")
+            f"{ratio(m.get('train_loss'))}, {ratio(m.get('test_loss'))}, "
+            f"{ratio(m.get('test_metric'))} |")
     layers = sorted({k for t in table.get("thor", []) for k in t.get("step_size", {})})
     lines += ["", "Step size ||dw||/||w|| per step, mean in phase, THOR / " + base + ":", "",
               "| phase | " + " | ".join(layers) + " |", "|---|" + "---|" * len(layers)]
@@ -590,8 +596,8 @@ def plot(record, path):
 
 def baseline_rate(name, baseline, multiple, quick, given=None, root=ROOT):
     """``(rate, source)``: ``given``; else the best seed-0 final of ``baseline`` at this length
-    in ``docs/results/horizon_runs.jsonl``; else the suite's (``suite.json``) or, quick, the
-    middle of the workload's grid."""
+    in ``docs/results/horizon_runs.jsonl``; else the best of ``--rate-check``'s record at this
+    length; else the suite's (``suite.json``) or, quick, the middle of the workload's grid."""
     if given is not None:
         return float(given), "--baseline-rate"
     workload = wl.WORKLOADS[name]
@@ -609,6 +615,14 @@ def baseline_rate(name, baseline, multiple, quick, given=None, root=ROOT):
             best = max(tuned, key=lambda r: sign * r["final"])
             return float(best["rate"]), (f"{hz.CACHE}: best seed-0 final at {multiple}x of "
                                          f"{sorted(r['rate'] for r in tuned)}")
+    check = root / "docs" / "results" / f"anatomy_{name}_{multiple}x_rates.json"
+    if check.exists():
+        finals = json.loads(check.read_text())["finals"]
+        if len(finals) > 1:
+            sign = 1 if workload.higher_is_better else -1
+            best = max(finals, key=lambda k: sign * finals[k])
+            return float(best), (f"{check.name}: best seed-0 final of {sorted(map(float, finals))}"
+                                 f" (--rate-check)")
     suite_json = root / "docs" / "results" / "suite.json"
     if suite_json.exists():
         result = json.loads(suite_json.read_text()).get("results", {}).get(name, {})
@@ -668,10 +682,18 @@ def run_length(args, multiple):
                                  args.baseline_rate)
     path = record_path(args.out, args.workload, multiple)
     record = json.loads(path.read_text()) if path.exists() else {}
-    if record and (record.get("baseline") != args.baseline or record.get("baseline_rate") != rate
-                   or record.get("evals") != args.evals or record.get("quick") != args.quick):
+    if record and (record.get("evals") != args.evals or record.get("quick") != args.quick):
         print(f"{path}: made with other settings; starting it again", flush=True)
         record = {}
+    if record and (record.get("baseline") != args.baseline or record.get("baseline_rate") != rate):
+        # THOR's runs do not depend on the baseline: keep them, train the baseline again.
+        print(f"{path}: baseline {record.get('baseline')} {record.get('baseline_rate')} -> "
+              f"{args.baseline} {rate:g}: THOR's runs kept", flush=True)
+        record["runs"] = {k: r for k, r in record.get("runs", {}).items()
+                          if r["optimizer"] == "thor"}
+        for r in record["runs"].values():
+            for p in r["evals"]:
+                p.pop("match", None)
     total = len(suite.batch_order(data.num_train, workload.batch_size, workload.epochs, 0,
                                   workload.single_pass))
     record.update({
@@ -723,9 +745,10 @@ def finish(record, path):
 
 
 def rate_check(args, multiple):
-    """The baseline alone (no measurements) at the rates a factor 3 either side of its rate here,
-    seed 0, the suite's loop: is the rate the best at this length? ``{rate: final}`` in
-    ``anatomy_<workload>_<m>x_rates.json`` (the rate itself: its final in the anatomy record)."""
+    """The baseline alone (no measurements) at its rate here and a factor 3 either side, seed 0,
+    the suite's loop: is the rate the best at this length? ``{rate: final}`` added to
+    ``anatomy_<workload>_<m>x_rates.json`` (a rate the file or the anatomy record's seed 0
+    already has is not trained again)."""
     workload, data = hz.lengthened_workload(args.workload, multiple, args.quick)
     rate, source = baseline_rate(args.workload, args.baseline, multiple, args.quick,
                                  args.baseline_rate)
@@ -734,9 +757,15 @@ def rate_check(args, multiple):
         "workload": args.workload, "multiple": multiple, "baseline": args.baseline, "seed": 0,
         "centre": rate, "centre_source": source, "finals": {}, "curves": {}}
     run_args = argparse.Namespace(quick=args.quick, thor_option={}, evals=args.evals)
+    anatomy = record_path(args.out, args.workload, multiple)
+    if anatomy.exists():  # the rate of the anatomy record: its seed-0 final
+        done = json.loads(anatomy.read_text())
+        run = done.get("runs", {}).get(f"{args.baseline}/0")
+        if run:
+            record["finals"].setdefault(hz._rate_key(run["rate"]), run["final_metric"])
     for lr in hz.centred_grid(rate):
         key = hz._rate_key(lr)
-        if lr == rate or key in record["finals"]:
+        if key in record["finals"]:
             continue
         rows = suite.train_run(workload, data, args.baseline, lr, 0, run_args, lambda row: None)
         record["finals"][key] = rows[-1]["metric"]
