@@ -452,7 +452,7 @@ def markdown(record):
             continue
         m = t.get("match") or {}
         lines.append(
-            f"| {t['phase']} ({t['end_step']}) | {t['train_loss']:.4f} / {b['train_loss']:.4f} | "
+            f"| {t['phase']} ({t['end_step']:.0f}) | {t['train_loss']:.4f} / {b['train_loss']:.4f} | "
             f"{t['test_loss']:.4f} / {b['test_loss']:.4f} | {t['test_metric']:.4f} / "
             f"{b['test_metric']:.4f} | {t['gap']:+.4f} / {b['gap']:+.4f} | "
             f"{ratio(m.get('train_loss'))}, {ratio(m.get('test_loss'))}, "
