@@ -568,15 +568,19 @@ def plot(record, path):
         ax_stale.set_title("off-diagonal energy of a fresh factor: basis in use (solid), "
                            "identity (dotted),\nfresh from the other probe batch (dashed); "
                            f"THOR seed {seed0}", fontsize=9)
+        # Refreshes (cumulative), not the age: evaluations sample the age too sparsely to show it.
+        pts = [p for p in thor["evals"] if p.get("layers")]
         for i, layer in enumerate(thor["evals"][-1].get("layers", {})):
-            pts = [p for p in thor["evals"] if p.get("layers")]
-            ax_age.plot([p["step"] for p in pts], [p["layers"][layer]["age"] or 0 for p in pts],
-                        ls=styles[i % 4], color=cmap(i % 10), label=f"{layer} age")
+            ax_age.plot([p["step"] for p in pts], [p["layers"][layer]["refreshes"] for p in pts],
+                        ls=styles[i % 4], color=cmap(i % 10), label=layer)
             frozen = [p["step"] for p in pts if p["layers"][layer]["frozen"]]
             if frozen:
                 ax_age.axvline(frozen[0], color=cmap(i % 10), lw=0.8)
-        ax_age.set_title(f"THOR's basis age (steps since its layer's refresh; vertical: "
-                         f"frozen), seed {seed0}", fontsize=9)
+        steps = [p["step"] for p in pts]
+        ax_age.plot(steps, [s // 10 + 1 for s in steps], color="gray", lw=0.7, ls=":",
+                    label="every cadence point")
+        ax_age.set_title(f"THOR's refreshes per layer, cumulative (vertical: frozen), seed "
+                         f"{seed0}", fontsize=9)
     for ax in (ax_loss, ax_metric, ax_gap, ax_step, ax_stale, ax_age):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6.5)
