@@ -589,7 +589,7 @@ def plot(record, path):
                  f"seeds {record['seeds']} (seed {seed0} bold); dotted: the schedule's phases",
                  fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
 
@@ -734,6 +734,17 @@ def run_length(args, multiple):
     return record
 
 
+def _rounded(value, digits=5):
+    """``value`` with every float to ``digits`` significant digits (the record's size)."""
+    if isinstance(value, dict):
+        return {k: _rounded(v, digits) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v, digits) for v in value]
+    if isinstance(value, float) and math.isfinite(value) and value != 0.0:
+        return round(value, digits - 1 - int(math.floor(math.log10(abs(value)))))
+    return value
+
+
 def finish(record, path):
     record["seeds"] = sorted({r["seed"] for r in record["runs"].values()})
     if {"thor", record["baseline"]} <= {r["optimizer"] for r in record["runs"].values()}:
@@ -741,7 +752,7 @@ def finish(record, path):
         record["staleness_by_age"] = staleness_by_age(record["runs"])
         record["table"] = markdown(record)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1, default=float))
+    path.write_text(json.dumps(_rounded(record), separators=(",", ":")) + "\n")
     if "phases" in record:
         plot(record, path.with_suffix(".png"))
         print("\n" + record["table"], flush=True)
