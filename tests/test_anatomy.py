@@ -157,10 +157,12 @@ def test_quick_run_writes_the_record(tmp_path, monkeypatch):
     for key, run in record["runs"].items():
         evals = run["evals"]
         assert [p["step"] for p in evals] == [0] + anatomy.suite.eval_steps(total, 3)
-        # The held-out metric measured here is the suite's own at the end.
-        assert evals[-1]["test_metric"] == pytest.approx(run["final_metric"], abs=1e-6)
+        # The held-out metric measured here is the suite's own at the end (the record keeps 5
+        # significant digits).
+        assert evals[-1]["test_metric"] == pytest.approx(run["final_metric"], abs=1e-5)
         for p in evals:
-            assert p["gap"] == pytest.approx(p["test_loss"] - p["train_loss"], abs=1e-12)
+            assert p["gap"] == pytest.approx(p["test_loss"] - p["train_loss"],
+                                             abs=1e-4 * max(1.0, p["test_loss"]))
         sizes = run["step_sizes"]
         assert [s["step"] for s in sizes] == list(range(0, total, run["step_every"]))
         assert all(v > 0 for s in sizes[1:] for v in s["layers"].values())
