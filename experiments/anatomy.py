@@ -395,6 +395,20 @@ def phase_table(runs):
     return table
 
 
+def path_length(runs):
+    """Per run: ``sum_t ||dw_t||/||w_t||`` over the run per layer (the sampled steps times the
+    sampling interval: an estimate), ``sum_t lr_t`` the same way, and the final gap."""
+    out = {}
+    for key, run in sorted(runs.items()):
+        sizes, every = run["step_sizes"], run["step_every"]
+        layers = [k for k in sizes[0]["layers"]] if sizes else []
+        out[key] = {"layers": {k: every * sum(s["layers"][k] or 0.0 for s in sizes)
+                               for k in layers},
+                    "lr": every * sum(s["lr"] or 0.0 for s in sizes),
+                    "final_gap": run["evals"][-1]["gap"], "final_metric": run["final_metric"]}
+    return out
+
+
 #: Basis ages (steps since the layer's refresh) binned for :func:`staleness_by_age`.
 YOUNG, OLD = 10, 30
 
@@ -480,6 +494,17 @@ def markdown(record):
                                                         t["refreshes"].items()) + " | " +
                      ", ".join(f"{k} {v:.0f}" for k, v in t["age"].items()) + " | " +
                      ", ".join(f"{k} {v}" for k, v in t["frozen"].items()) + f" | {stale} |")
+    paths = record.get("path_length") or {}
+    if paths:
+        layers = sorted({k for p in paths.values() for k in p["layers"]})
+        lines += ["", "The whole run's path, sum over steps of ||dw||/||w|| per layer (sampled "
+                  "steps x interval), the sum of the rates, and the final gap and metric:", "",
+                  "| run | " + " | ".join(layers) + " | sum lr | final gap | final metric |",
+                  "|---|" + "---|" * (len(layers) + 3)]
+        for key, p in paths.items():
+            lines.append(f"| {key} | " + " | ".join(f"{p['layers'].get(k, float('nan')):.2f}"
+                                                    for k in layers) +
+                         f" | {p['lr']:.2f} | {p['final_gap']:+.3f} | {p['final_metric']:.4f} |")
     by_age = record.get("staleness_by_age") or {}
     if by_age:
         lines += ["", f"Off-diagonal energy by the basis's age (THOR, after warmup, all seeds): "
@@ -750,6 +775,7 @@ def finish(record, path):
     if {"thor", record["baseline"]} <= {r["optimizer"] for r in record["runs"].values()}:
         record["phases"] = phase_table(record["runs"])
         record["staleness_by_age"] = staleness_by_age(record["runs"])
+        record["path_length"] = path_length(record["runs"])
         record["table"] = markdown(record)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(_rounded(record), separators=(",", ":")) + "\n")
