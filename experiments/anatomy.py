@@ -41,16 +41,17 @@ the suite's epochs at the suite's batch, ``horizon.lengthened_workload``). Measu
    the mean step size per layer in it (:func:`phase_table`).
 
 The baseline's rate: ``--baseline-rate``, else its best seed-0 rate at this length in
-``horizon_runs.jsonl`` (phase "sweep"), else the best in ``--rate-check``'s record (below), else
-(not tuned at this length) the suite's (``suite.json``) with a note in the record. ``--rate-check`` trains the baseline alone, seed 0,
-at that rate / 3 and x 3 (``horizon.centred_grid``) and writes their finals to
-``anatomy_<workload>_<m>x_rates.json``: whether the rate is the best at this length.
+``horizon_runs.jsonl`` (phase "sweep"), else the best in ``--rate-check``'s record (below),
+else (not tuned at this length) the suite's (``suite.json``) with a note in the record.
+``--rate-check`` trains the baseline alone, seed 0, at that rate / 3 and x 3
+(``horizon.centred_grid``) and adds their finals to ``anatomy_<workload>_<m>x_rates.json``:
+whether the rate is the best at this length.
 
 Outputs in ``--out`` (default ``docs/results``): ``anatomy_<workload>_<m>x.json`` (``runs``:
 one per seed and optimizer, keyed ``"<optimizer>/<seed>"``; ``phases``: the per-phase table,
 medians over seeds; a seed already in the file is kept and not rerun, so seeds can be added by
 later calls) and ``anatomy_<workload>_<m>x.png`` (loss curves, accuracy, gap, step size per
-layer, off-diagonal energy of the bases in use, basis age).
+layer, off-diagonal energy of the bases in use, THOR's refreshes per layer).
 """
 
 from __future__ import annotations
@@ -154,7 +155,8 @@ def side_staleness(factors, bases):
 
 
 def staleness(model, probes):
-    """``{layer: {"A": measures, "G": measures}}`` of a THOR model now (``probes``: ``[(x, y)]``)."""
+    """``{layer: {"A": measures, "G": measures}}`` of a THOR model now (``probes``:
+    ``[(x, y)]``)."""
     from thor_tf.factor_probe import batch_factors
 
     per_batch = batch_factors(model, probes)
@@ -466,7 +468,8 @@ def markdown(record):
             continue
         m = t.get("match") or {}
         lines.append(
-            f"| {t['phase']} ({t['end_step']:.0f}) | {t['train_loss']:.4f} / {b['train_loss']:.4f} | "
+            f"| {t['phase']} ({t['end_step']:.0f}) | {t['train_loss']:.4f} / "
+            f"{b['train_loss']:.4f} | "
             f"{t['test_loss']:.4f} / {b['test_loss']:.4f} | {t['test_metric']:.4f} / "
             f"{b['test_metric']:.4f} | {t['gap']:+.4f} / {b['gap']:+.4f} | "
             f"{ratio(m.get('train_loss'))}, {ratio(m.get('test_loss'))}, "
