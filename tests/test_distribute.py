@@ -166,9 +166,12 @@ RULE_ARG = {"inverse": "inverse", "eigenbasis": "eigenbasis",
                                                "refresh_tolerance": 1e30}})}
 
 
+# The default rule on 2 replicas (the conv and the token model) and the inverse rule on 4 with
+# balanced inverse assignment. Left out for CI's time (~30 s each): 2 replicas under the inverse
+# rule (the 4-replica case runs its all-reduces and more) and under ``power_qr`` refreshes (a
+# deterministic function of the all-reduced factors; test_checkpoint_of_a_two_replica_run_...
+# runs that rule on 2 replicas against one device, here and in .ci/run's numerics pass).
 @pytest.mark.parametrize("replicas,assignment,rule", [(2, "all", "eigenbasis"),
-                                                      (2, "all", "power_qr"),
-                                                      (2, "all", "inverse"),
                                                       (4, "balanced", "inverse")])
 def test_replicas_take_the_single_device_step(replicas, assignment, rule):
     """3 epochs of 4 steps, cadence every 2 steps (refreshes and reuses both happen): weights

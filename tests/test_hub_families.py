@@ -170,7 +170,9 @@ FAMILIES = {
 #: Why each allowed first-order layer class is first order (the registration table's reason).
 REASONS = {"PositionEmbedding": "no block type", "RelativeEmbedding": "no block type",
            "ViTPatchingAndEmbedding": "no block type"}
-SAVE_LOAD = ("gemma", "llama", "roberta", "vit", "resnet")
+#: Save and load for a decoder with a tied head, an encoder and a conv-stem image model (llama's
+#: and ResNet's, the same layer kinds again, were left out for CI's time).
+SAVE_LOAD = ("gemma", "roberta", "vit")
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
