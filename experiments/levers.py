@@ -357,9 +357,13 @@ def verdict(cells):
     if not long_cells:
         return {"adopt": False, "why": "no paired runs at a longer length yet"}
     failed = [f"{n} {m}x ({c['final']['improved']} of {c['final']['pairs']} seeds better)"
-              for n, m, c in long_cells if not holds(c)]
+              for n, m, c in long_cells if c["final"]["improved"] < c["final"]["pairs"]]
     if failed:
         return {"adopt": False, "why": "does not improve every seed on " + ", ".join(failed)}
+    few = [f"{n} {m}x" for n, m, c in long_cells if not holds(c)]
+    if few:
+        return {"adopt": False, "why": "improves every seed so far, but fewer than 3 seeds on "
+                                       + ", ".join(few)}
     if len({n for n, _, _ in long_cells}) < 2:
         return {"adopt": False, "why": "holds on one workload only"}
     lost = [n for n, c in short if loses(c)]
@@ -443,36 +447,45 @@ def markdown(record, commands):
 
 
 def plot(record, path):
-    """One panel per lever: per workload and length the paired final differences (signed so
-    that up is better: accuracy in points, loss in nats), seeds as points, the mean as a bar."""
+    """A row per workload (its unit: accuracy in points, loss in nats, signed so that up is
+    better), a column per lever: per length the paired final differences lever − default, seeds
+    as points, their mean as a bar; rows share their y axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     levers = list(record["levers"])
-    if not levers:
+    names = [n for n in record.get("workloads", []) if any(
+        n in record["levers"][x]["workloads"] for x in levers)]
+    if not levers or not names:
         return None
-    fig, axes = plt.subplots(1, len(levers), figsize=(3.2 * len(levers), 3.4), squeeze=False)
-    for ax, lever in zip(axes.flat, levers):
-        labels, x = [], 0
-        for name, per in record["levers"][lever]["workloads"].items():
-            for m, c in sorted(per.items(), key=lambda kv: int(kv[0])):
-                sign = (100 if c["metric"] == "accuracy" else -1)
+    fig, axes = plt.subplots(len(names), len(levers), figsize=(2.6 * len(levers),
+                                                               2.4 * len(names)),
+                             squeeze=False, sharey="row")
+    for row, name in zip(axes, names):
+        for ax, lever in zip(row, levers):
+            per = record["levers"][lever]["workloads"].get(name, {})
+            unit = ""
+            for x, (m, c) in enumerate(sorted(per.items(), key=lambda kv: int(kv[0]))):
+                sign = 100 if c["metric"] == "accuracy" else (1 if c["higher_is_better"] else -1)
+                unit = ("accuracy, points" if c["metric"] == "accuracy"
+                        else f"{'' if sign > 0 else '−'}{c['metric']}")
                 ds = [sign * d for d in c["final"]["difference"]["per_seed"] if d is not None]
-                color = "tab:blue" if c["metric"] == "accuracy" else "tab:red"
-                ax.bar(x, statistics.fmean(ds), color=color, alpha=0.3, width=0.6)
-                ax.scatter([x] * len(ds), ds, color=color, s=18, zorder=3)
-                labels.append(f"{name}\n{m}×")
-                x += 1
-        ax.axhline(0, color="k", lw=0.6)
-        ax.set_xticks(range(len(labels)), labels, fontsize=7)
-        ax.set_title(lever, fontsize=9)
-        ax.tick_params(axis="y", labelsize=7)
-    axes.flat[0].set_ylabel("lever − default, up = better\n(accuracy: points; loss: −nats)",
-                            fontsize=8)
-    fig.suptitle("THOR with a lever against THOR's default, paired per seed (points), mean (bar)",
-                 fontsize=9)
+                good = statistics.fmean(ds) > 0
+                ax.bar(x, statistics.fmean(ds), width=0.6, alpha=0.3,
+                       color="tab:green" if good else "tab:red")
+                ax.scatter([x] * len(ds), ds, color="k", s=14, zorder=3)
+            ax.axhline(0, color="k", lw=0.6)
+            ax.set_xticks(range(len(per)), [f"{m}×" for m in sorted(per, key=int)], fontsize=7)
+            ax.set_xlim(-0.7, max(len(per), 2) - 0.3)
+            ax.tick_params(axis="y", labelsize=7)
+            if name == names[0]:
+                ax.set_title(lever, fontsize=9)
+            if lever == levers[0]:
+                ax.set_ylabel(f"{name}\n({unit or 'final'})", fontsize=8)
+    fig.suptitle("THOR with a lever − THOR's default, final metric paired per seed (points: "
+                 "seeds, bar: mean); up = better", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
