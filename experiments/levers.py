@@ -1,7 +1,7 @@
 """Levers for long runs: THOR at its default against THOR with one option set changed, paired.
 
     python experiments/levers.py                       # fashion_cnn, char_gpt at 4x; resumes
-    python experiments/levers.py --report-only         # record, tables, plot from the cache
+    python experiments/levers.py --report-only         # record, tables, plot: all it holds
     python experiments/levers.py --levers floor --workloads char_gpt --multiples 1
     python experiments/levers.py --quick               # tabular MLP, one lever, seed 0 (CI)
 
@@ -492,9 +492,6 @@ def plot(record, path):
     return path
 
 
-VERDICTS = "<!-- verdicts -->"
-
-
 def write_outputs(record, out, docs=None, quiet=False):
     """``levers.json``, ``levers.png`` and the tables: in ``docs`` (``docs/levers.md``: what is
     above its generated part, the hand-written verdicts, is kept) or ``out/levers.md``."""
@@ -575,12 +572,14 @@ def parse_args(argv=None):
                         help="the horizon study's run cache: targets and THOR's default runs "
                              "(default docs/results/horizon_runs.jsonl; --quick none)")
     parser.add_argument("--report-only", action="store_true",
-                        help="no training: the record, plot and tables from the caches")
+                        help="no training: the record, plot and tables from the caches (every "
+                             "lever and seed the cache holds unless --levers / --seeds say)")
     parser.add_argument("--out", default=None,
                         help="cache and record directory (default docs/results; --quick "
                              "runs/levers_quick)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one lever, seed 0")
     args = parser.parse_args(argv)
+    args.levers_given, args.seeds_given = args.levers, args.seeds
     q = args.quick
     args.levers = [x for x in (args.levers or (QUICK_LEVER if q else ",".join(DEFAULT_LEVERS)))
                    .split(",") if x]
@@ -613,6 +612,13 @@ def main(argv=None):
     out = Path(args.out)
     runs = Runs(out / CACHE, args.horizon_cache, args.quick, args.evals,
                 train=not args.report_only)
+    if args.report_only:
+        # Whatever the cache holds, unless told: its levers (in LEVERS' order) and seeds.
+        held = [r for r in runs.runs.values() if r["workload"] in args.workloads]
+        if args.levers_given is None:
+            args.levers = [x for x in LEVERS if any(r["lever"] == x for r in held)]
+        if args.seeds_given is None:
+            args.seeds = sorted({r["seed"] for r in held}) or args.seeds
     lengths = Lengths(args.quick)
     started = time.perf_counter()
     if not args.report_only:
