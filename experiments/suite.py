@@ -120,8 +120,16 @@ def compiled_model(optimizer, lr, workload, data, quick, total_steps, thor_optio
         options = dict(thor_options)
         # --thor-option peak=X: the schedule's peak (default: the update rule's rate).
         peak = options.pop("peak", None)
-        model = thor_tf.wrap(model, learning_rate=thor_tf.schedules.WarmupCosine(total_steps, peak),
-                             verbose=False, **options)
+        # --thor-option floor_fraction=F: the cosine ends at F times the peak (default 0), as
+        # the baselines' ``workload.floor_fraction``; given as the schedule's absolute floor at
+        # the unscaled peak, so a long run's ``reference_steps`` scaling lowers both alike.
+        fraction = options.pop("floor_fraction", 0.0)
+        floor = 0.0
+        if fraction:
+            rule = thor_tf.rules.resolve(options.get("update_rule") or thor_tf.rules.DEFAULT_RULE)
+            floor = fraction * (rule.default_learning_rate if peak is None else peak)
+        model = thor_tf.wrap(model, learning_rate=thor_tf.schedules.WarmupCosine(
+            total_steps, peak, floor=floor), verbose=False, **options)
         model.compile(loss=workload.loss(), metrics=list(workload.metrics))
         return model
     model.compile(optimizer=baseline_optimizer(optimizer, lr, total_steps, workload, model),
