@@ -95,6 +95,26 @@ CACHE = "horizon_runs.jsonl"
 ROOT = Path(__file__).resolve().parent.parent
 
 
+
+def run_outcome(rows, wall):
+    """A finished run's cache fields from its evaluation rows (``suite.train_run``'s) and its
+    wall seconds: the final metric, the curve ``[step, seconds, metric, train_loss]``, the clock's
+    first-call and steady seconds and load, the wall seconds and the date."""
+    last = rows[-1]
+    return {"final": last["metric"],
+            "curve": [[r["step"], r["seconds"], r["metric"], r["train_loss"]] for r in rows],
+            "first_seconds": last.get("first_seconds"),
+            "steady_seconds_per_step": last.get("steady_seconds_per_step"),
+            "load": last.get("load"), "wall_seconds": round(wall, 1),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def append_line(path, run):
+    """Append ``run`` to the JSON-lines cache ``path`` (created with its directory)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fh.write(json.dumps(run, separators=(",", ":")) + "\n")
+
 class NotCached(LookupError):
     """A run the record needs is not in the cache (``--report-only`` trains nothing)."""
 
@@ -166,21 +186,13 @@ class RunCache:
             raise NotCached(f"{workload.name} at {bs.total_steps(workload, data)} steps: {what}")
 
     def _store(self, workload, data, optimizer, lr, seed, phase, rows, wall, **extra):
-        last = rows[-1]
         steps = bs.total_steps(workload, data)
         run = {"workload": workload.name, "multiple": self.multiple.get((workload.name, steps)),
                "steps": steps, "batch": workload.batch_size, "optimizer": optimizer,
                "rate": float(lr), "seed": int(seed), "phase": phase, "quick": self.quick,
-               "evals": self.evals, "final": last["metric"],
-               "curve": [[r["step"], r["seconds"], r["metric"], r["train_loss"]] for r in rows],
-               "first_seconds": last.get("first_seconds"),
-               "steady_seconds_per_step": last.get("steady_seconds_per_step"),
-               "load": last.get("load"), "wall_seconds": round(wall, 1),
-               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **extra}
+               "evals": self.evals, **run_outcome(rows, wall), **extra}
         self.runs[self.key_of(run)] = run
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps(run, separators=(",", ":")) + "\n")
+        append_line(self.path, run)
         self.trained += 1
         return run
 

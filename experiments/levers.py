@@ -188,20 +188,12 @@ class Runs:
         return best or (None, None)
 
     def store(self, workload, data, multiple, lever, spec, seed, rows, wall):
-        last = rows[-1]
         run = {"workload": workload.name, "multiple": multiple,
                "steps": bs.total_steps(workload, data), "batch": workload.batch_size,
                "lever": lever, "options": spec, "seed": int(seed), "quick": self.quick,
-               "evals": self.evals, "final": last["metric"],
-               "curve": [[r["step"], r["seconds"], r["metric"], r["train_loss"]] for r in rows],
-               "first_seconds": last.get("first_seconds"),
-               "steady_seconds_per_step": last.get("steady_seconds_per_step"),
-               "load": last.get("load"), "wall_seconds": round(wall, 1),
-               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+               "evals": self.evals, **hz.run_outcome(rows, wall)}
         self.runs[self.key_of(run)] = run
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps(run, separators=(",", ":")) + "\n")
+        hz.append_line(self.path, run)
         self.trained += 1
         return run
 
