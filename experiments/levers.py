@@ -48,6 +48,7 @@ import math
 import os
 import statistics
 import time
+import types
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -244,11 +245,12 @@ def steps_to(curve, target, higher_is_better):
     """The first evaluated step (after 0) whose metric is at or past ``target``; None: never."""
     if target is None:
         return None
-    for step, _, metric, _ in curve:
-        if step > 0 and metric is not None and not math.isnan(metric) and (
-                metric >= target if higher_is_better else metric <= target):
-            return step
-    return None
+    from thor_tf_experiments import suite
+
+    rows = [{"step": step, "seconds": seconds, "metric": metric}
+            for step, seconds, metric, _ in curve]
+    step, _ = suite.reach(types.SimpleNamespace(higher_is_better=higher_is_better), rows, target)
+    return step
 
 
 def summary(values):
