@@ -19,10 +19,10 @@ setup(
     ),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    # The library is the optimizer (thor_tf); the experiments' datasets, models and runners are a
-    # second package, thor_tf_experiments, kept in experiments/ and needing the extra below.
-    packages=find_packages(include=["thor_tf", "thor_tf.*"]) + ["thor_tf_experiments"],
-    package_dir={"thor_tf_experiments": "experiments"},
+    # The library is the optimizer (thor_tf); the benchmarks' harness (datasets, workloads,
+    # training runs, timing, records, reports) is a second package, experiments, needing the extra
+    # below. scripts/ holds entry points only and is not installed.
+    packages=find_packages(include=["thor_tf", "thor_tf.*"]) + ["experiments"],
     python_requires=">=3.10",
     install_requires=[
         "keras>=3.8",  # the oldest tested (.ci/floor: with tensorflow 2.16.1)

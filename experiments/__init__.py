@@ -1,6 +1,6 @@
-"""thor_tf_experiments: the comparison experiments of thor_tf (datasets, models, runners).
+"""experiments: the comparison experiments of thor_tf (datasets, models, runners).
 
-Installed with the project as ``thor_tf_experiments`` (its folder is ``experiments/``); the
+Installed with the project as ``experiments`` (its folder is ``experiments/``); the
 library itself (``thor_tf``) does not depend on it. Its extra requirements (scikit-learn for the
 embedded digits, matplotlib for plots) come with ``pip install -e ".[experiments]"``.
 

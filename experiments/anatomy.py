@@ -69,9 +69,9 @@ import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from thor_tf_experiments import horizon as hz  # noqa: E402
-from thor_tf_experiments import suite  # noqa: E402
-from thor_tf_experiments import workloads as wl  # noqa: E402
+from experiments import horizon as hz  # noqa: E402
+from experiments import suite  # noqa: E402
+from experiments import workloads as wl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_EVALS = 24
@@ -670,7 +670,7 @@ def baseline_rate(name, baseline, multiple, quick, given=None, root=ROOT):
 # --------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    from thor_tf_experiments.cli import parse_ints
+    from experiments.cli import parse_ints
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -705,7 +705,7 @@ def record_path(out, workload, multiple):
 
 def run_length(args, multiple):
     """Train what the record at ``multiple`` lacks; write it after every seed; the record."""
-    from thor_tf_experiments.reports import environment_info
+    from experiments.reports import environment_info
 
     workload, data = hz.lengthened_workload(args.workload, multiple, args.quick)
     if args.quick and not workload.single_pass:  # CI's time: one epoch of the quick sizes

@@ -46,7 +46,7 @@ skips the runs it holds, so the sweep resumes), ``batch_scaling.json`` (``{"work
 ``batch_scaling.md`` (the table) and three plots: steps to target against batch (log-log, with
 the perfect-scaling line), seconds to target against batch, and the projection across R
 data-parallel replicas (:func:`project`). ``--record PATH`` also writes the record and its plots
-there (``docs/results/batch_scaling.json``: what ``python -m thor_tf_experiments.report`` reads).
+there (``docs/results/batch_scaling.json``: what ``python -m experiments.report`` reads).
 Seconds are compared as THOR's over the baseline's per seed of an interleaved pair, then the
 median (``paired_seconds``).
 """
@@ -67,7 +67,7 @@ import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from thor_tf_experiments import suite, workloads as wl  # noqa: E402
+from experiments import suite, workloads as wl  # noqa: E402
 
 WORKLOADS = ("fashion_cnn", "resnet20", "char_gpt")
 MULTIPLES = (1, 4, 16)
@@ -122,7 +122,7 @@ def scaled_workload(name, multiple, quick):
 def _fresh_windows(data, quick, steps, batch):
     """The char GPT's data with ``steps`` batches of ``batch`` random windows (seed 0's
     sequence, as the suite's) in place of the suite's."""
-    from thor_tf_experiments import lm, text
+    from experiments import lm, text
 
     block = wl.GPT_SIZES[quick]["block"]
     corpus = text.load_text(download=wl.ALLOW_DOWNLOAD, verbose=False)
@@ -138,7 +138,7 @@ def total_steps(workload, data):
 
 def default_peak(steps):
     """The peak THOR's default ``WarmupCosine(steps)`` reaches after warmup."""
-    from thor_tf_experiments.cli import default_thor_peak
+    from experiments.cli import default_thor_peak
 
     return default_thor_peak(steps)
 
@@ -178,7 +178,7 @@ class Sweep:
         self.path, self.args = Path(path), args
         self.rows = []
         if self.path.exists():
-            from thor_tf_experiments.reports import read_rows
+            from experiments.reports import read_rows
 
             self.rows = read_rows(self.path, text=("workload", "optimizer", "phase"),
                                   ints=("seed", "step", "batch"), columns=FIELDS)
@@ -479,7 +479,7 @@ def summarize(workload_names, sweep_rows, tuning, multiples, quick):
 def interleave(sweep, workload, data, baseline, rate, seeds, evals, quick=False):
     """THOR (default) and ``baseline`` at ``rate`` trained segment by segment in turn; their rows
     go to the CSV with phase "interleaved" (skipped when it holds them)."""
-    from thor_tf_experiments.interleave import interleaved_rows
+    from experiments.interleave import interleaved_rows
 
     for seed in seeds:
         have = [r for r in sweep.rows if r["phase"] == "interleaved" and r["workload"] ==
@@ -772,7 +772,7 @@ def plot(record, path_steps, path_seconds):
 # --------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    from thor_tf_experiments.cli import parse_ints
+    from experiments.cli import parse_ints
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -791,7 +791,7 @@ def parse_args(argv=None):
     parser.add_argument("--record", default=None, metavar="PATH",
                         help="also write the record (JSON) there and its plots beside it, e.g. "
                              "docs/results/batch_scaling.json (then python -m "
-                             "thor_tf_experiments.report)")
+                             "experiments.report)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, seed 0 (CI)")
     args = parser.parse_args(argv)
     args.workloads = [w for w in args.workloads.split(",") if w]
@@ -862,18 +862,9 @@ def main(argv=None):
             record["projection"] = project(record, floats)
     finally:
         sweep.close()
-    import platform
-    import subprocess
+    from experiments.record import stamp
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=True,
-                                cwd=Path(__file__).resolve().parent).stdout.strip() or None
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    record.update({"commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                   "machine": f"{platform.machine()}, {os.cpu_count()} cores; "
-                              f"{platform.platform()}",
+    record.update({**stamp(argv),
                    "quick": args.quick, "seeds": args.seeds, "evals": args.evals,
                    "budget": "S_m = S_1 / sqrt(m) steps",
                    "seconds": round(time.perf_counter() - started, 1)})

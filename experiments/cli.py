@@ -1,6 +1,6 @@
 """Command line of the comparison scripts: options, grids and their parsing.
 
-The rules of the comparison are in :mod:`thor_tf_experiments.runner`."""
+The rules of the comparison are in :mod:`experiments.runner`."""
 
 from __future__ import annotations
 
@@ -283,7 +283,7 @@ def add_common_arguments(parser, *, out, epochs, batch_size, thor_lr, thor_dampi
 
 def add_corpus_arguments(parser, text_help):
     """``--text``, ``--cache-dir``, ``--no-download``: where the scripts' text comes from."""
-    from thor_tf_experiments import text
+    from experiments import text
 
     d = parser.add_argument_group("data")
     d.add_argument("--text", default=None, metavar="FILE", help=text_help)

@@ -86,7 +86,7 @@ def main(argv=None):
     strategy = strategy_for(args.replicas)
     import keras
     import thor_tf
-    from thor_tf_experiments import datasets, models
+    from experiments import datasets, models
 
     tf_config = json.loads(os.environ.get("TF_CONFIG", "{}"))
     chief = tf_config.get("task", {}).get("index", 0) == 0

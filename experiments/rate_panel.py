@@ -26,8 +26,8 @@ from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from thor_tf_experiments import suite as suite_mod  # noqa: E402
-from thor_tf_experiments import workloads as wl  # noqa: E402
+from experiments import suite as suite_mod  # noqa: E402
+from experiments import workloads as wl  # noqa: E402
 
 COLORS = suite_mod.COLORS
 

@@ -13,8 +13,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from thor_tf_experiments import timing
-from thor_tf_experiments.cli import FIRST_ORDER, OPTIMIZERS
+from experiments import timing
+from experiments.cli import FIRST_ORDER, OPTIMIZERS
 
 CSV_FIELDS = ("optimizer", "lr", "seed", "epoch", "train_loss", "test_loss", "test_acc",
               "epoch_seconds", "cumulative_seconds", "refreshes") + timing.CSV_COLUMNS

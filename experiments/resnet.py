@@ -1,7 +1,7 @@
 """THOR on ResNets: CIFAR-style ResNet-20/32/56 (or ImageNet-style ResNet-50) vs SGD / Adam / K-FAC.
 
 Images are 32x32: CIFAR-10 as is, Fashion-MNIST zero-padded from 28x28, digits upsampled from 8x8
-(``thor_tf_experiments.datasets.load_dataset(..., pad_to=32)``). BatchNorm layers train first order inside THOR
+(``experiments.datasets.load_dataset(..., pad_to=32)``). BatchNorm layers train first order inside THOR
 (automatic); every Conv2D and the classifier Dense get a Kronecker block.
 
 Schedules: THOR (``--lr-schedule poly``, the default) takes MindSpore's ResNet-50 schedules rescaled
@@ -42,7 +42,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from thor_tf_experiments import cli, runner  # noqa: E402
+from experiments import cli, runner  # noqa: E402
 
 DATASETS = ("auto", "cifar10", "fashion_mnist", "digits")
 # With the polynomial decay, the best lr0 sits higher than with a constant rate: on a 2-epoch
@@ -78,7 +78,7 @@ def parse_args(argv=None):
 
 def resolve_dataset(name):
     """``auto`` -> cifar10 when cached locally, else the loader's auto (fashion_mnist / digits)."""
-    from thor_tf_experiments import datasets as data
+    from experiments import datasets as data
 
     if name in (None, "auto"):
         if data.available_locally("cifar10"):
@@ -90,7 +90,7 @@ def resolve_dataset(name):
 
 def main(argv=None):
     args = parse_args(argv)
-    from thor_tf_experiments import datasets as data, models as zoo
+    from experiments import datasets as data, models as zoo
 
     ds = data.load_dataset(resolve_dataset(args.dataset), max_train=args.max_train,
                            max_test=args.max_test, pad_to=32, verbose=True, seed=0)

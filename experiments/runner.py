@@ -62,10 +62,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from thor_tf_experiments import timing
-from thor_tf_experiments.cli import (ADAMW_WEIGHT_DECAY, FIRST_ORDER, MUON_EXCLUDE_LAYERS,
+from experiments import timing
+from experiments.cli import (ADAMW_WEIGHT_DECAY, FIRST_ORDER, MUON_EXCLUDE_LAYERS,
                                      MUON_WEIGHT_DECAY, THOR_FAMILY, require_muon)
-from thor_tf_experiments.reports import (PLOT_FILES, CsvLog, RunResult, plot_curves, summarize,
+from experiments.reports import (PLOT_FILES, CsvLog, RunResult, plot_curves, summarize,
                                          summary_table, write_summary)
 
 LOSS = "sparse_categorical_crossentropy"

@@ -59,7 +59,7 @@ from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from thor_tf_experiments import timing, workloads as wl  # noqa: E402
+from experiments import timing, workloads as wl  # noqa: E402
 
 FIELDS = ("workload", "optimizer", "lr", "seed", "step", "seconds", "metric",
           "train_loss") + timing.CSV_COLUMNS
@@ -97,7 +97,7 @@ def baseline_optimizer(name, lr, total_steps, workload, model):
         opt = keras.optimizers.AdamW(schedule, weight_decay=workload.weight_decay, beta_1=b1,
                                      beta_2=b2, **clip)
     elif name == "muon":
-        from thor_tf_experiments.cli import require_muon
+        from experiments.cli import require_muon
 
         require_muon()
         opt = keras.optimizers.Muon(schedule, weight_decay=workload.weight_decay,
@@ -173,7 +173,7 @@ def train_run(workload, data, optimizer, lr, seed, args, log, callbacks=(), on_e
     import keras
     import tensorflow as tf
 
-    from thor_tf_experiments import runner
+    from experiments import runner
 
     logger = tf.get_logger()
     if not any(isinstance(f, runner._NoRetracingWarning) for f in logger.filters):
@@ -429,7 +429,7 @@ def write_outputs(workload_names, rows, args, sources, out):
                  for n in workload_names if n in by_workload]
     text = markdown(summaries, args.thor_option)
     (out / "suite.md").write_text(text)
-    from thor_tf_experiments.reports import environment_info
+    from experiments.reports import environment_info
 
     (out / "suite.json").write_text(json.dumps({
         "quick": args.quick, "seeds": args.seeds, "evals": args.evals,
@@ -465,7 +465,7 @@ def _optimizer_names(text):
 
 
 def parse_args(argv=None):
-    from thor_tf_experiments.cli import parse_ints, parse_thor_option
+    from experiments.cli import parse_ints, parse_thor_option
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -499,7 +499,7 @@ def parse_args(argv=None):
     if args.evals < 1:
         raise SystemExit("error: --evals must be >= 1")
     args.thor_option = dict(args.thor_option)
-    from thor_tf_experiments.cli import parse_lr_grid
+    from experiments.cli import parse_lr_grid
 
     try:
         args.lr_grid = parse_lr_grid(args.lr_grid, {})
@@ -511,7 +511,7 @@ def parse_args(argv=None):
 def _read_rows(path):
     """The rows of a ``metrics.csv``; the timing columns of an older one (before
     ``timing.CSV_COLUMNS``) read as None, so its seconds are "not comparable"."""
-    from thor_tf_experiments.reports import read_rows
+    from experiments.reports import read_rows
 
     return read_rows(path, text=("workload", "optimizer"), ints=("seed", "step"),
                      columns=FIELDS)

@@ -324,3 +324,90 @@ def median(values):
     """Median of the known values (None when there are none)."""
     known = [v for v in values if v is not None]
     return statistics.median(known) if known else None
+
+
+def train_step_seconds(model):
+    """A list that receives the seconds of each Python call of ``model.train_step``: Keras runs
+    ``train_step`` only while tracing its train function, so each entry is a trace (the first:
+    the whole step's graph being built)."""
+    original = model.train_step
+    spent = []
+
+    def timed(data):
+        start = time.perf_counter()
+        out = original(data)
+        spent.append(time.perf_counter() - start)
+        return out
+
+    object.__setattr__(model, "train_step", timed)
+    return spent
+
+
+def functions_in(fn, seen=None):
+    """The ``tf.function`` objects reachable from ``fn`` through closures (Keras keeps its
+    traced step inside the closures of ``model.train_function``)."""
+    import tensorflow as tf
+
+    seen = set() if seen is None else seen
+    if id(fn) in seen:
+        return []
+    seen.add(id(fn))
+    found = []
+    if isinstance(fn, tf.types.experimental.PolymorphicFunction):
+        found.append(fn)
+        fn = getattr(fn, "_python_function", None)
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if callable(value):
+            found += functions_in(value, seen)
+    wrapped = getattr(fn, "__wrapped__", None)
+    if wrapped is not None:
+        found += functions_in(wrapped, seen)
+    return found
+
+
+def time_calls(function, x, calls, repeats):
+    """``(first call s, median CPU ms per call, median wall ms per call, first result)`` of
+    ``function(x)``: the first call (tracing) timed alone, three untimed, then ``repeats`` timings
+    of ``calls`` calls each (the result fetched once per timing, so queued work is counted)."""
+    start = time.perf_counter()
+    result = function(x)
+    result.numpy()
+    first = time.perf_counter() - start
+    for _ in range(3):
+        function(x)
+    cpu, wall = [], []
+    for _ in range(repeats):
+        c0, w0 = time.process_time(), time.perf_counter()
+        for _ in range(calls):
+            y = function(x)
+        y.numpy()
+        cpu.append((time.process_time() - c0) / calls * 1e3)
+        wall.append((time.perf_counter() - w0) / calls * 1e3)
+    return first, statistics.median(cpu), statistics.median(wall), result
+
+
+def fit_step_seconds(model, dataset, steps):
+    """``(median seconds per step over ``steps`` steps after two warm-up steps, first step's
+    seconds)`` of ``model.fit`` on ``dataset``, each step awaited (the optimizer's iteration
+    fetched) before its clock stops."""
+    import keras
+
+    class StepTimer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.times = []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            int(self.model.optimizer.iterations.numpy())  # wait for the step to finish
+            self.times.append(time.perf_counter() - self._start)
+
+    timer = StepTimer()
+    model.fit(dataset, epochs=1, steps_per_epoch=steps + 2, verbose=0, callbacks=[timer])
+    return statistics.median(timer.times[2:]), timer.times[0]

@@ -1,6 +1,6 @@
 """THOR on a small Vision Transformer: against Muon and AdamW (the Transformer baselines).
 
-The model (``thor_tf_experiments.models.vit``): a strided Conv2D patch embedding, a learned
+The model (``experiments.models.vit``): a strided Conv2D patch embedding, a learned
 position Embedding, ``--depth`` pre-LayerNorm blocks of MultiHeadAttention (four EinsumDense
 projections) and a convolutional MLP (Conv1D + Dense), mean pooling and a Dense softmax head, so
 that every layer type with a thor_tf block appears (the registration table shows them).
@@ -28,7 +28,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from thor_tf_experiments import cli, runner  # noqa: E402
+from experiments import cli, runner  # noqa: E402
 
 DATASETS = ("auto", "fashion_mnist", "mnist", "digits")
 LR_GRID = {"sgd": (0.03, 0.1, 0.3), "adam": (1e-3, 3e-3, 1e-2), "adamw": (1e-3, 3e-3, 1e-2),
@@ -65,7 +65,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from thor_tf_experiments import datasets, models
+    from experiments import datasets, models
 
     ds = datasets.load_dataset(args.dataset, max_train=args.max_train, max_test=args.max_test,
                                verbose=True, seed=0)

@@ -138,7 +138,7 @@ class Workload:
 # --------------------------------------------------------------------------------------------
 
 def _images(name, max_train, max_test):
-    from thor_tf_experiments import datasets
+    from experiments import datasets
 
     if name == "fashion_mnist" and not datasets.available_locally("fashion_mnist"):
         raise Unavailable("Fashion-MNIST is not installed (apt-get install -y "
@@ -157,7 +157,7 @@ def _image_loader(name, max_train, max_test, quick_train, quick_test):
 
 def _autoencoder_data(quick):
     """Flattened pixels as inputs and targets: Fashion-MNIST (784) or, without it, digits (64)."""
-    from thor_tf_experiments import datasets
+    from experiments import datasets
 
     name = "fashion_mnist" if datasets.available_locally("fashion_mnist") else "digits"
     sizes = (2000, 500) if quick else (8000, 2000)
@@ -190,7 +190,7 @@ def _gpt_data(quick):
     """One pass of ``steps`` batches of random windows (the seed-0 sequence: every optimizer and
     seed trains on the same batches; the seed changes the initial weights) and 256 fixed val
     windows."""
-    from thor_tf_experiments import lm, text
+    from experiments import lm, text
 
     size = GPT_SIZES[quick]
     try:
@@ -211,7 +211,7 @@ def _gpt_data(quick):
 def _zoo(name, num_classes=10):
     """A model of ``models.py`` for the workload's image shape."""
     def build(data, quick):
-        from thor_tf_experiments import models
+        from experiments import models
 
         return models.build(name, data.x_train.shape[1:], num_classes)
     return build
@@ -247,7 +247,7 @@ def _tabular_mlp(data, quick):
 
 
 def _gpt(data, quick):
-    from thor_tf_experiments import lm
+    from experiments import lm
 
     size = GPT_SIZES[quick]
     return lm.build_gpt(data.vocab_size, block=size["block"], layers=size["layers"],
@@ -511,7 +511,7 @@ def _lookup_transformer(data, quick):
     import keras
     from keras import layers
 
-    from thor_tf_experiments.models import PositionEmbedding
+    from experiments.models import PositionEmbedding
 
     dim, length = 32, int(data.x_train.shape[1])
     inputs = keras.Input((length,), dtype="int32", name="tokens")

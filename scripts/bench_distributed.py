@@ -31,10 +31,9 @@ import argparse
 import collections
 import inspect
 import os
-import statistics
-import time
 
-from bench_worker import report, run_self, write_results
+from experiments.timing import fit_step_seconds
+from experiments.worker import report, run_self, write_results
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -105,34 +104,6 @@ def _numel(shape):
     return n
 
 
-class _StepTimer:
-    """Seconds of each ``fit`` step, the step awaited (a Keras callback, built lazily)."""
-
-    def __new__(cls):
-        import keras
-
-        class Timer(keras.callbacks.Callback):
-            def __init__(self):
-                super().__init__()
-                self.times = []
-
-            def on_train_batch_begin(self, batch, logs=None):
-                self._start = time.perf_counter()
-
-            def on_train_batch_end(self, batch, logs=None):
-                int(self.model.optimizer.iterations.numpy())  # wait for the step to finish
-                self.times.append(time.perf_counter() - self._start)
-
-        return Timer()
-
-
-def _time_steps(model, dataset, steps):
-    """``(median seconds per step over `steps` steps after two warm-up steps, first step)``."""
-    timer = _StepTimer()
-    model.fit(dataset, epochs=1, steps_per_epoch=steps + 2, verbose=0, callbacks=[timer])
-    return statistics.median(timer.times[2:]), timer.times[0]
-
-
 def worker(model_name, replicas, batch, steps):
     import numpy as np
     import tensorflow as tf
@@ -141,7 +112,7 @@ def worker(model_name, replicas, batch, steps):
     import keras
     import thor_tf
     from thor_tf import distributed
-    from thor_tf_experiments import models
+    from experiments import models
 
     log = CollectiveLog(distributed)
     shape, classes = MODELS[model_name]
@@ -164,9 +135,9 @@ def worker(model_name, replicas, batch, steps):
             return wrapped
 
     out = {"model": model_name, "replicas": replicas, "devices": kind, "global_batch": batch}
-    out["sgd_step_s"], out["sgd_first_step_s"] = _time_steps(compiled("sgd"), dataset, steps)
+    out["sgd_step_s"], out["sgd_first_step_s"] = fit_step_seconds(compiled("sgd"), dataset, steps)
     plain = compiled("thor", frequency=10 ** 9)
-    out["plain_step_s"], out["thor_first_step_s"] = _time_steps(plain, dataset, steps)
+    out["plain_step_s"], out["thor_first_step_s"] = fit_step_seconds(plain, dataset, steps)
     for assignment in ("all", "balanced"):
         if replicas == 1 and assignment == "balanced":
             continue  # the same program on one replica
@@ -174,7 +145,7 @@ def worker(model_name, replicas, batch, steps):
         # The inverse rule: the one that inverts factors, where the assignment matters.
         model = compiled("thor", preset="thor_nt", trace_filter="none", frequency=1,
                          update_rule=thor_tf.rules.Inverse(inverse_assignment=assignment))
-        out[f"cadence_step_s[{assignment}]"], _ = _time_steps(model, dataset, steps)
+        out[f"cadence_step_s[{assignment}]"], _ = fit_step_seconds(model, dataset, steps)
         out[f"all_reduced_bytes[{assignment}]"] = log.summary()
     out["design_bytes"] = _design_bytes(plain)
     costs = [plain.thor.refresher.inversion_cost(i) for i in range(len(plain.thor.blocks))]

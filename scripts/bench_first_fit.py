@@ -37,9 +37,8 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_worker import report, run_self, thor_defaults, train_step_seconds  # noqa: E402
+from experiments.timing import functions_in, train_step_seconds  # noqa: E402
+from experiments.worker import report, run_self, thor_defaults  # noqa: E402
 
 MODELS = ("digits", "resnet50")
 OPTIMIZERS = ("sgd", "adam", "muon", "thor")  # muon: when this Keras has it (>= 3.10)
@@ -50,38 +49,12 @@ BASELINES = ("sgd", "adam", "muon")
 RESNET50 = {"input_shape": (32, 32, 3), "classes": 10, "batch": 32}
 
 
-def _functions_in(fn, seen=None):
-    """The ``tf.function`` objects reachable from ``fn`` through closures (Keras keeps its
-    traced step inside the closures of ``model.train_function``)."""
-    import tensorflow as tf
-
-    seen = set() if seen is None else seen
-    if id(fn) in seen:
-        return []
-    seen.add(id(fn))
-    found = []
-    if isinstance(fn, tf.types.experimental.PolymorphicFunction):
-        found.append(fn)
-        fn = getattr(fn, "_python_function", None)
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:
-            continue
-        if callable(value):
-            found += _functions_in(value, seen)
-    wrapped = getattr(fn, "__wrapped__", None)
-    if wrapped is not None:
-        found += _functions_in(wrapped, seen)
-    return found
-
-
 def graph_size(model):
     """``{"graph_nodes", "library_nodes", "library_functions"}`` of the largest concrete function
     Keras traced for ``model``'s train function (the step; the outer iterator function holds
     little), or None when it cannot be found."""
     best = None
-    for function in _functions_in(model.train_function):
+    for function in functions_in(model.train_function):
         for concrete in function._list_all_concrete_functions():
             graph = concrete.graph.as_graph_def()
             size = {"graph_nodes": len(graph.node),
@@ -100,7 +73,7 @@ def worker_digits(optimizer):
     import keras
     import numpy as np
 
-    from thor_tf_experiments import cli, datasets, mnist, models, runner, timing
+    from experiments import cli, datasets, mnist, models, runner, timing
 
     args = mnist.parse_args(["--dataset", "digits", "--no-download"])
     ds = datasets.load_dataset("digits", verbose=False, seed=0, download=False)

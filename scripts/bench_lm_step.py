@@ -130,7 +130,7 @@ def main(argv=None):
     import numpy as np
     import tensorflow as tf
 
-    from thor_tf_experiments import lm, text
+    from experiments import lm, text
 
     # lm.py's own flags (model shape, THOR settings, corpus); its --steps sizes the schedules.
     lm_args = lm.parse_args(lm_argv + ["--optimizers", "thor,adamw"])

@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ns_xla import measure  # noqa: E402
+from experiments.timing import time_calls  # noqa: E402
 
 WORKLOADS = ("digits_cnn", "fashion_cnn", "resnet20", "vit", "autoencoder", "tabular_mlp",
              "char_gpt")
@@ -39,7 +37,7 @@ def buckets_of(workload_name):
     """``[[blocks, rows, cols], ...]``: what the rule's orthogonalization gets in one step."""
     import keras
     from thor_tf.rules import eigenbasis as eigenbasis_module
-    from thor_tf_experiments import suite, workloads
+    from experiments import suite, workloads
 
     workload = workloads.WORKLOADS[workload_name]
     data = workload.load(False)
@@ -115,7 +113,7 @@ def paired(workload_name, steps, methods=("iterate", "spectral")):
     import keras
     from thor_tf.rules import eigenbasis as eigenbasis_module
     from thor_tf.rules.eigenbasis_ops import newton_schulz_many
-    from thor_tf_experiments import suite, workloads
+    from experiments import suite, workloads
 
     workload = workloads.WORKLOADS[workload_name]
     data = workload.load(False)
@@ -195,7 +193,7 @@ def main(argv=None):
             row = {"dims": shape}
             for method in ("iterate", "spectral"):
                 function = tf.function(lambda t, method=method: newton_schulz(t, method=method))
-                first, cpu, wall, result = measure(function, x, calls, args.repeats)
+                first, cpu, wall, result = time_calls(function, x, calls, args.repeats)
                 row[method] = {"cpu_ms": round(cpu, 3), "wall_ms": round(wall, 3),
                                "first_call_s": round(first, 3),
                                "max_difference": float(np.abs(result.numpy() - want).max()

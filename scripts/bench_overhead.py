@@ -37,7 +37,8 @@ import resource
 import statistics
 import time
 
-from bench_worker import report, run_self, train_step_seconds, write_results
+from experiments.timing import train_step_seconds
+from experiments.worker import report, run_self, write_results
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -57,7 +58,7 @@ def build(model_name):
     shape, classes, _ = MODELS[model_name]
     if model_name == "resnet50":
         return keras.applications.ResNet50(weights=None, input_shape=shape, classes=classes)
-    from thor_tf_experiments import models
+    from experiments import models
 
     return models.build(model_name, shape, classes)
 
@@ -149,7 +150,7 @@ def long_run(model_name, optimizer, steps):
     above is dominated by the first cadence points' refreshes. Needs the dataset offline."""
     import numpy as np
 
-    from thor_tf_experiments.datasets import load_dataset
+    from experiments.datasets import load_dataset
 
     try:
         data = load_dataset(LONG_RUN_DATA[model_name], verbose=False, download=False)

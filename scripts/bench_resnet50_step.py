@@ -31,9 +31,7 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_worker import thor_defaults  # noqa: E402
+from experiments.worker import thor_defaults  # noqa: E402
 
 VARIANTS = ("sgd", "adam", "muon", "thor", "thor_conv_adam")
 REFERENCES = ("sgd", "adam", "muon")

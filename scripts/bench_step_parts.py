@@ -48,7 +48,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import thor_tf  # noqa: E402
-from thor_tf_experiments import workloads  # noqa: E402
+from experiments import workloads  # noqa: E402
 
 VARIANTS = ("sgd", "adamw", "muon", "thor", "thor_adam_step", "thor_no_precondition",
             "thor_no_curvature", "thor_neither", "thor_muon_set", "thor_split128")

@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import thor_tf  # noqa: E402
-from thor_tf_experiments import datasets as data, models as zoo  # noqa: E402
+from experiments import datasets as data, models as zoo  # noqa: E402
 from thor_tf.callbacks import TraceRuleLogger  # noqa: E402
 from thor_tf.profiling import profile_step  # noqa: E402
 from thor_tf.schedules import ThorDampingDecay, ThorPolynomialDecay  # noqa: E402

@@ -63,7 +63,7 @@ def parse_args(argv=None):
              "(default: cnn)")
     parser.add_argument(
         "--data", choices=DATA_CHOICES, default=None,
-        help="training data for the warm-up: a thor_tf_experiments.datasets dataset, or 'random' (random inputs "
+        help="training data for the warm-up: a experiments.datasets dataset, or 'random' (random inputs "
              "of the model's input shape, random labels). Default: 'auto' (Fashion-MNIST if "
              "installed, else digits) for cnn/resnet20, 'random' for resnet50 and saved models; "
              "'digits' with --quick")
@@ -102,7 +102,7 @@ def parse_args(argv=None):
                         help="JSON output path; the plot goes next to it with a .png suffix "
                              "(default runs/calibration_<model>.json)")
     parser.add_argument("--allow-download", action="store_true",
-                        help="let thor_tf_experiments.datasets download a dataset that is not installed")
+                        help="let experiments.datasets download a dataset that is not installed")
     parser.add_argument("--replot", metavar="JSON", default=None,
                         help="only redraw the plot (and print the table) of an existing calibration "
                              "JSON; no training, no timing")
@@ -158,9 +158,9 @@ def _load_saved(path):
 
 
 def _real_data(name, args, image_size, channels=None):
-    """``(x, y, num_classes)`` from thor_tf_experiments.datasets, padded/upsampled to ``image_size``."""
+    """``(x, y, num_classes)`` from experiments.datasets, padded/upsampled to ``image_size``."""
     import numpy as np
-    from thor_tf_experiments import datasets as data
+    from experiments import datasets as data
 
     ds = data.load_dataset(name, max_train=args.max_train, max_test=1, pad_to=image_size,
                            seed=args.seed, download=args.allow_download)
@@ -184,7 +184,7 @@ def _random_data(shape, num_classes, n, seed):
 
 def prepare(args):
     """``(keras model, x, y, description)`` for the warm-up."""
-    from thor_tf_experiments import models as zoo
+    from experiments import models as zoo
 
     saved = args.model not in ZOO_MODELS
     data_name = args.data or ("digits" if args.quick and not saved else
@@ -333,7 +333,7 @@ def write_result(result, args, name):
 def workload_setup(name, seed):
     """``(keras model, (x, y), loss, batch size, description)`` of a suite workload."""
     import keras
-    from thor_tf_experiments import workloads as wl
+    from experiments import workloads as wl
 
     if name not in wl.ALL_WORKLOADS:
         raise SystemExit(f"--workload must be one of {sorted(wl.ALL_WORKLOADS)}; got {name!r}")

@@ -59,8 +59,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_worker import report, run_self  # noqa: E402
+from experiments.worker import report, run_self  # noqa: E402
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -275,8 +274,8 @@ def model_shape(model, name=None):
 
 
 def build_model(name, input_shape=None, classes=None):
-    """A model of the zoo (``thor_tf_experiments.models``) at its projection input."""
-    from thor_tf_experiments import models
+    """A model of the zoo (``experiments.models``) at its projection input."""
+    from experiments import models
 
     shape, default_classes = PROJECTED_INPUTS[name]
     return models.build(name, input_shape or shape, classes or default_classes)
@@ -578,8 +577,8 @@ def profile_worker(name, repeats, sgd_steps):
     import keras
     import thor_tf
     from thor_tf.profiling import profile_step
-    from thor_tf_experiments import models
-    from bench_distributed import _time_steps
+    from experiments import models
+    from experiments.timing import fit_step_seconds
 
     shape, classes, batch = MEASURED[name]
     rng = np.random.default_rng(0)
@@ -603,7 +602,7 @@ def profile_worker(name, repeats, sgd_steps):
             sgd.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
                         loss="sparse_categorical_crossentropy")
         data = tf.data.Dataset.from_tensors((x, y)).repeat()
-        out["sgd_step_s"], _ = _time_steps(sgd, data, sgd_steps)
+        out["sgd_step_s"], _ = fit_step_seconds(sgd, data, sgd_steps)
     return out
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import scipy.linalg
 
-from thor_tf_experiments import anatomy
+from experiments import anatomy
 
 
 def rotation(angle):

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from thor_tf_experiments import batch_scaling as bs
-from thor_tf_experiments import workloads as wl
+from experiments import batch_scaling as bs
+from experiments import workloads as wl
 
 
 def test_budget_shrinks_with_the_square_root_of_the_batch():

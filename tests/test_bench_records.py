@@ -3,13 +3,12 @@
 ``docs/results/first_fit_resnet50.json`` (``scripts/bench_first_fit.py``: ResNet-50's first fit
 against SGD, Adam and Muon) and ``docs/results/bench_resnet50_step.json``
 (``scripts/bench_resnet50_step.py``: its steady step) store the defaults THOR ran with
-(``bench_worker.thor_defaults``: the split plan, the update rule's config, the cadence,
+(``experiments.worker.thor_defaults``: the split plan, the update rule's config, the cadence,
 ``graph_optimization``). A change to any of them fails here until the record is re-measured
 with the command it stores: the default split's ``diagonal_above=512`` once made ResNet-50's
 first fit 7.6× SGD's while the record still said 1.46× (issue 53).
 """
 
-import importlib.util
 import json
 import os
 
@@ -20,11 +19,9 @@ RECORDS = ("first_fit_resnet50.json", "bench_resnet50_step.json")
 
 
 def _thor_defaults():
-    path = os.path.join(ROOT, "scripts", "bench_worker.py")
-    spec = importlib.util.spec_from_file_location("bench_worker", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.thor_defaults()
+    from experiments.worker import thor_defaults
+
+    return thor_defaults()
 
 
 @pytest.mark.parametrize("name", RECORDS)

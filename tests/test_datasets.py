@@ -1,4 +1,4 @@
-"""Tests for thor_tf_experiments.datasets (no network: every non-embedded source is faked in tmp_path)."""
+"""Tests for experiments.datasets (no network: every non-embedded source is faked in tmp_path)."""
 
 import gzip
 import os
@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-from thor_tf_experiments import datasets as data
+from experiments import datasets as data
 
 FASHION_DEBIAN = "/usr/share/datasets/fashion-mnist"
 

@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "experiments"
 
 
-from thor_tf_experiments import cli, reports
-from thor_tf_experiments.reports import time_to_target
+from experiments import cli, reports
+from experiments.reports import time_to_target
 
 
 # --------------------------------------------------------------------------- time_to_target
@@ -79,11 +79,7 @@ def test_muon_is_a_first_order_baseline_with_keras_default_lr_in_its_grid():
     assert cli.parse_optimizers("thor,adam,muon") == ["thor", "adam", "muon"]
     # A script's grid that leaves an optimizer out gets this module's (mnist.py names only sgd
     # and adam; adamw used to fail there with a KeyError).
-    sys.path.insert(0, str(EXPERIMENTS))
-    try:
-        import mnist
-    finally:
-        sys.path.remove(str(EXPERIMENTS))
+    from experiments import mnist
     args = mnist.parse_args(["--optimizers", "thor,adamw,muon", "--dataset", "fashion_mnist"])
     assert args.lr_grid["muon"] == mnist.LR_GRID["muon"] == (3e-3, 1e-2)  # the main job's
     assert args.lr_grid["adamw"] == cli.DEFAULT_LR_GRID["adamw"]
@@ -237,7 +233,7 @@ def test_muon_baseline_optimizer_settings():
 
     if not hasattr(keras.optimizers, "Muon"):
         pytest.skip(f"keras.optimizers.Muon needs Keras >= 3.10; this is Keras {keras.__version__}")
-    from thor_tf_experiments import models, runner
+    from experiments import models, runner
 
     args = argparse.Namespace(lr_schedule="constant", baseline_lr_schedule=None, epochs=1,
                               weight_decay=0.0)
@@ -260,11 +256,7 @@ def test_muon_on_a_keras_without_it_says_so(monkeypatch):
     import keras
 
     monkeypatch.delattr(keras.optimizers, "Muon", raising=False)
-    sys.path.insert(0, str(EXPERIMENTS))
-    try:
-        import mnist
-    finally:
-        sys.path.remove(str(EXPERIMENTS))
+    from experiments import mnist
     with pytest.raises(SystemExit, match=r"keras.optimizers.Muon \(Keras >= 3.10\)"):
         mnist.parse_args(["--optimizers", "thor,muon"])
     assert mnist.parse_args(["--optimizers", "thor,adam"]).optimizers == ["thor", "adam"]
@@ -273,13 +265,9 @@ def test_muon_on_a_keras_without_it_says_so(monkeypatch):
 def test_damping_split_and_max_block_age_flags_reach_the_thor_optimizer():
     import argparse
 
-    from thor_tf_experiments import models, runner
+    from experiments import models, runner
 
-    sys.path.insert(0, str(EXPERIMENTS))
-    try:
-        import mnist
-    finally:
-        sys.path.remove(str(EXPERIMENTS))
+    from experiments import mnist
     assert mnist.parse_args([]).damping_split is None
     # --damping-split is the inverse rule's option (the default rule refuses it).
     with pytest.raises(ValueError, match="`damping_split` is an option of the inverse rule"):
@@ -312,15 +300,11 @@ def test_damping_split_and_max_block_age_flags_reach_the_thor_optimizer():
 def test_main_job_without_fashion_mnist_runs_digits_on_three_seeds(monkeypatch, capsys):
     """No local Fashion-MNIST and no download (the tests never download): digits, said in one
     line, with 3 seeds (medians) unless --seeds or --quick say otherwise."""
-    from thor_tf_experiments import datasets
+    from experiments import datasets
 
     monkeypatch.setattr(datasets, "DEBIAN_FASHION_MNIST_DIR", "/nonexistent/fashion-mnist")
     monkeypatch.setattr(datasets, "KERAS_DATASETS_DIRS", ("/nonexistent/keras/datasets",))
-    sys.path.insert(0, str(EXPERIMENTS))
-    try:
-        import mnist
-    finally:
-        sys.path.remove(str(EXPERIMENTS))
+    from experiments import mnist
     args = mnist.parse_args([])
     assert args.dataset == "digits" and args.seeds == [0, 1, 2]
     assert (args.epochs, args.batch_size) == (mnist.DIGITS_EPOCHS, mnist.DIGITS_BATCH)
@@ -335,7 +319,7 @@ def test_the_main_jobs_default_thor_rate_is_what_wrap_gives_a_run_of_its_length(
     """Without --thor-lr the main job gives THOR the peak of wrap(model,
     learning_rate=WarmupCosine(T)): 3e-2 up to 256 steps (digits: 10 epochs of 23 steps), and
     3e-2·sqrt(256/T) beyond (Fashion-MNIST: 3 epochs of 469 steps, 1.28e-2)."""
-    from thor_tf_experiments import mnist
+    from experiments import mnist
 
     assert cli.default_thor_peak(230) == pytest.approx(0.03, rel=1e-12)
     assert cli.default_thor_peak(3 * 469) == pytest.approx(0.03 * math.sqrt(256 / 1407), rel=1e-12)

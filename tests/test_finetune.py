@@ -34,11 +34,7 @@ SCRIPT = ROOT / "experiments" / "finetune.py"
 
 @pytest.fixture(scope="module")
 def finetune():
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import finetune as module
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    from experiments import finetune as module
     return module
 
 
@@ -238,7 +234,7 @@ def test_riemannian_precondition_einsum_shapes(finetune):
 
 def test_shakespeare_split_by_play(finetune, tmp_path):
     """Pretraining never reads the held-out plays; validation is the last 10 % of each."""
-    from thor_tf_experiments import text
+    from experiments import text
 
     try:
         tarball = text.fetch_shakespeare(download=False)

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from thor_tf_experiments import batch_scaling as bs
-from thor_tf_experiments import horizon as hz
-from thor_tf_experiments import workloads as wl
+from experiments import batch_scaling as bs
+from experiments import horizon as hz
+from experiments import workloads as wl
 
 
 def test_lengthened_workload_keeps_the_batch_and_multiplies_epochs_or_steps():
@@ -60,7 +60,7 @@ def test_quick_run_writes_the_record_and_resumes_from_its_cache(tmp_path, monkey
         json.dumps(record["workloads"]))
     # A second run with the same cache trains nothing and gives the same record.
     monkeypatch.setattr(bs, "train_one", _no_training)
-    monkeypatch.setattr("thor_tf_experiments.interleave.interleaved_rows", _no_training)
+    monkeypatch.setattr("experiments.interleave.interleaved_rows", _no_training)
     again = hz.main(argv)
     assert again["trained"] == 0 and (out / hz.CACHE).read_text().splitlines() == lines
     assert again["workloads"] == record["workloads"]
@@ -112,7 +112,7 @@ def test_steps_and_seconds_to_the_target_on_a_hand_made_cache(tmp_path, monkeypa
     out.mkdir()
     (out / hz.CACHE).write_text("".join(json.dumps(r) + "\n" for r in runs))
     monkeypatch.setattr(bs, "train_one", _no_training)
-    monkeypatch.setattr("thor_tf_experiments.interleave.interleaved_rows", _no_training)
+    monkeypatch.setattr("experiments.interleave.interleaved_rows", _no_training)
     record = hz.main(["--quick", "--workloads", name, "--multiples", "1", "--seeds", "0,1,2",
                       "--evals", "4", "--out", str(out)])
     cell = record["workloads"][name]["lengths"]["1"]
@@ -134,7 +134,7 @@ def test_steps_and_seconds_to_the_target_on_a_hand_made_cache(tmp_path, monkeypa
     assert cell["thor_best"]["rate"] == 0.03 and cell["thor_ahead_in_final"]
     assert record["trained"] == 0
     # README's line and docs/horizon.md's table follow the record.
-    from thor_tf_experiments import report
+    from experiments import report
 
     line = report.horizon_line(record)
     assert "tabular MLP (train MSE): 1× 0.75× (1.50× the seconds)" in line

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from thor_tf_experiments import batch_scaling as bs
-from thor_tf_experiments import horizon as hz
-from thor_tf_experiments import levers as lv
+from experiments import batch_scaling as bs
+from experiments import horizon as hz
+from experiments import levers as lv
 
 
 def test_paired_statistics_match_hand_computed_numbers():
@@ -89,7 +89,7 @@ def test_lever_specs_build_wrap_options():
 def test_floor_fraction_ends_the_schedule_at_a_fraction_of_the_peak():
     import keras
 
-    from thor_tf_experiments import suite, workloads as wl
+    from experiments import suite, workloads as wl
 
     workload = wl.WORKLOADS["tabular_mlp"].sized(True)
     data = workload.load(True)
@@ -156,7 +156,7 @@ def test_quick_mode_end_to_end(tmp_path, monkeypatch):
     assert "| tabular_mlp 1×" in (out / "levers.md").read_text()
 
     # Resumes: a second run (and --report-only) trains nothing and gives the same cells.
-    from thor_tf_experiments import suite
+    from experiments import suite
 
     monkeypatch.setattr(suite, "train_run", _no_training)
     again = lv.main(argv)

@@ -17,18 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from thor_tf_experiments import text
+from experiments import text
 
 ROOT = Path(__file__).resolve().parents[1]
-EXPERIMENTS = ROOT / "experiments"
 
 
 def _lm():
-    sys.path.insert(0, str(EXPERIMENTS))
-    try:
-        import lm
-    finally:
-        sys.path.remove(str(EXPERIMENTS))
+    from experiments import lm
     return lm
 
 

@@ -1,7 +1,7 @@
 """How THOR's step depends on a constant factor c on the loss (a loss weight, class weights):
 G is the empirical Fisher, so it grows as c², the gradient as c, the damping not at all; the
 step is checked against that float64 formula, and a loss small enough for the damping to swamp
-G gets a warning (docs/internals.md "Loss scale", scripts/bench_loss_scale.py)."""
+G gets a warning (docs/internals.md "Loss scale", scripts/bench_loss_scale.py at c598086)."""
 
 import warnings
 

@@ -1,10 +1,10 @@
-"""Tests for thor_tf_experiments.models: every model builds on small inputs and outputs probabilities."""
+"""Tests for experiments.models: every model builds on small inputs and outputs probabilities."""
 
 import keras
 import numpy as np
 import pytest
 
-from thor_tf_experiments import models as zoo
+from experiments import models as zoo
 
 
 def _trainable(model):

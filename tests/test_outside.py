@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from thor_tf_experiments import suite, workloads as wl
+from experiments import suite, workloads as wl
 
 
 def test_outside_is_apart_from_the_suite_and_the_default_run_is_unchanged():

@@ -8,9 +8,7 @@ recorded figures (docs/results/bench_distributed.json) and published ones (ResNe
 and multiply-adds).
 """
 
-import importlib.util
 import json
-import math
 import os
 import sys
 
@@ -21,18 +19,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def ps():
-    spec = importlib.util.spec_from_file_location(
-        "project_scale", os.path.join(ROOT, "scripts", "project_scale.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["project_scale"] = module  # dataclasses resolve annotations through it
-    spec.loader.exec_module(module)
-    return module
+    from scripts import project_scale
+
+    return project_scale
 
 
 @pytest.fixture(scope="module")
 def shapes(ps):
     """The CNN and ResNet-20 at bench_distributed's inputs, ResNet-50 at 224x224."""
-    from thor_tf_experiments import models
+    from experiments import models
 
     return {"cnn": ps.model_shape(models.build("cnn", (28, 28, 1), 10), "cnn"),
             "resnet20": ps.model_shape(models.build("resnet20", (32, 32, 1), 10), "resnet20"),

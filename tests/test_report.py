@@ -1,5 +1,5 @@
 """The results tables are built from the records in docs/results/ (``python -m
-thor_tf_experiments.report``): README's table and docs/results.md must equal what the records
+experiments.report``): README's table and docs/results.md must equal what the records
 give, and a new suite record dropped in must change them. No training; JSON and CSV only."""
 
 import json
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from thor_tf_experiments import report
+from experiments import report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,7 +19,7 @@ def test_readme_and_results_page_match_the_records():
     stale = [path for path, text in report.render(ROOT).items()
              if open(os.path.join(ROOT, path)).read() != text]
     assert not stale, (f"{stale} differ from the records in docs/results/: run "
-                       "`python -m thor_tf_experiments.report` and commit the result")
+                       "`python -m experiments.report` and commit the result")
 
 
 def test_every_record_says_its_commit_and_machine():
@@ -63,7 +63,7 @@ def test_a_new_suite_record_regenerates_the_table(tmp_path):
 
 def test_check_mode_exits_zero_on_the_committed_files():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", "import sys; from thor_tf_experiments import report; "
+    proc = subprocess.run([sys.executable, "-c", "import sys; from experiments import report; "
                            "sys.exit(report.main(['--check']))"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -12,8 +12,6 @@
   kernel and bias to the block's matrix and back without a ``Transpose``, to the same values.
 """
 
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import keras
@@ -72,13 +70,10 @@ def test_every_block_active_writes_decisions_without_scatter():
 
 
 def _functions(fn):
-    """The ``tf.function`` objects reachable from ``fn``'s closures (Keras' train function):
-    scripts/bench_first_fit.py's walker."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_first_fit", Path(__file__).resolve().parents[1] / "scripts" / "bench_first_fit.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module._functions_in(fn)
+    """The ``tf.function`` objects reachable from ``fn``'s closures (Keras' train function)."""
+    from experiments.timing import functions_in
+
+    return functions_in(fn)
 
 
 class _Switch(keras.Model):

@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from thor_tf_experiments import suite, workloads as wl
+from experiments import suite, workloads as wl
 
 
 def _rows(workload, optimizer, lr, seed, curve, seconds_per_eval=1.0, load=0.02):

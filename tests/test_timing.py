@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from thor_tf_experiments import reports, timing
+from experiments import reports, timing
 
 
 # --------------------------------------------------------------------------------- order

@@ -12,7 +12,7 @@ Public API: :func:`wrap`, :class:`ThorModel`, :class:`ThorOptimizer`, the update
 dimension (:class:`SplitPlan`; ``split_dim="auto"`` calibrates one in ``fit``), the block-diagonal
 algebra (:mod:`thor_tf.block_diagonal`), the layer-type registry (:func:`register_block`,
 :class:`KroneckerBlock`). Datasets and the model zoo of the experiments live in the separate
-package ``thor_tf_experiments`` (``experiments/``).
+package ``experiments`` (``experiments/``).
 """
 
 def _check_tensorflow():

@@ -24,7 +24,7 @@ class Conv2DBlock(KroneckerBlock):
     kind = "conv2d"
     #: One of :data:`A_FACTOR_METHODS`. "shifted" measured 2.6x (conv1), 6.8x (conv2) and 5.0x
     #: (ResNet-20 stage 3) faster than "im2col", with 8x less peak memory on conv2, on a 2-core
-    #: CPU at split_dim 128 (scripts/bench_conv_factor.py, results/bench_conv_factor.json).
+    #: CPU at split_dim 128 (docs/results/bench_conv_factor.json, made by scripts/bench_conv_factor.py at c598086).
     a_factor_method = "shifted"
 
     @classmethod

@@ -137,7 +137,7 @@ def eigh_blocks(blocks, mask, previous_q=None, previous_w=None, tie_break=TIE_BR
     # float64: float32 eigenvectors of clustered eigenvalues (a null space under the ramp) are
     # accurate to ~1e-3 only, and Adam's division turns that leakage into full-size steps that
     # differ between LAPACK and XLA, or 1 and 2 replicas. Same cost on CPU for d <= 256
-    # (docs/bench_eigh.json); refreshes are rare.
+    # (docs/results/bench_eigh.json); refreshes are rare.
     w64, q64 = tf.linalg.eigh(tf.cast(padded, tf.float64))
     w, q = tf.cast(w64, tf.float32), tf.cast(q64, tf.float32)
     ok = tf.logical_and(tf.reduce_all(tf.math.is_finite(q), axis=[1, 2]),

@@ -1,5 +1,8 @@
-"""The benchmarks' worker protocol: a script re-runs itself in a fresh process (fresh tracing,
-fresh memory peak) and prints its result as one ``RESULT{json}`` line."""
+"""The benchmarks' worker protocol and the defaults a record of THOR stores.
+
+A benchmark re-runs itself in a fresh process (fresh tracing, fresh memory peak) with
+:func:`run_self`; the worker prints its result as one ``RESULT{json}`` line (:func:`report`).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 
 def report(result):
@@ -55,42 +57,12 @@ def thor_defaults():
 
 
 def write_results(out, summary, script, argv, plot, plot_data):
-    """Write ``summary`` with the machine, date and command to JSON ``out``, and the plot of
-    ``plot_data`` (``plot(plot_data, path)``) to the PNG next to it."""
-    import platform
-    import time
-
+    """Write a benchmark's ``summary`` with its stamp and TensorFlow's version and devices
+    (:func:`experiments.record.write`) to JSON ``out``, and ``plot(plot_data, <out>.png)``."""
     import tensorflow as tf
 
-    summary = dict(summary)
-    summary.update({
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "gpus": len(tf.config.list_physical_devices("GPU")),
-                    "tensorflow": tf.__version__},
-        "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join(["python", f"scripts/{os.path.basename(script)}"]
-                            + (sys.argv[1:] if argv is None else list(argv))),
-    })
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as fh:
-        json.dump(summary, fh, indent=1)
-    png = os.path.splitext(out)[0] + ".png"
-    plot(plot_data, png)
-    print(f"wrote {out} and {png}")
+    from experiments import record
 
-
-def train_step_seconds(model):
-    """A list that receives the seconds of each Python call of ``model.train_step``: Keras runs
-    ``train_step`` only while tracing its train function, so each entry is a trace (the first:
-    the whole step's graph being built)."""
-    original = model.train_step
-    spent = []
-
-    def timed(data):
-        start = time.perf_counter()
-        out = original(data)
-        spent.append(time.perf_counter() - start)
-        return out
-
-    object.__setattr__(model, "train_step", timed)
-    return spent
+    summary = {**summary, "tensorflow": tf.__version__,
+               "gpus": len(tf.config.list_physical_devices("GPU"))}
+    return record.write(out, summary, plot, plot_data, argv=argv, script=script)
