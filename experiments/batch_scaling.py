@@ -68,6 +68,7 @@ import numpy as np
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from experiments import suite, workloads as wl  # noqa: E402
+from experiments.reports import fmt  # noqa: E402
 
 WORKLOADS = ("fashion_cnn", "resnet20", "char_gpt")
 MULTIPLES = (1, 4, 16)
@@ -622,10 +623,6 @@ def _steady(rows):
 # Outputs
 # --------------------------------------------------------------------------------------------
 
-def _fmt(value, spec, none="never"):
-    return none if value is None else ("∞" if value == math.inf else format(value, spec))
-
-
 def optimizers_of(cell):
     """The optimizer entries of a record's cell: THOR's two, then the baselines by name."""
     names = sorted(k for k, v in cell.items() if isinstance(v, dict) and "final" in v
@@ -643,16 +640,16 @@ def cell_lines(key, cell):
         label = {"thor": "THOR (default)", "thor_best": "THOR (best peak)"}.get(
             optimizer, optimizer + (" (best)" if optimizer == cell["best_baseline"] else ""))
         edge = " (grid end)" if info.get("at_edge") and optimizer != "thor" else ""
-        seconds = (_fmt(info["seconds_to_target"], ".1f")
+        seconds = (fmt(info["seconds_to_target"], ".1f")
                    if info.get("seconds_paired") else "–")
         lines.append(f"| {key} | {label} | {info['rate']:.3g}{edge} | "
                      f"{len(info['seeds'])} | {info['final']:.4f} | "
-                     f"{_fmt(info['steps_to_target'], 'g')} | "
-                     f"{_fmt(info['examples_to_target'], ',')} | {seconds} |")
+                     f"{fmt(info['steps_to_target'], 'g')} | "
+                     f"{fmt(info['examples_to_target'], ',')} | {seconds} |")
     ps = cell.get("paired_seconds") or {}
     lines.append(f"| {key} | THOR / best, seconds per seed | | | | | | "
-                 + ", ".join(_fmt(v, ".2f", "–") for v in ps.get("per_seed", {}).values())
-                 + f"; median {_fmt(ps.get('median'), '.2f', 'n/a')}"
+                 + ", ".join(fmt(v, ".2f", "–") for v in ps.get("per_seed", {}).values())
+                 + f"; median {fmt(ps.get('median'), '.2f', 'n/a')}"
                  + (f"; only THOR reached it on seed(s) {ps['only_thor_seeds']}"
                     if ps.get("only_thor_seeds") else "") + " |")
     return lines
@@ -674,12 +671,12 @@ def markdown(record):
             lines += ["", "Projected seconds to the target, THOR / " + proj["baseline"] + ", R "
                       "replicas at batch " + str(w["base_batch"]) + " each: " + ", ".join(
                           f"R={r['replicas']}: "
-                          f"{_fmt(r['ratio'], '.2f', 'THOR only' if r['only_thor'] else 'n/a')}"
+                          f"{fmt(r['ratio'], '.2f', 'THOR only' if r['only_thor'] else 'n/a')}"
                           + ("*" if r["thor"]["extrapolated"] or r["baseline"]["extrapolated"]
                              else "") for r in proj["rows"]) + " (* beyond the measured batches)"]
         lines += ["", "Critical batch (fit of S = S_min (1 + B_crit / b)) / halving batch: "
-                  + "; ".join(f"{k}: {_fmt(v['critical_batch'], '.0f', 'n/a')} / "
-                              f"{_fmt(v['halving_batch'], 'g', 'n/a')}"
+                  + "; ".join(f"{k}: {fmt(v['critical_batch'], '.0f', 'n/a')} / "
+                              f"{fmt(v['halving_batch'], 'g', 'n/a')}"
                               for k, v in scaling.items()), ""]
     return "\n".join(lines) + "\n"
 

@@ -73,6 +73,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 from experiments import cli, lm, reports, text, timing  # noqa: E402
+from experiments.reports import fmt  # noqa: E402
 
 OPTIMIZERS = ("thor", "adamw", "muon", "riemannian")
 
@@ -444,16 +445,12 @@ def summarize_rank(runs, rank):
             "optimizers": optimizers, "thor_vs_best": verdict}
 
 
-def _fmt(value, spec, none="never"):
-    return none if value is None else format(value, spec)
-
-
 def markdown(summary):
     lines = []
     for entry in summary["ranks"]:
         target = entry["target_val_loss"]
         lines += [f"### LoRA rank {entry['rank']}", "",
-                  f"Target: {_fmt(target, '.4f', 'none')} (median final val loss of the best "
+                  f"Target: {fmt(target, '.4f', 'none')} (median final val loss of the best "
                   f"baseline, {entry['best_baseline']}).", "",
                   "| optimizer | lr | final val loss, median (per seed) | steps to target: "
                   "median curve (per seed) | seconds to target: median curve (per seed) | "
@@ -461,31 +458,31 @@ def markdown(summary):
                   "|---|---|---|---|---|---|---|"]
         for name, e in entry["optimizers"].items():
             s = e["per_seed"]
-            finals = " / ".join(_fmt(p["final_val_loss"], ".4f", "nan") for p in s)
-            steps = " / ".join(_fmt(p["steps_to_target"], "d") for p in s)
-            secs = " / ".join(_fmt(p["seconds_to_target"], ".1f") for p in s)
+            finals = " / ".join(fmt(p["final_val_loss"], ".4f", "nan") for p in s)
+            steps = " / ".join(fmt(p["steps_to_target"], "d") for p in s)
+            secs = " / ".join(fmt(p["seconds_to_target"], ".1f") for p in s)
             lr = f"{e['lr']:g} (default)" if name == "thor" else f"{e['lr']:g}"
-            lines.append(f"| {name} | {lr} | {_fmt(e['final_val_loss'], '.4f', 'nan')} ({finals})"
-                         f" | {_fmt(e['steps_to_target'], 'g')} ({steps}) | "
-                         f"{_fmt(e['seconds_to_target'], '.1f')} ({secs}) | "
-                         f"{_fmt(e.get('first_segment_seconds'), '.1f', '–')}, "
-                         f"{_fmt(e.get('steady_step_seconds'), '.4f', '–')}, "
-                         f"{_fmt(e.get('load'), '.0%', '?')} | "
-                         f"{_fmt(e['total_seconds'], '.1f')} |")
+            lines.append(f"| {name} | {lr} | {fmt(e['final_val_loss'], '.4f', 'nan')} ({finals})"
+                         f" | {fmt(e['steps_to_target'], 'g')} ({steps}) | "
+                         f"{fmt(e['seconds_to_target'], '.1f')} ({secs}) | "
+                         f"{fmt(e.get('first_segment_seconds'), '.1f', '–')}, "
+                         f"{fmt(e.get('steady_step_seconds'), '.4f', '–')}, "
+                         f"{fmt(e.get('load'), '.0%', '?')} | "
+                         f"{fmt(e['total_seconds'], '.1f')} |")
         v = entry["thor_vs_best"]
         if v is not None:
-            seconds = (_fmt(v["seconds_ratio"], ".2f", "–") if v.get("comparable", True)
+            seconds = (fmt(v["seconds_ratio"], ".2f", "–") if v.get("comparable", True)
                        else f"{timing.NOT_COMPARABLE} ({v['reason']})")
-            lines += ["", f"THOR / {v['best_baseline']}: steps {_fmt(v['steps_ratio'], '.2f', '–')}"
+            lines += ["", f"THOR / {v['best_baseline']}: steps {fmt(v['steps_ratio'], '.2f', '–')}"
                           f", seconds {seconds}; target (≤ 0.75× steps and ≤ 1.0× seconds) "
                           f"**{'met' if v['met'] else 'not met'}**."]
         lines += ["", "| optimizer | lr | final val loss, median (per seed) |", "|---|---|---|"]
         for name, e in entry["optimizers"].items():
             for g in e["grid"]:
-                per = " / ".join(_fmt(x, ".4f", "nan") for x in g["final_val_loss_per_seed"])
+                per = " / ".join(fmt(x, ".4f", "nan") for x in g["final_val_loss_per_seed"])
                 mark = " (best)" if g["lr"] == e["lr"] and len(e["grid"]) > 1 else ""
                 lines.append(f"| {name} | {g['lr']:g}{mark} | "
-                             f"{_fmt(g['final_val_loss'], '.4f', 'nan')} ({per}) |")
+                             f"{fmt(g['final_val_loss'], '.4f', 'nan')} ({per}) |")
         lines += [f"\nNote: {name}: {e['note']}." for name, e in entry["optimizers"].items()
                   if e.get("note")]
         lines.append("")

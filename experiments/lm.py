@@ -86,6 +86,7 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from experiments import cli, reports, text, timing  # noqa: E402
+from experiments.reports import fmt  # noqa: E402
 
 OPTIMIZERS = ("thor", "adamw", "muon")
 BASELINES = ("adamw", "muon")
@@ -522,21 +523,17 @@ def _ratio(a, b):
     return None if a is None or b is None or b == 0 else a / b
 
 
-def _fmt(value, spec, none="never"):
-    return none if value is None else format(value, spec)
-
-
 def _seconds(versus, key):
     """A seconds ratio of :func:`thor_versus` for a table ("not comparable" when refused)."""
     if not versus["comparable"]:
         return timing.NOT_COMPARABLE
-    return _fmt(versus[key], ".2f", "–")
+    return fmt(versus[key], ".2f", "–")
 
 
 def markdown(summary):
     """The tables of ``results.md`` (best rate per optimizer, THOR/baseline, the grid)."""
     target = summary["target_val_loss"]
-    lines = [f"Target val loss {_fmt(target, '.4f', 'none')}: {summary['target_source']}.", "",
+    lines = [f"Target val loss {fmt(target, '.4f', 'none')}: {summary['target_source']}.", "",
              "| optimizer | lr | final val loss, median (per seed) | steps to target, per seed "
              "(median) | seconds to target (median) | first segment s | s/step (steady) | "
              "train s | load | ν at the end |",
@@ -544,25 +541,25 @@ def markdown(summary):
     never = "never" if target is not None else "–"
     for name, e in summary["optimizers"].items():
         seeds = e["per_seed"]
-        finals = " / ".join(_fmt(s["final_val_loss"], ".4f", "nan") for s in seeds)
-        steps = " / ".join(_fmt(s["steps_to_target"], "d", never) for s in seeds)
-        nu = " / ".join(_fmt(s["final_kl_scale"], ".3g", "–") for s in seeds)
-        lines.append(f"| {name} | {e['lr']:g} | {_fmt(e['final_val_loss'], '.4f', 'nan')} "
-                     f"({finals}) | {steps} ({_fmt(e['steps_to_target'], 'g', never)}) | "
-                     f"{_fmt(e['seconds_to_target'], '.1f', never)} | "
-                     f"{_fmt(e.get('first_segment_seconds'), '.1f', '–')} | "
-                     f"{_fmt(e['steady_step_seconds'], '.4f', '–')} | "
-                     f"{_fmt(e['total_seconds'], '.1f', '–')} | "
-                     f"{_fmt(e.get('load'), '.0%', '?')} | {nu} |")
+        finals = " / ".join(fmt(s["final_val_loss"], ".4f", "nan") for s in seeds)
+        steps = " / ".join(fmt(s["steps_to_target"], "d", never) for s in seeds)
+        nu = " / ".join(fmt(s["final_kl_scale"], ".3g", "–") for s in seeds)
+        lines.append(f"| {name} | {e['lr']:g} | {fmt(e['final_val_loss'], '.4f', 'nan')} "
+                     f"({finals}) | {steps} ({fmt(e['steps_to_target'], 'g', never)}) | "
+                     f"{fmt(e['seconds_to_target'], '.1f', never)} | "
+                     f"{fmt(e.get('first_segment_seconds'), '.1f', '–')} | "
+                     f"{fmt(e['steady_step_seconds'], '.4f', '–')} | "
+                     f"{fmt(e['total_seconds'], '.1f', '–')} | "
+                     f"{fmt(e.get('load'), '.0%', '?')} | {nu} |")
     if summary["thor_vs"]:
         lines += ["", "| THOR / baseline | steps to target | seconds to target | steady step time "
                   "| per seed: steps / seconds |", "|---|---|---|---|---|"]
         for name, r in summary["thor_vs"].items():
             seeds = ", ".join(
-                f"{_fmt(p['steps'], '.2f', '–')} / "
-                f"{_fmt(p['seconds'], '.2f', '–') if p['comparable'] else 'n/c'}"
+                f"{fmt(p['steps'], '.2f', '–')} / "
+                f"{fmt(p['seconds'], '.2f', '–') if p['comparable'] else 'n/c'}"
                 for p in r["per_seed"])
-            lines.append(f"| thor / {name} | {_fmt(r['steps'], '.2f', '–')} | "
+            lines.append(f"| thor / {name} | {fmt(r['steps'], '.2f', '–')} | "
                          f"{_seconds(r, 'seconds')} | {_seconds(r, 'steady_step_time')} | "
                          f"{seeds} |")
         lines += [f"\nSeconds of thor / {name} {timing.NOT_COMPARABLE}: {r['reason']}."
@@ -570,10 +567,10 @@ def markdown(summary):
     lines += ["", "| optimizer | lr | final val loss, median (per seed) |", "|---|---|---|"]
     for name, e in summary["optimizers"].items():
         for g in e["grid"]:
-            per = " / ".join(_fmt(v, ".4f", "nan") for v in g["final_val_loss_per_seed"])
+            per = " / ".join(fmt(v, ".4f", "nan") for v in g["final_val_loss_per_seed"])
             mark = " (best)" if g["lr"] == e["lr"] else ""
             lines.append(f"| {name} | {g['lr']:g}{mark} | "
-                         f"{_fmt(g['final_val_loss'], '.4f', 'nan')} ({per}) |")
+                         f"{fmt(g['final_val_loss'], '.4f', 'nan')} ({per}) |")
     lines += [f"\nNote: {name}: {e['note']}." for name, e in summary["optimizers"].items()
               if e.get("note")]
     return "\n".join(lines)

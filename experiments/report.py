@@ -28,6 +28,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from experiments import workloads
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path("docs") / "results"
 
@@ -54,17 +56,11 @@ OPTIONAL_RECORDS = {
                 "python experiments/horizon.py (resumes from docs/results/horizon_runs.jsonl)"),
 }
 
-#: How the suite's workloads are named and their metric printed; a workload not listed here
-#: (a new one in a new record) is printed by its name with 4 significant digits.
-SUITE_WORKLOADS = {
-    "digits_cnn": ("digits CNN", "acc"),
-    "fashion_cnn": ("Fashion-MNIST CNN", "acc"),
-    "resnet20": ("ResNet-20", "acc"),
-    "vit": ("ViT", "acc"),
-    "autoencoder": ("deep autoencoder (loss)", "loss1"),
-    "tabular_mlp": ("tabular MLP (train MSE)", "loss"),
-    "char_gpt": ("char GPT (val loss)", "loss"),
-}
+#: How each workload is named in the tables and its metric printed (``Workload.label`` and
+#: ``.metric_format``, declared with the workload); a name no workload has (an older record's)
+#: is printed as it is, with 4 significant digits.
+SUITE_WORKLOADS = {name: (w.label or name, w.metric_format)
+                   for name, w in workloads.ALL_WORKLOADS.items()}
 OPTIMIZER_NAMES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "muon": "Muon",
                    "riemannian": "Riemannian AdamW"}
 

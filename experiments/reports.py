@@ -362,10 +362,12 @@ def plot_curves(results, summary, out_dir, title):
     return paths
 
 
-def _fmt(value, spec, none="never"):
+def fmt(value, spec, none="never"):
+    """``value`` formatted with ``spec``; ``none`` for None (a target never reached), "∞" for
+    infinity. The one number formatter of the experiments' tables."""
     if value is None:
         return none
-    return format(value, spec)
+    return "∞" if value == math.inf else format(value, spec)
 
 
 def summary_table(summary):
@@ -375,13 +377,13 @@ def summary_table(summary):
             "steady s/step", "train s", "load", "refreshes")
     rows = [head]
     for name, e in summary["optimizers"].items():
-        rows.append((name, _fmt(e["lr"], "g"), _fmt(e["final_acc"], ".4f", "nan"),
-                     _fmt(e["epochs_to_target"], "g", "never" if target is not None else "-"),
-                     _fmt(e["seconds_to_target"], ".1f", "never" if target is not None else "-"),
-                     _fmt(e["first_epoch_seconds"], ".1f", "-"),
-                     _fmt(e.get("steady_seconds_per_step"), ".4f", "-"),
-                     _fmt(e["total_seconds"], ".1f", "-"), _fmt(e.get("load"), ".0%", "?"),
-                     _fmt(e["refreshes"], "g", "-")))
+        rows.append((name, fmt(e["lr"], "g"), fmt(e["final_acc"], ".4f", "nan"),
+                     fmt(e["epochs_to_target"], "g", "never" if target is not None else "-"),
+                     fmt(e["seconds_to_target"], ".1f", "never" if target is not None else "-"),
+                     fmt(e["first_epoch_seconds"], ".1f", "-"),
+                     fmt(e.get("steady_seconds_per_step"), ".4f", "-"),
+                     fmt(e["total_seconds"], ".1f", "-"), fmt(e.get("load"), ".0%", "?"),
+                     fmt(e["refreshes"], "g", "-")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
@@ -397,7 +399,7 @@ def summary_table(summary):
     versus = summary.get("thor_vs_best")
     if versus is not None:
         lines.append(f"THOR / {versus['baseline']} (lr {versus['lr']:g}): epochs to the target "
-                     f"{_fmt(versus['epochs_ratio'], '.2f', 'never')}, seconds to the target "
+                     f"{fmt(versus['epochs_ratio'], '.2f', 'never')}, seconds to the target "
                      f"{timing.ratio_text(versus, 'to_target')}, first epoch "
                      f"{timing.ratio_text(versus, 'first_epoch')}, steady step "
                      f"{timing.ratio_text(versus, 'steady_step')}")

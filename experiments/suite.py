@@ -60,6 +60,7 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from experiments import timing, workloads as wl  # noqa: E402
+from experiments.reports import fmt  # noqa: E402
 
 FIELDS = ("workload", "optimizer", "lr", "seed", "step", "seconds", "metric",
           "train_loss") + timing.CSV_COLUMNS
@@ -331,10 +332,6 @@ def _ratio(a, b):
     return None if a is None or not b else a / b
 
 
-def _fmt(value, spec, none="never"):
-    return none if value is None else format(value, spec)
-
-
 def markdown(summaries, thor_options):
     lines = ["| workload | optimizer (best rate) | median final | steps to target | "
              "seconds to target | first segment s, steady ms/step, load | "
@@ -353,21 +350,21 @@ def markdown(summaries, thor_options):
             ratios = ""
             if name == "thor":
                 seconds = (timing.ratio_text(s["timing"], "to_target") if "timing" in s
-                           else _fmt(s.get("seconds_ratio"), ".2f", "never"))
-                ratios = (f"{_fmt(s.get('steps_ratio'), '.2f', 'never')}"
+                           else fmt(s.get("seconds_ratio"), ".2f", "never"))
+                ratios = (f"{fmt(s.get('steps_ratio'), '.2f', 'never')}"
                           f"{'' if s.get('steps_ratio') is None else 'x'}, {seconds}")
             steady = info.get("median_steady_seconds_per_step")
             load = timing.median(info.get("load") or [])
-            split = (f"{_fmt(info.get('median_first_seconds'), '.1f', '–')}, "
-                     f"{_fmt(None if steady is None else 1000 * steady, '.1f', '–')}, "
-                     f"{_fmt(load, '.0%', '?')}")
+            split = (f"{fmt(info.get('median_first_seconds'), '.1f', '–')}, "
+                     f"{fmt(None if steady is None else 1000 * steady, '.1f', '–')}, "
+                     f"{fmt(load, '.0%', '?')}")
             label_metric = metric if s.get("split", "test") == "test" else f"{s['split']} {metric}"
             first = (f"{s['workload']} ({label_metric}, target {format(s['target'], spec)})"
                      if i == 0 else "")
             lines.append(
                 f"| {first} | {label} | {format(info['final'], spec)} | "
-                f"{_fmt(info['median_steps'], '.0f')} / {info['total_steps']} | "
-                f"{_fmt(info['median_seconds'], '.1f')} / {info['total_seconds']:.1f} | {split} | "
+                f"{fmt(info['median_steps'], '.0f')} / {info['total_steps']} | "
+                f"{fmt(info['median_seconds'], '.1f')} / {info['total_seconds']:.1f} | {split} | "
                 f"{ratios} |")
     notes = [w for s in summaries for w in s.get("warnings", [])]
     text = "\n".join(lines)

@@ -127,6 +127,10 @@ class Workload:
     #: optimization problem itself, where the test split is too small to say more than how
     #: much a run overfits).
     eval_split: str = "test"
+    #: How the records' tables name this workload (its ``name`` when empty) and print its metric:
+    #: "acc" (a percentage), "loss" / "loss1" (3 or 4 decimals), "num" (4 significant digits).
+    label: str = ""
+    metric_format: str = "num"
 
     def sized(self, quick: bool) -> "Workload":
         """This workload at the ``--quick`` sizes (or itself)."""
@@ -289,35 +293,41 @@ WORKLOADS = {
         _image_loader("digits", None, None, None, None), _zoo("cnn"), _sparse_ce,
         "accuracy", True, batch_size=64, epochs=10, metrics=("accuracy",),
         baselines={"sgd": SGD_GRID, "adam": (1e-2, 3e-2, 0.1), "muon": MUON_GRID},
+        label="digits CNN", metric_format="acc",
         quick=dict(epochs=3, baselines={"adam": (1e-2,), "muon": (3e-2,)})),
     "fashion_cnn": Workload(
         "fashion_cnn", "CNN on Fashion-MNIST (12,000 train)",
         _image_loader("fashion_mnist", 12000, 2000, 1024, 512), _zoo("cnn"), _sparse_ce,
         "accuracy", True, batch_size=128, epochs=3, metrics=("accuracy",),
         baselines={"adam": (3e-3, 1e-2, 3e-2), "muon": MUON_GRID},
+        label="Fashion-MNIST CNN", metric_format="acc",
         quick=dict(epochs=1, batch_size=64, baselines={"adam": (3e-3,)})),
     "resnet20": Workload(
         "resnet20", "ResNet-20 on Fashion-MNIST (4,000 train)",
         _image_loader("fashion_mnist", 4000, 1000, 512, 256), _zoo("resnet20"), _sparse_ce,
         "accuracy", True, batch_size=64, epochs=3, metrics=("accuracy",),
         baselines={"sgd": (0.01, 0.03, 0.1), "adam": ADAM_GRID},
+        label="ResNet-20", metric_format="acc",
         quick=dict(epochs=1, batch_size=64, baselines={"adam": (3e-3,)})),
     "vit": Workload(
         "vit", "ViT on Fashion-MNIST (8,000 train)",
         _image_loader("fashion_mnist", 8000, 2000, 512, 256), _zoo("vit"), _sparse_ce,
         "accuracy", True, batch_size=128, epochs=3, metrics=("accuracy",),
         baselines={"adamw": ADAM_GRID, "muon": (1e-3, 3e-3, 1e-2)},
+        label="ViT", metric_format="acc",
         quick=dict(epochs=1, batch_size=64, baselines={"adamw": (3e-3,)})),
     "autoencoder": Workload(
         "autoencoder", "deep autoencoder 784-1000-500-250-30 (8,000 train)",
         _autoencoder_data, _autoencoder, _pixel_bce, "loss", False, batch_size=128, epochs=3,
         baselines={"adam": (3e-4, 1e-3, 3e-3), "muon": (1e-2, 3e-2, 0.1)},
+        label="deep autoencoder (loss)", metric_format="loss1",
         quick=dict(epochs=2, batch_size=64, baselines={"adam": (3e-3,)})),
     "tabular_mlp": Workload(
         "tabular_mlp", "MLP on diabetes regression (353 train; training MSE)",
         _tabular_data, _tabular_mlp, _mse, "loss", False, batch_size=32, epochs=20,
         eval_split="train",
         baselines={"sgd": (0.03, 0.1, 0.3), "adam": (1e-2, 3e-2, 0.1), "muon": (1e-2, 3e-2, 0.1)},
+        label="tabular MLP (train MSE)", metric_format="loss",
         quick=dict(epochs=5, baselines={"adam": (1e-2,)})),
     "char_gpt": Workload(
         "char_gpt", "char GPT on Shakespeare (2 blocks, width 64)",
@@ -325,6 +335,7 @@ WORKLOADS = {
         baselines={"adamw": (3e-3, 1e-2, 3e-2), "muon": (1e-3, 3e-3, 1e-2)}, weight_decay=0.1,
         betas=(0.9, 0.99),
         clipnorm=1.0, floor_fraction=0.1, head="lm_head",
+        label="char GPT (val loss)", metric_format="loss",
         quick=dict(batch_size=8, baselines={"adamw": (1e-2,)})),
 }
 

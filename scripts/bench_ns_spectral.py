@@ -29,8 +29,7 @@ import numpy as np
 
 from experiments.timing import time_calls  # noqa: E402
 
-WORKLOADS = ("digits_cnn", "fashion_cnn", "resnet20", "vit", "autoencoder", "tabular_mlp",
-             "char_gpt")
+from experiments.workloads import WORKLOADS  # noqa: E402  (the suite's, in its order)
 
 
 def buckets_of(workload_name):
