@@ -165,13 +165,80 @@ def eval_steps(total, evals):
     return sorted({max(1, round(total * (i + 1) / count)) for i in range(count)})
 
 
-def train_run(workload, data, optimizer, lr, seed, args, log, callbacks=(), on_evaluate=None):
-    """Train one (workload, optimizer, lr, seed); one row per evaluation to ``log``.
+class SegmentedRun:
+    """One (workload, optimizer, lr, seed) on the suite's recipe, trained segment by segment:
+    the harness's one training loop (:func:`train_run` runs one; ``interleave.py`` alternates
+    two on one host).
 
-    Hooks for diagnostics (``anatomy.py``), unused by the suite: ``callbacks``, Keras callbacks
-    given to every ``fit`` segment (their work is inside the timed segments); ``on_evaluate(model,
-    row)``, called after each evaluation (step 0 included; outside the timed segments)."""
-    import keras
+    Built on the current Keras seed (the caller seeds): ``compiled_model`` for ``total`` steps.
+    :meth:`train` fits one segment (the rows ``idx`` of the training set, one Keras ``fit`` epoch,
+    timed by ``timing.fit_segment``); :meth:`evaluate` appends one row (``FIELDS``) to ``rows``,
+    untimed. ``log(row)`` receives each row; ``on_evaluate(model, row)`` and ``callbacks`` (Keras
+    callbacks given to every segment, their work inside the timed segments) are hooks for
+    diagnostics (``anatomy.py``)."""
+
+    def __init__(self, workload, data, optimizer, lr, seed, quick, total, thor_options=(),
+                 log=None, callbacks=(), on_evaluate=None):
+        self.workload, self.data, self.optimizer = workload, data, optimizer
+        self.lr, self.seed, self.total = float(lr), int(seed), total
+        self.model = compiled_model(optimizer, lr, workload, data, quick, total,
+                                    thor_options if optimizer == "thor" else ())
+        self.clock, self.rows = timing.RunClock(), []
+        self.log, self.callbacks, self.on_evaluate = log, callbacks, on_evaluate
+
+    def evaluate(self, step, train_loss):
+        """Evaluate on the workload's split; the row (also appended, logged and hooked)."""
+        w, d = self.workload, self.data
+        x, y = (d.x_train, d.y_train) if w.eval_split == "train" else (d.x_test, d.y_test)
+        result = self.model.evaluate(x, y, batch_size=512, verbose=0, return_dict=True)
+        row = {"workload": w.name, "optimizer": self.optimizer, "lr": self.lr,
+               "seed": self.seed, "step": step, "seconds": round(self.clock.seconds, 4),
+               "metric": float(result[w.metric]), "train_loss": train_loss,
+               **self.clock.fields()}
+        self.rows.append(row)
+        if self.log is not None:
+            self.log(row)
+        if self.on_evaluate is not None:
+            self.on_evaluate(self.model, row)
+        return row
+
+    def train(self, index, idx):
+        """Fit segment ``index`` on training rows ``idx`` (flat); its mean training loss."""
+        _, loss = timing.fit_segment(self.model, self.clock, index, self.data.x_train[idx],
+                                     self.data.y_train[idx], self.workload.batch_size,
+                                     callbacks=self.callbacks)
+        return loss
+
+    def summary_line(self):
+        """``[workload optimizer lr seed] steps  metric  seconds (first, load)  refreshes``."""
+        lr = "" if self.optimizer == "thor" else f" lr={self.lr:g}"
+        extra = ""
+        if self.optimizer == "thor":
+            counters = self.model.thor.counters()
+            extra = f"  refreshes {sum(s['refreshes'] for s in self.model.thor.layer_stats())}"
+            if counters["nonfinite_steps"]:
+                extra += f"  NON-FINITE STEPS SKIPPED {counters['nonfinite_steps']}"
+        load, clock = self.clock.load, self.clock
+        return (f"[{self.workload.name} {self.optimizer}{lr} seed={self.seed}] {self.total} steps  "
+                f"{self.workload.metric} {self.rows[-1]['metric']:.4f}  {clock.seconds:.1f}s "
+                f"(first {clock.first_seconds:.1f}s, load {'?' if load is None else f'{load:.0%}'})"
+                f"{extra}")
+
+
+def segment_plan(workload, data, seed, evals):
+    """``(order, [(index, rows), ...])``: the run's batch order (:func:`batch_order`) and, per
+    segment between two of ``evals`` evaluations, its index and the flat training rows."""
+    order = batch_order(data.num_train, workload.batch_size, workload.epochs, seed,
+                        workload.single_pass)
+    plan, done = [], 0
+    for index, stop in enumerate(eval_steps(len(order), evals)):
+        plan.append((index, stop, order[done:stop].reshape(-1)))
+        done = stop
+    return order, plan
+
+
+def quiet_retracing():
+    """Keras' retracing warning off (the runs retrace by design when a segment's size changes)."""
     import tensorflow as tf
 
     from experiments import runner
@@ -179,49 +246,24 @@ def train_run(workload, data, optimizer, lr, seed, args, log, callbacks=(), on_e
     logger = tf.get_logger()
     if not any(isinstance(f, runner._NoRetracingWarning) for f in logger.filters):
         logger.addFilter(runner._NoRetracingWarning())
+
+
+def train_run(workload, data, optimizer, lr, seed, args, log, callbacks=(), on_evaluate=None):
+    """Train one (workload, optimizer, lr, seed) through the suite's segments
+    (:class:`SegmentedRun`); one row per evaluation to ``log``; the rows."""
+    import keras
+
+    quiet_retracing()
     keras.backend.clear_session()
     keras.utils.set_random_seed(seed)
-    order = batch_order(data.num_train, workload.batch_size, workload.epochs, seed,
-                        workload.single_pass)
-    total = len(order)
-    model = compiled_model(optimizer, lr, workload, data, args.quick, total, args.thor_option)
-    rows, done = [], 0
-    clock = timing.RunClock()
-    tag = f"[{workload.name} {optimizer}{'' if optimizer == 'thor' else f' lr={lr:g}'} seed={seed}]"
-
-    def evaluate(step, train_loss):
-        x, y = ((data.x_train, data.y_train) if workload.eval_split == "train"
-                else (data.x_test, data.y_test))
-        result = model.evaluate(x, y, batch_size=512, verbose=0, return_dict=True)
-        row = {"workload": workload.name, "optimizer": optimizer, "lr": float(lr),
-               "seed": int(seed), "step": step, "seconds": round(clock.seconds, 4),
-               "metric": float(result[workload.metric]), "train_loss": train_loss,
-               **clock.fields()}
-        rows.append(row)
-        log(row)
-        if on_evaluate is not None:
-            on_evaluate(model, row)
-        return row
-
-    evaluate(0, None)
-    for index, stop in enumerate(eval_steps(total, args.evals)):
-        idx = order[done:stop].reshape(-1)
-        _, train_loss = timing.fit_segment(model, clock, index, data.x_train[idx],
-                                           data.y_train[idx], workload.batch_size,
-                                           callbacks=callbacks)
-        done = stop
-        row = evaluate(stop, train_loss)
-    extra = ""
-    if optimizer == "thor":
-        counters = model.thor.counters()
-        extra = f"  refreshes {sum(s['refreshes'] for s in model.thor.layer_stats())}"
-        if counters["nonfinite_steps"]:
-            extra += f"  NON-FINITE STEPS SKIPPED {counters['nonfinite_steps']}"
-    load = clock.load
-    print(f"{tag} {total} steps  {workload.metric} {row['metric']:.4f}  "
-          f"{clock.seconds:.1f}s (first {clock.first_seconds:.1f}s, load "
-          f"{'?' if load is None else f'{load:.0%}'}){extra}", flush=True)
-    return rows
+    order, plan = segment_plan(workload, data, seed, args.evals)
+    run = SegmentedRun(workload, data, optimizer, lr, seed, args.quick, len(order),
+                       args.thor_option, log, callbacks, on_evaluate)
+    run.evaluate(0, None)
+    for index, stop, idx in plan:
+        run.evaluate(stop, run.train(index, idx))
+    print(run.summary_line(), flush=True)
+    return run.rows
 
 
 # --------------------------------------------------------------------------------------------
