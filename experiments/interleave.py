@@ -36,7 +36,7 @@ import json
 import statistics
 from pathlib import Path
 
-from experiments import record
+from experiments import record, workloads
 from experiments.cli import parse_thor_option
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,15 +72,10 @@ def interleaved_rows(workload, data, baseline, rate, seed, evals, thor_options=(
     return runs[0].rows + runs[1].rows
 
 
-WORKLOADS = "digits_cnn,tabular_mlp,fashion_cnn,char_gpt,vit,resnet20,autoencoder"
-
-
 def suite_rows(name, baseline, rate, seed, quick, evals, thor_options=()):
     """The suite's metric rows of THOR and the baseline on suite workload ``name``, seed
     ``seed``, trained segment by segment in turn (``thor_options``: ``[(name, value)]`` wrap
     options other than the defaults, as the suite's ``--thor-option``)."""
-    from experiments import workloads
-
     workload = workloads.WORKLOADS[name].sized(quick)  # the suite's --quick sizes under quick
     return interleaved_rows(workload, workload.load(quick), baseline, rate, seed, evals,
                             thor_options, quick)
@@ -98,7 +93,7 @@ def paired(summary):
 
 
 def workload_result(name, baseline, rate, seeds, quick, evals, thor_options=()):
-    from experiments import suite, workloads
+    from experiments import suite
 
     rows = []
     for seed in seeds:
@@ -162,7 +157,7 @@ def plot(results, path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", default=WORKLOADS)
+    parser.add_argument("--workloads", default=",".join(workloads.WORKLOADS))
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--evals", type=int, default=10, help="evaluations per run (the suite's)")
     parser.add_argument("--suite", default=str(ROOT / "docs" / "results" / "suite_grid.json"))

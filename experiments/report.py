@@ -56,11 +56,12 @@ OPTIONAL_RECORDS = {
                 "python experiments/horizon.py (resumes from docs/results/horizon_runs.jsonl)"),
 }
 
-#: How each workload is named in the tables and its metric printed (``Workload.label`` and
-#: ``.metric_format``, declared with the workload); a name no workload has (an older record's)
-#: is printed as it is, with 4 significant digits.
-SUITE_WORKLOADS = {name: (w.label or name, w.metric_format)
-                   for name, w in workloads.ALL_WORKLOADS.items()}
+def workload_format(name):
+    """``(label, metric format)``: how the tables name workload ``name`` and print its metric,
+    as the workload declares them (``Workload.label``, ``.metric_format``); a name no workload
+    has (an older record's) is printed as it is, with 4 significant digits."""
+    w = workloads.ALL_WORKLOADS.get(name)
+    return (name, "num") if w is None else (w.label or name, w.metric_format)
 OPTIMIZER_NAMES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "muon": "Muon",
                    "riemannian": "Riemannian AdamW"}
 
@@ -139,7 +140,7 @@ def suite_rows(record):
     rows = []
     seeds = len(record.get("seeds") or [])
     for name, r in record["results"].items():
-        label, kind = SUITE_WORKLOADS.get(name, (name, "num"))
+        label, kind = workload_format(name)
         steps = max((row["step"] for row in r.get("rows", []) if row["optimizer"] == "thor"),
                     default=None)
         timing = r.get("timing") or {}
@@ -299,7 +300,7 @@ def batch_scaling_line(record):
     seconds to the target over the best baseline's (re-tuned at that batch), per workload."""
     parts = []
     for name, batch, multiple, cell in _largest_batch_cells(record):
-        label = SUITE_WORKLOADS.get(name, (name,))[0]
+        label = workload_format(name)[0]
         steps = _vs_baseline(cell, "steps_to_target")
         if steps.endswith("×"):
             paired = (cell.get("paired_seconds") or {}).get("median")
@@ -324,7 +325,7 @@ def batch_scaling_table(record):
            "steps to target, THOR / baseline | seconds to target, THOR over baseline (median "
            "of the interleaved pairs) | THOR's best peak |", "|---|---|---|---|---|---|---|"]
     for name, w in record["workloads"].items():
-        label = SUITE_WORKLOADS.get(name, (name,))[0]
+        label = workload_format(name)[0]
         for b, cell in sorted(w["batches"].items(), key=lambda kv: int(kv[0])):
             base = cell[cell["best_baseline"]]
             thor = cell["thor"]
@@ -361,7 +362,7 @@ def batch_scaling_block(record):
         "|---|---|---|---|"]
     projection = (record.get("projection") or {}).get("workloads", {})
     for name, w in record["workloads"].items():
-        label = SUITE_WORKLOADS.get(name, (name,))[0]
+        label = workload_format(name)[0]
         sc = w["scaling"]
         rows = (projection.get(name) or {}).get("rows", [])
 
@@ -389,7 +390,7 @@ def horizon_line(record):
         return ""
     parts = []
     for name, w in record["workloads"].items():
-        label = SUITE_WORKLOADS.get(name, (name,))[0]
+        label = workload_format(name)[0]
         cells = []
         for m, cell in sorted(w["lengths"].items(), key=lambda kv: int(kv[0])):
             steps = _vs_baseline(cell, "steps_to_target")
@@ -421,7 +422,7 @@ def horizon_block(record):
             "baseline |", "|---|---|---|---|---|---|---|---|---|"]
     cost = []
     for name, w in record["workloads"].items():
-        label = SUITE_WORKLOADS.get(name, (name,))[0]
+        label = workload_format(name)[0]
         for m, cell in sorted(w["lengths"].items(), key=lambda kv: int(kv[0])):
             best = cell["best_baseline"]
             base, thor = cell[best], cell["thor"]
