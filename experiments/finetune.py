@@ -339,14 +339,9 @@ def make_model(optimizer, lr, rank, seed, args, config, weights):
 
 
 def train_run(optimizer, lr, rank, seed, corpus, args, config, weights, val, csv_log=None):
-    import keras  # noqa: F401
-    import tensorflow as tf
+    from experiments import train
 
-    from experiments import runner
-
-    logger = tf.get_logger()
-    if not any(isinstance(f, runner._NoRetracingWarning) for f in logger.filters):
-        logger.addFilter(runner._NoRetracingWarning())
+    train.quiet_retracing()
     model = make_model(optimizer, lr, rank, seed, args, config, weights)
     x, y = lm.train_batches(corpus["train"], seed, args.steps, args.batch, args.block)
     x = lm_inputs(x)
@@ -372,13 +367,12 @@ def train_run(optimizer, lr, rank, seed, corpus, args, config, weights, val, csv
         print(f"{tag} step {step}/{args.steps}  val_loss {val_loss:.4f}{train}  "
               f"time {seconds:.1f}s (total {cumulative:.1f}s)", flush=True)
 
-    record(0, None, 0.0)
-    for index, (first, count) in enumerate(timing.segments(args.steps, args.eval_every)):
-        rows = slice(first * args.batch, (first + count) * args.batch)
-        seconds, train_loss = timing.fit_segment(model, clock, index,
-                                                 {k: v[rows] for k, v in x.items()}, y[rows],
-                                                 args.batch, verbose=args.verbose)
-        record(first + count, train_loss, seconds)
+    def segments():
+        for first, count in timing.segments(args.steps, args.eval_every):
+            rows = slice(first * args.batch, (first + count) * args.batch)
+            yield first + count, {k: v[rows] for k, v in x.items()}, y[rows]
+
+    train.train_in_segments(model, clock, segments(), args.batch, record, verbose=args.verbose)
     return run
 
 

@@ -53,8 +53,9 @@ def interleaved_rows(workload, data, baseline, rate, seed, evals, thor_options=(
     ``seed``, trained segment by segment in turn (two ``suite.SegmentedRun``)."""
     import keras
 
-    from experiments import suite
+    from experiments import suite, train
 
+    train.quiet_retracing()
     keras.backend.clear_session()
     order, plan = suite.segment_plan(workload, data, seed, evals)
     runs = []

@@ -343,16 +343,9 @@ class Run:
 
 def train_run(optimizer, lr, seed, corpus, args, val, csv_log=None, show_table=False):
     """Train one (optimizer, lr, seed): one CSV row and one printed line per evaluation."""
-    import keras
-    import tensorflow as tf
+    from experiments import train
 
-    from experiments import runner
-
-    logger = tf.get_logger()
-    if not any(isinstance(f, runner._NoRetracingWarning) for f in logger.filters):
-        logger.addFilter(runner._NoRetracingWarning())
-    keras.backend.clear_session()
-    keras.utils.set_random_seed(seed)  # the same initial weights for every optimizer
+    train.fresh_session(seed)  # the same initial weights for every optimizer
     model = make_model(optimizer, lr, args, corpus.vocab_size, show_table)
     x, y = train_batches(corpus.train, seed, args.steps, args.batch, args.block)
     run = Run(optimizer, float(lr), int(seed))
@@ -384,12 +377,10 @@ def train_run(optimizer, lr, seed, corpus, args, val, csv_log=None, show_table=F
         print(f"{tag} step {step}/{args.steps}  val_loss {val_loss:.4f}{train}  "
               f"time {seconds:.1f}s (total {cumulative:.1f}s){extra}", flush=True)
 
-    record(0, None, 0.0)
-    for index, (first, count) in enumerate(timing.segments(args.steps, args.eval_every)):
-        rows = slice(first * args.batch, (first + count) * args.batch)
-        seconds, train_loss = timing.fit_segment(model, clock, index, x[rows], y[rows],
-                                                 args.batch, verbose=args.verbose)
-        record(first + count, train_loss, seconds)
+    segments = ((first + count, x[first * args.batch:(first + count) * args.batch],
+                 y[first * args.batch:(first + count) * args.batch])
+                for first, count in timing.segments(args.steps, args.eval_every))
+    train.train_in_segments(model, clock, segments, args.batch, record, verbose=args.verbose)
     return run
 
 

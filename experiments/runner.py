@@ -183,26 +183,13 @@ def thor_totals(model):
             sum(bool(s["frozen"]) for s in stats))
 
 
-class _NoRetracingWarning:
-    """Drops TF's "triggered tf.function retracing" warning: every run builds a fresh model, and
-    TF counts their train functions together, so the warning is noise here."""
-
-    @staticmethod
-    def filter(record):
-        return "triggered tf.function retracing" not in record.getMessage()
-
-
 def train_run(optimizer, lr, seed, build_model, ds, args, csv_log, show_table=False):
     """Train one configuration; one CSV row and one printed line per epoch."""
-    import keras
     import numpy as np
-    import tensorflow as tf
 
-    logger = tf.get_logger()
-    if not any(isinstance(f, _NoRetracingWarning) for f in logger.filters):
-        logger.addFilter(_NoRetracingWarning())
-    keras.backend.clear_session()
-    keras.utils.set_random_seed(seed)  # same initial weights for every optimizer
+    from experiments import train
+
+    train.fresh_session(seed)  # same initial weights for every optimizer
     n = ds.x_train.shape[0]
     steps_per_epoch = math.ceil(n / args.batch_size)
     model = make_model(optimizer, lr, build_model, args, steps_per_epoch, show_table)
@@ -210,17 +197,19 @@ def train_run(optimizer, lr, seed, build_model, ds, args, csv_log, show_table=Fa
     result = RunResult(optimizer, float(lr), int(seed), steps_per_epoch=steps_per_epoch)
     tag = f"[{optimizer} lr={lr:g} seed={seed}]"
     clock = timing.RunClock()
-    for epoch in range(args.epochs):
-        perm = order.permutation(n)
-        x, y = ds.x_train[perm], ds.y_train[perm]
-        seconds, train_loss = timing.fit_segment(model, clock, epoch, x, y, args.batch_size,
-                                                 verbose=args.verbose)
+
+    def epochs():  # a fresh permutation per epoch, drawn when the epoch comes
+        for epoch in range(args.epochs):
+            perm = order.permutation(n)
+            yield epoch + 1, ds.x_train[perm], ds.y_train[perm]
+
+    def evaluate(epoch, train_loss, seconds):
         cumulative = clock.seconds
         evaluation = model.evaluate(ds.x_test, ds.y_test, batch_size=1024, verbose=0,
                                     return_dict=True)
         refreshes, reuses, frozen = thor_totals(model)
         row = {
-            "optimizer": optimizer, "lr": float(lr), "seed": int(seed), "epoch": epoch + 1,
+            "optimizer": optimizer, "lr": float(lr), "seed": int(seed), "epoch": epoch,
             "train_loss": train_loss,
             "test_loss": float(evaluation["loss"]),
             "test_acc": float(evaluation.get("accuracy", evaluation.get("compile_metrics", 0))),
@@ -237,9 +226,12 @@ def train_run(optimizer, lr, seed, build_model, ds, args, csv_log, show_table=Fa
             nonfinite = model.thor.counters()["nonfinite_steps"]
             if nonfinite:  # THOR skips such steps; many of them mean the run has diverged
                 extra += f"  NON-FINITE STEPS SKIPPED {nonfinite}"
-        print(f"{tag} epoch {epoch + 1}/{args.epochs}  train_loss {row['train_loss']:.4f}  "
+        print(f"{tag} epoch {epoch}/{args.epochs}  train_loss {row['train_loss']:.4f}  "
               f"test_loss {row['test_loss']:.4f}  test_acc {row['test_acc']:.4f}  "
               f"time {seconds:.1f}s (total {cumulative:.1f}s){extra}", flush=True)
+
+    train.train_in_segments(model, clock, epochs(), args.batch_size, evaluate,
+                            first_evaluation=False, verbose=args.verbose)
     result.timing = clock.summary()
     if optimizer in THOR_FAMILY:
         result.layer_stats = model.thor.layer_stats()

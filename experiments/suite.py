@@ -166,9 +166,9 @@ def eval_steps(total, evals):
 
 
 class SegmentedRun:
-    """One (workload, optimizer, lr, seed) on the suite's recipe, trained segment by segment:
-    the harness's one training loop (:func:`train_run` runs one; ``interleave.py`` alternates
-    two on one host).
+    """One (workload, optimizer, lr, seed) on the suite's recipe, trained segment by segment
+    (:func:`train_run` runs one through ``train.train_in_segments``; ``interleave.py`` alternates
+    two on one host with :meth:`train`).
 
     Built on the current Keras seed (the caller seeds): ``compiled_model`` for ``total`` steps.
     :meth:`train` fits one segment (the rows ``idx`` of the training set, one Keras ``fit`` epoch,
@@ -237,31 +237,18 @@ def segment_plan(workload, data, seed, evals):
     return order, plan
 
 
-def quiet_retracing():
-    """Keras' retracing warning off (the runs retrace by design when a segment's size changes)."""
-    import tensorflow as tf
-
-    from experiments import runner
-
-    logger = tf.get_logger()
-    if not any(isinstance(f, runner._NoRetracingWarning) for f in logger.filters):
-        logger.addFilter(runner._NoRetracingWarning())
-
-
 def train_run(workload, data, optimizer, lr, seed, args, log, callbacks=(), on_evaluate=None):
     """Train one (workload, optimizer, lr, seed) through the suite's segments
     (:class:`SegmentedRun`); one row per evaluation to ``log``; the rows."""
-    import keras
+    from experiments import train
 
-    quiet_retracing()
-    keras.backend.clear_session()
-    keras.utils.set_random_seed(seed)
+    train.fresh_session(seed)
     order, plan = segment_plan(workload, data, seed, args.evals)
     run = SegmentedRun(workload, data, optimizer, lr, seed, args.quick, len(order),
-                       args.thor_option, log, callbacks, on_evaluate)
-    run.evaluate(0, None)
-    for index, stop, idx in plan:
-        run.evaluate(stop, run.train(index, idx))
+                       args.thor_option, log, on_evaluate=on_evaluate)
+    segments = ((stop, data.x_train[idx], data.y_train[idx]) for _, stop, idx in plan)
+    train.train_in_segments(run.model, run.clock, segments, workload.batch_size,
+                            lambda step, loss, _: run.evaluate(step, loss), callbacks=callbacks)
     print(run.summary_line(), flush=True)
     return run.rows
 
