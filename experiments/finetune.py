@@ -72,7 +72,7 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-from experiments import cli, lm, reports, text, timing  # noqa: E402
+from experiments import baselines, cli, lm, reports, text, timing  # noqa: E402
 from experiments.reports import fmt  # noqa: E402
 
 OPTIMIZERS = ("thor", "adamw", "muon", "riemannian")
@@ -323,17 +323,13 @@ def make_model(optimizer, lr, rank, seed, args, config, weights):
         model.compile()
         return model
     schedule = warmup_cosine(lr, args.steps)
-    if optimizer == "adamw":
-        opt = keras.optimizers.AdamW(schedule, weight_decay=WEIGHT_DECAY)
-    elif optimizer == "riemannian":
+    if optimizer == "riemannian":
         opt = riemannian_adamw_class()(schedule, weight_decay=WEIGHT_DECAY)
-    elif optimizer == "muon":
-        cli.require_muon()
-        opt = keras.optimizers.Muon(schedule, weight_decay=WEIGHT_DECAY,
-                                    adam_weight_decay=WEIGHT_DECAY)
+        _no_decay(opt, lm_model)
+    elif optimizer in ("adamw", "muon"):  # Keras' defaults otherwise (betas, no clip, no head)
+        opt = baselines.first_order(optimizer, schedule, lm_model, WEIGHT_DECAY)
     else:
         raise ValueError(f"unknown optimizer {optimizer!r}")
-    _no_decay(opt, lm_model)
     lm_model.compile(optimizer=opt)
     return lm_model
 

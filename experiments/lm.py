@@ -85,7 +85,7 @@ from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from experiments import cli, reports, text, timing  # noqa: E402
+from experiments import baselines, cli, reports, text, timing  # noqa: E402
 from experiments.reports import fmt  # noqa: E402
 
 OPTIMIZERS = ("thor", "adamw", "muon")
@@ -284,22 +284,11 @@ def make_model(optimizer, lr, args, vocab_size, show_table=False, **thor_extra):
         wrapped = thor_tf.wrap(model, verbose=show_table, **{**thor_options(args, lr), **thor_extra})
         wrapped.compile(loss=loss)
         return wrapped
-    schedule = warmup_cosine(lr, args.steps, args.warmup)
-    if optimizer == "adamw":
-        opt = keras.optimizers.AdamW(schedule, weight_decay=args.weight_decay,
-                                     beta_1=ADAM_BETAS[0], beta_2=ADAM_BETAS[1],
-                                     global_clipnorm=args.clip)
-    elif optimizer == "muon":
-        cli.require_muon()
-        opt = keras.optimizers.Muon(schedule, weight_decay=args.weight_decay,
-                                    adam_weight_decay=args.weight_decay, adam_beta_1=ADAM_BETAS[0],
-                                    adam_beta_2=ADAM_BETAS[1], global_clipnorm=args.clip,
-                                    exclude_layers=[HEAD])
-    else:
+    if optimizer not in ("adamw", "muon"):
         raise ValueError(f"unknown optimizer {optimizer!r}")
-    # nanoGPT: decay the tensors of rank >= 2, not biases or LayerNorm scales/offsets.
-    opt.exclude_from_weight_decay(var_list=[v for v in model.trainable_variables
-                                            if len(v.shape) < 2])
+    # nanoGPT's recipe: betas (0.9, 0.99), decay on the tensors of rank >= 2, global clip.
+    opt = baselines.first_order(optimizer, warmup_cosine(lr, args.steps, args.warmup), model,
+                                args.weight_decay, ADAM_BETAS, args.clip, HEAD)
     model.compile(optimizer=opt, loss=loss)
     return model
 

@@ -85,31 +85,13 @@ def baseline_schedule(lr, total_steps, workload):
 
 
 def baseline_optimizer(name, lr, total_steps, workload, model):
-    import keras
+    """Baseline ``name`` at peak ``lr`` on the workload's recipe (``baselines.first_order``:
+    its decay, betas, clip and Muon's head) under :func:`baseline_schedule`."""
+    from experiments import baselines
 
-    schedule = baseline_schedule(lr, total_steps, workload)
-    clip = dict(global_clipnorm=workload.clipnorm) if workload.clipnorm else {}
-    b1, b2 = workload.betas
-    if name == "sgd":
-        return keras.optimizers.SGD(schedule, momentum=0.9, **clip)
-    if name == "adam":
-        return keras.optimizers.Adam(schedule, beta_1=b1, beta_2=b2, **clip)
-    if name == "adamw":
-        opt = keras.optimizers.AdamW(schedule, weight_decay=workload.weight_decay, beta_1=b1,
-                                     beta_2=b2, **clip)
-    elif name == "muon":
-        from experiments.cli import require_muon
-
-        require_muon()
-        opt = keras.optimizers.Muon(schedule, weight_decay=workload.weight_decay,
-                                    adam_weight_decay=workload.weight_decay, adam_beta_1=b1,
-                                    adam_beta_2=b2, exclude_layers=[workload.head], **clip)
-    else:
-        raise ValueError(f"unknown baseline {name!r}")
-    # Decay kernels and embeddings, not biases or normalization scales/offsets.
-    opt.exclude_from_weight_decay(var_list=[v for v in model.trainable_variables
-                                            if len(v.shape) < 2])
-    return opt
+    return baselines.first_order(name, baseline_schedule(lr, total_steps, workload), model,
+                                 workload.weight_decay, workload.betas, workload.clipnorm,
+                                 workload.head)
 
 
 def compiled_model(optimizer, lr, workload, data, quick, total_steps, thor_options):
