@@ -1,15 +1,23 @@
-"""experiments: the comparison experiments of thor_tf (datasets, models, runners).
+"""experiments: the benchmark harness of thor_tf and the studies over it.
 
-Installed with the project as ``experiments`` (its folder is ``experiments/``); the
-library itself (``thor_tf``) does not depend on it. Its extra requirements (scikit-learn for the
-embedded digits, matplotlib for plots) come with ``pip install -e ".[experiments]"``.
+Installed with the project as ``experiments`` (``pip install -e ".[experiments]"`` adds
+scikit-learn for the embedded digits and matplotlib for plots); the library itself
+(``thor_tf``) does not depend on it. The harness:
 
-* :mod:`.datasets` - MNIST-family and CIFAR-10 loaders with offline paths;
-* :mod:`.text` - the character corpus of ``lm.py`` (Shakespeare, fetched once; or any text);
-* :mod:`.models` - the model zoo (MLP, CNN, CIFAR ResNets, ResNet-50);
-* :mod:`.cli`, :mod:`.runner`, :mod:`.reports` - command line, training runs, summary/plots;
-* :mod:`.timing` - the timing harness of every comparison script (docs/timing.md);
-* :mod:`.workloads` - the workloads of ``suite.py`` (data, model, loss, metric, baseline grids);
-* ``mnist.py``, ``resnet.py``, ``transformer.py``, ``lm.py``, ``suite.py``: the comparison scripts
-  (``python experiments/mnist.py``).
+* :mod:`.workloads` - the workload registry: a workload is one entry (data, model, loss, metric,
+  batch, baselines' grids, its table label) (docs/adding_a_workload.md);
+* :mod:`.datasets`, :mod:`.text`, :mod:`.models` - data with offline paths, the char corpus, the
+  model zoo;
+* :mod:`.baselines` - the first-order baselines' one recipe (SGD-momentum, Adam, AdamW, Muon);
+* :mod:`.train` - the one training loop (segments between untimed evaluations);
+* :mod:`.timing` - the one timer (run clock, segments, first and steady seconds, machine load,
+  step timers: docs/timing.md);
+* :mod:`.interleave` - two runs in turn on one host (seconds that can be compared);
+* :mod:`.record`, :mod:`.worker` - the record stamp and writer, the fresh-process worker;
+* :mod:`.report`, :mod:`.reports` - README's table and the docs tables from ``docs/results/``,
+  summaries, CSV and plots; :mod:`.cli`, :mod:`.runner` - the main job's command line and runs.
+
+The drivers over it (``python experiments/<name>.py``): ``mnist.py`` (the main job),
+``resnet.py``, ``transformer.py``, ``lm.py``, ``finetune.py``, ``suite.py``, ``batch_scaling.py``,
+``horizon.py``, ``levers.py``, ``anatomy.py``, ``rate_panel.py``, ``distributed.py``.
 """
