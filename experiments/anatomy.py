@@ -70,7 +70,7 @@ import numpy as np
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from experiments import horizon as hz  # noqa: E402
-from experiments import suite  # noqa: E402
+from experiments import baselines, suite  # noqa: E402
 from experiments import workloads as wl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -301,7 +301,7 @@ def run_one(workload, data, optimizer, rate, seed, evals, quick, probes, subset)
                            callbacks=[step_size_callback(every, steps_record)],
                            on_evaluate=on_evaluate)
     return {"optimizer": optimizer, "rate": float(rate), "seed": int(seed), "total_steps": total,
-            "warmup_steps": int(round(suite.WARMUP_FRACTION * total)), "step_every": every,
+            "warmup_steps": int(round(baselines.WARMUP_FRACTION * total)), "step_every": every,
             "final_metric": rows[-1]["metric"], "evals": points, "step_sizes": steps_record,
             "wall_seconds": round(time.perf_counter() - started, 1)}
 
@@ -731,7 +731,7 @@ def run_length(args, multiple):
     record.update({
         "workload": args.workload, "title": workload.title, "multiple": multiple,
         "quick": args.quick, "batch": workload.batch_size, "epochs": workload.epochs,
-        "total_steps": total, "warmup_steps": int(round(suite.WARMUP_FRACTION * total)),
+        "total_steps": total, "warmup_steps": int(round(baselines.WARMUP_FRACTION * total)),
         "evals": args.evals, "metric": workload.metric,
         "higher_is_better": workload.higher_is_better, "baseline": args.baseline,
         "baseline_rate": rate, "baseline_rate_source": source, "data": data.source,

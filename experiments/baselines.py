@@ -1,5 +1,6 @@
 """The first-order baselines as every study builds them: one recipe per optimizer, Keras' own
-optimizers, the schedule given by the caller (``suite.baseline_schedule`` or Keras').
+optimizers, under the standard schedule (:func:`warmup_cosine`: Keras' ``CosineDecay`` with a
+linear warmup).
 
 * ``sgd``: SGD with momentum 0.9;
 * ``adam``: Adam with ``betas``;
@@ -16,6 +17,21 @@ gradients, or None.
 from __future__ import annotations
 
 NAMES = ("sgd", "adam", "adamw", "muon")
+#: The share of a run spent warming up, as THOR's ``WarmupCosine`` (``warmup_fraction``).
+WARMUP_FRACTION = 0.05
+
+
+def warmup_cosine(lr, total_steps, warmup=None, floor_fraction=0.0):
+    """Linear warmup from 0 to ``lr`` over ``warmup`` steps (default ``WARMUP_FRACTION`` of the
+    run, at least 1), then cosine to ``floor_fraction·lr`` at ``total_steps``: Keras'
+    ``CosineDecay``, the baselines' schedule in every study."""
+    import keras
+
+    if warmup is None:
+        warmup = max(1, round(WARMUP_FRACTION * total_steps))
+    return keras.optimizers.schedules.CosineDecay(
+        0.0, decay_steps=max(total_steps - warmup, 1), alpha=floor_fraction,
+        warmup_target=float(lr), warmup_steps=warmup)
 
 
 def first_order(name, schedule, model, weight_decay, betas=(0.9, 0.999), clipnorm=None,

@@ -87,7 +87,6 @@ FINETUNE_PLAYS = ("as_you_like_it", "much_ado_about_nothing", "twelfth_night",
 TEXT_SPLIT = (0.5, 0.95)  # --text: pretrain | fine-tune train | fine-tune val
 FINETUNE_TRAIN_FRACTION = 0.9
 WEIGHT_DECAY = 0.01  # KerasHub's Gemma LoRA guide
-WARMUP_FRACTION = 0.05  # thor_tf.schedules.WarmupCosine's default
 RIEMANNIAN_DELTA = 1e-6
 CSV_FIELDS = ("optimizer", "lr", "rank", "seed", "step", "val_loss", "train_loss", "seconds",
               "cumulative_seconds", "refreshes") + timing.CSV_COLUMNS
@@ -184,16 +183,6 @@ def build_lm(config):
     return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
 
 
-def warmup_cosine(lr, steps):
-    """Linear warmup over 5 % of ``steps``, then cosine to 0: the shape of THOR's WarmupCosine."""
-    import keras
-
-    warmup = int(round(WARMUP_FRACTION * steps))
-    return keras.optimizers.schedules.CosineDecay(
-        0.0, decay_steps=max(steps - warmup, 1), alpha=0.0, warmup_target=float(lr),
-        warmup_steps=warmup)
-
-
 def _no_decay(opt, model):
     opt.exclude_from_weight_decay(var_list=[v for v in model.trainable_variables
                                             if len(v.shape) < 2])
@@ -215,7 +204,7 @@ def pretrained_weights(args, corpus, out):
     keras.backend.clear_session()
     keras.utils.set_random_seed(args.pretrain_seed)
     model = build_lm(config)
-    opt = keras.optimizers.AdamW(warmup_cosine(args.pretrain_lr, args.pretrain_steps),
+    opt = keras.optimizers.AdamW(baselines.warmup_cosine(args.pretrain_lr, args.pretrain_steps),
                                  weight_decay=WEIGHT_DECAY)
     _no_decay(opt, model)
     model.compile(optimizer=opt)
@@ -322,7 +311,7 @@ def make_model(optimizer, lr, rank, seed, args, config, weights):
                              verbose=bool(args.verbose))
         model.compile()
         return model
-    schedule = warmup_cosine(lr, args.steps)
+    schedule = baselines.warmup_cosine(lr, args.steps)  # the shape of THOR's WarmupCosine
     if optimizer == "riemannian":
         opt = riemannian_adamw_class()(schedule, weight_decay=WEIGHT_DECAY)
         _no_decay(opt, lm_model)

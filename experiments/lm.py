@@ -242,11 +242,7 @@ def _rule_takes(args, option):
 
 def warmup_cosine(lr, steps, warmup):
     """Linear warmup from 0 to ``lr`` over ``warmup`` steps, then cosine to ``lr/10`` at ``steps``."""
-    import keras
-
-    return keras.optimizers.schedules.CosineDecay(
-        0.0, decay_steps=max(steps - warmup, 1), alpha=MIN_LR_FRACTION, warmup_target=float(lr),
-        warmup_steps=warmup)
+    return baselines.warmup_cosine(lr, steps, warmup, MIN_LR_FRACTION)
 
 
 def thor_options(args, lr):

@@ -64,8 +64,7 @@ from experiments.reports import fmt  # noqa: E402
 
 FIELDS = ("workload", "optimizer", "lr", "seed", "step", "seconds", "metric",
           "train_loss") + timing.CSV_COLUMNS
-BASELINES = ("sgd", "adam", "adamw", "muon")
-WARMUP_FRACTION = 0.05
+from experiments.baselines import NAMES as BASELINES  # noqa: E402
 COLORS = {"thor": "tab:red", "sgd": "tab:green", "adam": "tab:blue", "adamw": "tab:cyan",
           "muon": "tab:orange"}
 
@@ -76,12 +75,9 @@ COLORS = {"thor": "tab:red", "sgd": "tab:green", "adam": "tab:blue", "adamw": "t
 
 def baseline_schedule(lr, total_steps, workload):
     """Linear warmup to ``lr`` over 5 % of the steps, then cosine to ``floor_fraction·lr``."""
-    import keras
+    from experiments import baselines
 
-    warmup = max(1, round(WARMUP_FRACTION * total_steps))
-    return keras.optimizers.schedules.CosineDecay(
-        0.0, decay_steps=max(total_steps - warmup, 1), alpha=workload.floor_fraction,
-        warmup_target=float(lr), warmup_steps=warmup)
+    return baselines.warmup_cosine(lr, total_steps, floor_fraction=workload.floor_fraction)
 
 
 def baseline_optimizer(name, lr, total_steps, workload, model):
