@@ -53,8 +53,7 @@ from experiments import workloads  # noqa: E402
 VARIANTS = ("sgd", "adamw", "muon", "thor", "thor_adam_step", "thor_no_precondition",
             "thor_no_curvature", "thor_neither", "thor_muon_set", "thor_split128")
 #: Per model: the suite workload it comes from and random data of its shapes.
-MODELS = ("fashion_cnn", "resnet20", "vit", "autoencoder", "char_gpt", "digits_cnn",
-          "tabular_mlp")
+MODELS = tuple(n for n, w in workloads.WORKLOADS.items() if w.random is not None)
 
 
 class StepTimer(keras.callbacks.Callback):
@@ -74,27 +73,10 @@ class StepTimer(keras.callbacks.Callback):
 
 
 def random_data(name, steps):
-    """``(workload, Data)``: random arrays of the workload's shapes, ``steps`` batches."""
+    """``(workload, Data)``: ``steps`` batches of random arrays of the workload's shapes
+    (``Workload.random``)."""
     w = workloads.WORKLOADS[name]
-    rng = np.random.default_rng(0)
-    n = w.batch_size * steps
-    if name == "char_gpt":
-        size = workloads.GPT_SIZES[False]
-        w = w.__class__(**{**w.__dict__, "batch_size": size["batch"]})
-        n = size["batch"] * steps
-        x = rng.integers(0, 65, (n, size["block"]))
-        return w, workloads.Data(x, np.roll(x, -1, axis=1), x[:8], x[:8], "random", vocab_size=65)
-    if name == "autoencoder":
-        x = rng.random((n, 784)).astype("float32")
-        return w, workloads.Data(x, x, x[:8], x[:8], "random")
-    if name == "tabular_mlp":
-        x = rng.standard_normal((n, 10)).astype("float32")
-        y = rng.standard_normal((n, 1)).astype("float32")
-        return w, workloads.Data(x, y, x[:8], y[:8], "random")
-    shape = (8, 8, 1) if name == "digits_cnn" else (28, 28, 1)
-    x = rng.random((n,) + shape).astype("float32")
-    y = rng.integers(0, 10, n)
-    return w, workloads.Data(x, y, x[:8], y[:8], "random")
+    return w, w.random(w.batch_size * steps, np.random.default_rng(0))
 
 
 def build(variant, workload, data):
