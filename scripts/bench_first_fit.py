@@ -30,14 +30,13 @@ alternation: before/after figures from one run, under the same load.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from experiments.timing import functions_in, train_step_seconds  # noqa: E402
+from experiments import record  # noqa: E402
 from experiments.worker import report, run_self, thor_defaults  # noqa: E402
 
 MODELS = ("digits", "resnet50")
@@ -229,7 +228,6 @@ def main(argv=None):
                 print(f"[{repeat}] {model_name:9s} {opt:5s} first epoch {result['first_epoch_s']:.2f} s"
                       f"  trace {result['trace_python_s']:.2f} s x{result['train_step_traces']}"
                       f"  nodes {result.get('total_nodes')}", flush=True)
-    import platform
 
     import tensorflow as tf
 
@@ -237,14 +235,8 @@ def main(argv=None):
            # THOR ran at wrap's defaults (learning_rate aside): a changed default fails
            # tests/test_bench_records.py until the record is re-measured.
            "thor_defaults": thor_defaults(),
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                       "tensorflow": tf.__version__, "keras": keras.__version__},
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "command": " ".join(["python", "scripts/bench_first_fit.py"]
-                               + (sys.argv[1:] if argv is None else list(argv)))}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(out, fh, indent=1)
+           "tensorflow": tf.__version__, "keras": keras.__version__}
+    record.write(args.out, out, argv=argv, script=__file__)
     for model_name, entry in out["summary"].items():
         for opt, row in entry["optimizers"].items():
             print(f"{model_name:9s} {opt:5s} median {row['first_epoch_s']:.2f} s  "

@@ -30,9 +30,7 @@ Writes ``--out`` (JSON, default docs/results/bench_lm_step.json) with the ratios
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import time
 
@@ -207,13 +205,10 @@ def main(argv=None):
         "args": {**vars(args), "lm_argv": lm_argv},
         "load_average_1min": load,
         "tensorflow": tf.__version__, "keras": keras.__version__,
-        "machine": platform.platform(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
-    print(f"wrote {args.out}")
-    return result
+    from experiments import record
+
+    return record.write(args.out, result, argv=argv, script=__file__)
 
 
 if __name__ == "__main__":

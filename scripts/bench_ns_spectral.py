@@ -22,11 +22,10 @@ and their ratios go to the JSON's ``paired`` list.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 import numpy as np
 
+from experiments import record  # noqa: E402
 from experiments.timing import time_calls  # noqa: E402
 
 from experiments.workloads import WORKLOADS  # noqa: E402  (the suite's, in its order)
@@ -172,10 +171,8 @@ def main(argv=None):
     if args.paired:
         report = {"tensorflow": tf.__version__, "paired": [
             paired(name, args.steps, tuple(args.methods.split(",")))
-            for name in args.paired.split(",")], "command": " ".join(sys.argv)}
-        with open(args.out, "w") as handle:
-            json.dump(report, handle, indent=1)
-        print(f"wrote {args.out}")
+            for name in args.paired.split(",")]}
+        record.write(args.out, report, argv=argv, script=__file__)
         return
     for name in args.workloads.split(","):
         entry = {"workload": name, "buckets": []}
@@ -210,9 +207,7 @@ def main(argv=None):
               f"{entry['spectral_cpu_ms_per_step']:.2f} ms CPU "
               f"({entry['spectral_over_iterate']:.2f}x)", flush=True)
         report["workloads"].append(entry)
-    with open(args.out, "w") as handle:
-        json.dump(report, handle, indent=1)
-    print(f"wrote {args.out}")
+    record.write(args.out, report, argv=argv, script=__file__)
 
 
 if __name__ == "__main__":

@@ -23,14 +23,12 @@ per variant the median over repeats and its ratios to SGD, Adam and Muon.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
-import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from experiments import record  # noqa: E402
 from experiments.worker import thor_defaults  # noqa: E402
 
 VARIANTS = ("sgd", "adam", "muon", "thor", "thor_conv_adam")
@@ -147,18 +145,11 @@ def main(argv=None):
     result = {"model": "small CNN (--quick)" if args.quick else
               "keras.applications.ResNet50, 32x32x3, 10 classes, batch 32, random data",
               "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats,
-              "tensorflow": tf.__version__, "platform": platform.platform(),
-              "cpu_count": os.cpu_count(), "summary": summary, "runs": runs,
+              "tensorflow": tf.__version__, "summary": summary, "runs": runs,
               # Both THOR variants run at wrap's defaults (thor_conv_adam: but for adam_kinds);
               # a changed default fails tests/test_bench_records.py until re-measured.
-              "thor_defaults": thor_defaults(),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "command": " ".join(["python", "scripts/bench_resnet50_step.py"]
-                                  + (sys.argv[1:] if argv is None else list(argv)))}
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
-    print(f"wrote {args.out}")
-    return result
+              "thor_defaults": thor_defaults()}
+    return record.write(args.out, result, argv=argv, script=__file__)
 
 
 if __name__ == "__main__":

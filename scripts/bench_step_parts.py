@@ -36,9 +36,7 @@ Writes ``--out`` (JSON): per model and variant the median over repeats, and rati
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import time
 
@@ -166,14 +164,12 @@ def main(argv=None):
             ratios = ", ".join(f"{row[k]:.2f}x {k.split('_vs_')[1]}" for k in row
                                if k.startswith("median_vs") or k.startswith("cpu_median_vs"))
             print(f"{name:12s} {v:22s} {_line(row)} ({ratios})", flush=True)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     import tensorflow as tf
 
-    with open(args.out, "w") as fh:
-        json.dump({"models": results, "args": vars(args), "tensorflow": tf.__version__,
-                   "keras": keras.__version__, "machine": platform.platform(),
-                   "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}, fh, indent=1)
-    print(f"wrote {args.out}")
+    from experiments import record
+
+    record.write(args.out, {"models": results, "args": vars(args), "tensorflow": tf.__version__,
+                            "keras": keras.__version__}, argv=argv, script=__file__)
 
 
 if __name__ == "__main__":

@@ -28,9 +28,7 @@ Writes ``<out>.json`` after every run (partial results survive an interrupted gr
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -40,7 +38,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import thor_tf  # noqa: E402
-from experiments import datasets as data, models as zoo  # noqa: E402
+from experiments import datasets as data, models as zoo, record  # noqa: E402
 from thor_tf.callbacks import TraceRuleLogger  # noqa: E402
 from thor_tf.profiling import profile_step  # noqa: E402
 from thor_tf.schedules import ThorDampingDecay, ThorPolynomialDecay  # noqa: E402
@@ -231,15 +229,13 @@ def main(argv=None):
             summary = summarize(runs)
             report = {
                 "args": vars(args), "dataset": ds.name, "train_examples": int(len(ds.x_train)),
-                "test_examples": int(len(ds.x_test)), "date": time.strftime("%Y-%m-%d"),
-                "device": platform.processor() or platform.machine(), "tensorflow": tf.__version__,
+                "test_examples": int(len(ds.x_test)), "tensorflow": tf.__version__,
                 "settings": {k: {kk: str(vv) for kk, vv in SETTINGS[k].items()} for k in settings},
                 "complete": len(runs) == len(seeds) * len(settings),
                 "refresh_costs": costs, "summary": summary, "targets": targets(summary),
                 "runs": runs,
             }
-            with open(out, "w") as fh:
-                json.dump(report, fh, indent=1)
+            record.write(out, report, argv=argv, script=__file__)  # after every run
     plot(report["summary"], png, f"{args.model} on {ds.name} ({len(ds.x_train)} train, "
          f"{args.epochs} epochs, batch {args.batch_size}), seeds {args.seeds}")
     print("\nsetting          refreshes          cadence pts     test acc (%)      factor+inv s")

@@ -56,7 +56,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 
 from experiments.worker import report, run_self  # noqa: E402
@@ -1114,9 +1113,10 @@ def main(argv=None):
             measured = json.load(fh)["measured"]
     else:
         measured = measure(args)
-        measured["measured_by"] = {"command": " ".join(["python", "scripts/project_scale.py"]
-                                                       + (sys.argv[1:] if argv is None else list(argv))),
-                                   "date": time.strftime("%Y-%m-%d %H:%M")}
+        from experiments import record
+
+        measured["measured_by"] = {k: v for k, v in record.stamp(argv, __file__).items()
+                                   if k in ("command", "date", "commit")}
     measured = derive(measured)
     for name, eff in measured["efficiency"].items():
         print(f"[model] {name}: fraction of this CPU's peak per stage: "
@@ -1192,16 +1192,10 @@ def main(argv=None):
 
 def finish(summary, args, argv, start, plots=True):
     """Write the JSON and the plots."""
-    import platform
+    from experiments import record
 
-    summary.update({"machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-                    "date": time.strftime("%Y-%m-%d"),
-                    "command": " ".join(["python", "scripts/project_scale.py"]
-                                        + (sys.argv[1:] if argv is None else list(argv))),
-                    "seconds": time.perf_counter() - start})
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(summary, fh, indent=1)
+    summary.update({**record.stamp(argv, __file__), "seconds": time.perf_counter() - start})
+    record.write(args.out, summary)
     png = os.path.splitext(args.out)[0] + ".png"
     if plots:
         plot(summary, png)
