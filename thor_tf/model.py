@@ -803,19 +803,21 @@ def wrap(model, **options):
 
     Args:
       model: a built ``keras.Model`` (Sequential, Functional or subclassed).
-      **options: every ``ThorOptimizer`` argument (defaults in the README's option table):
-        ``update_rule`` (``"eigenbasis"``, the default, ``"inverse"`` or a
+      **options: every ``ThorOptimizer`` argument, each with its default and meaning in
+        ``docs/options.md`` (checked against these declarations by tests/test_options_doc.py):
+        ``update_rule`` (``"eigenbasis"``, the default, ``"eigenbasis_adam"``, ``"inverse"`` or a
         :class:`thor_tf.rules.UpdateRule`), ``learning_rate`` (float or schedule; default
         warmup + cosine over the length ``fit`` knows, peaking at the rule's rate:
-        :class:`thor_tf.schedules.FitWarmupCosine`), ``momentum``, ``damping`` (float or schedule),
+        :class:`thor_tf.schedules.FitWarmupCosine`), ``damping`` (float or schedule),
         ``weight_decay``, ``weight_decay_exclude``, ``clip_norm``, ``frequency`` (int,
         ``"adaptive"``, list of ``(epoch, interval)`` pairs or callable), ``preset``
-        (``"thor"``, ``"thor_stop"``, ``"thor_nt"``), ``omega1``, ``omega2``, ``split_dim`` (int
-        or calibration JSON path), ``fisher`` (``"empirical"`` or ``"sampled"``),
-        ``factor_decay``, ``kl_clip`` (κ or None), ``factor_examples`` (None or k),
-        ``trace_filter`` (``"mean"`` or ``"none"``), ``inverse_assignment`` (``"all"`` or
-        ``"balanced"``), ``loss_reduction`` (``"auto"``, ``"mean"``, ``"sum"``),
-        ``damping_split`` (``"sqrt"`` or ``"pi"``), ``max_block_age`` (None or steps); Keras
+        (``"thor"``, ``"thor_stop"``, ``"thor_nt"``), ``omega1``, ``omega2``, ``split_dim`` (int,
+        a :class:`thor_tf.SplitPlan` or its dict, ``"auto"`` or a calibration JSON path),
+        ``fisher`` (``"empirical"`` or ``"sampled"``), ``factor_decay``, ``factor_examples``
+        (None or k), ``trace_filter`` (``"mean"`` or ``"none"``), ``loss_reduction``
+        (``"auto"``, ``"mean"``, ``"sum"``), ``max_block_age`` (None or steps); the inverse
+        rule's ``momentum``, ``kl_clip`` (κ or None), ``inverse_assignment`` (``"all"`` or
+        ``"balanced"``) and ``damping_split`` (``"sqrt"`` or ``"pi"``), handed to it; Keras
         optimizer arguments such as
         ``loss_scale_factor``; plus ``exclude`` (layer names kept first order), ``verbose``
         (print the registration table, default True) and ``graph_optimization`` (``"auto"``,
