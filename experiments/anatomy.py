@@ -696,6 +696,7 @@ def parse_args(argv=None):
     if args.evals < 1:
         raise SystemExit("error: --evals must be >= 1")
     args.out = Path(args.out or ("runs/anatomy" if args.quick else ROOT / "docs" / "results"))
+    args.argv = argv  # for the records' command (experiments.record)
     return args
 
 
@@ -758,7 +759,7 @@ def run_length(args, multiple):
             if seed_key in record["runs"] and base_key in record["runs"]:
                 add_match(record["runs"][seed_key], record["runs"][base_key],
                           workload.higher_is_better)
-        finish(record, path)
+        finish(record, path, args.argv)
     return record
 
 
@@ -773,7 +774,10 @@ def _rounded(value, digits=5):
     return value
 
 
-def finish(record, path):
+def finish(record, path, argv=None):
+    from experiments.record import stamp
+
+    record.update(stamp(argv))
     record["seeds"] = sorted({r["seed"] for r in record["runs"].values()})
     if {"thor", record["baseline"]} <= {r["optimizer"] for r in record["runs"].values()}:
         record["phases"] = phase_table(record["runs"])
@@ -815,7 +819,9 @@ def rate_check(args, multiple):
         record["finals"][key] = rows[-1]["metric"]
         record["curves"][key] = [[r["step"], r["metric"]] for r in rows]
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record, indent=1))
+        from experiments.record import stamp
+
+        path.write_text(json.dumps({**record, **stamp(args.argv)}, indent=1))
     print(f"wrote {path}: {record['finals']}", flush=True)
     return record
 

@@ -435,8 +435,10 @@ def write_outputs(workload_names, rows, args, sources, out):
     (out / "suite.md").write_text(text)
     from experiments.reports import environment_info
 
+    from experiments.record import stamp
+
     (out / "suite.json").write_text(json.dumps({
-        "quick": args.quick, "seeds": args.seeds, "evals": args.evals,
+        **stamp(getattr(args, "argv", None)), "quick": args.quick, "seeds": args.seeds, "evals": args.evals,
         "thor_options": args.thor_option, "data": sources, "environment": environment_info(),
         "workloads": summaries}, indent=1, default=float))
     plot(summaries, by_workload, out / "suite.png")
@@ -509,6 +511,7 @@ def parse_args(argv=None):
         args.lr_grid = parse_lr_grid(args.lr_grid, {})
     except argparse.ArgumentTypeError as err:
         raise SystemExit(f"error: {err}")
+    args.argv = argv  # for the record's command (experiments.record)
     return args
 
 
