@@ -122,7 +122,8 @@ def reversible_embedding():
     if hasattr(keras.layers, "ReversibleEmbedding"):
         return keras.layers.ReversibleEmbedding
 
-    @keras.saving.register_keras_serializable(package="experiments")
+    # The package name models were saved under (the harness was thor_tf_experiments).
+    @keras.saving.register_keras_serializable(package="thor_tf_experiments")
     class ReversibleEmbedding(keras.layers.Embedding):
         def call(self, inputs, reverse=False):
             if not reverse:

@@ -238,7 +238,8 @@ def resnet50(input_shape: Sequence[int] = (224, 224, 3), num_classes: int = 1000
 # ------------------------------------------------------------------ dispatch
 
 
-@keras.saving.register_keras_serializable(package="experiments")
+# The package name models were saved under (the harness was thor_tf_experiments).
+@keras.saving.register_keras_serializable(package="thor_tf_experiments")
 class PositionEmbedding(layers.Layer):
     """Adds a learned ``Embedding(tokens, dim)`` of the token positions to ``[N, tokens, dim]``.
 

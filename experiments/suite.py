@@ -60,11 +60,11 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from experiments import timing, workloads as wl  # noqa: E402
+from experiments.baselines import NAMES as BASELINES  # noqa: E402
 from experiments.reports import fmt  # noqa: E402
 
 FIELDS = ("workload", "optimizer", "lr", "seed", "step", "seconds", "metric",
           "train_loss") + timing.CSV_COLUMNS
-from experiments.baselines import NAMES as BASELINES  # noqa: E402
 COLORS = {"thor": "tab:red", "sgd": "tab:green", "adam": "tab:blue", "adamw": "tab:cyan",
           "muon": "tab:orange"}
 
