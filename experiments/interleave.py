@@ -26,7 +26,8 @@ JSON in ``--out``, a PNG beside it.
     python scripts/bench_interleaved.py --out docs/results/suite.json   # ~17 min, 7 workloads; then python -m experiments.report
     python scripts/bench_interleaved.py --quick     # the tabular MLP, one seed: the harness
 
-The same pairing serves ``batch_scaling.py --interleave`` and ``horizon.py`` (:func:`interleaved_rows`).
+The same pairing serves ``batch_scaling.py --interleave`` and ``horizon.py``
+(:func:`interleaved_rows`).
 """
 
 from __future__ import annotations
