@@ -19,5 +19,5 @@ scikit-learn for the embedded digits and matplotlib for plots); the library itse
 
 The drivers over it (``python experiments/<name>.py``): ``mnist.py`` (the main job),
 ``resnet.py``, ``transformer.py``, ``lm.py``, ``finetune.py``, ``suite.py``, ``batch_scaling.py``,
-``horizon.py``, ``levers.py``, ``anatomy.py``, ``rate_panel.py``, ``distributed.py``.
+``horizon.py``, ``levers.py``, ``anatomy.py``, ``distributed.py``.
 """
