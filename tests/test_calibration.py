@@ -2,9 +2,6 @@
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -17,8 +14,6 @@ from thor_tf.rules.inverse_ops import split_inverse
 
 # THOR's inverse rule (K-FAC step, KL clip, damping, momentum) is what these tests check.
 pytestmark = pytest.mark.update_rule("inverse")
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _spd(n, seed, rank=None):
@@ -225,16 +220,21 @@ def test_wrap_reads_split_dim_from_calibration_json(tmp_path):
 
 # --------------------------------------------------------------------------- the script, e2e
 
-def test_calibration_script_quick_end_to_end(tmp_path):
+def _calibrate(capsys, monkeypatch, tmp_path, *argv):
+    """``scripts/calibrate_split_dim.py argv`` through its ``main`` in this process (a subprocess
+    costs TensorFlow's import, ~6 s of CI's CPU a run); its stdout."""
+    from scripts import calibrate_split_dim
+
+    monkeypatch.chdir(tmp_path)
+    calibrate_split_dim.main(list(argv))
+    return capsys.readouterr().out
+
+
+def test_calibration_script_quick_end_to_end(tmp_path, capsys, monkeypatch):
     """The inverse rule's calibration (the seed's): one split for the model."""
     out = tmp_path / "cal.json"
-    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", MPLBACKEND="Agg")
-    proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", "calibrate_split_dim.py"), "--rule",
-         "inverse", "--model", "cnn", "--data", "digits", "--steps", "3", "--quick", "--out",
-         str(out)],
-        capture_output=True, text=True, env=env, timeout=240, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    stdout = _calibrate(capsys, monkeypatch, tmp_path, "--rule", "inverse", "--model", "cnn",
+                        "--data", "digits", "--steps", "3", "--quick", "--out", str(out))
     result = json.loads(out.read_text())
     for key in ("candidates", "loss_fraction", "inversion_seconds", "speed_normalized", "crossing",
                 "split_dim", "reason", "device", "tensorflow_version", "num_factors",
@@ -248,23 +248,19 @@ def test_calibration_script_quick_end_to_end(tmp_path):
     assert result["loss_fraction"][-1] == 1.0
     png = out.with_suffix(".png")
     assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "split_dim =" in proc.stdout
+    assert "split_dim =" in stdout
     # The file it wrote is what wrap accepts.
     model = thor_tf.wrap(_tiny_model(), split_dim=str(out), verbose=False)
     assert model._thor_config.split_dim == result["split_dim"]
 
 
-def test_calibration_script_for_the_eigenbasis_rule_end_to_end(tmp_path):
+@pytest.mark.update_rule("eigenbasis")
+def test_calibration_script_for_the_eigenbasis_rule_end_to_end(tmp_path, capsys, monkeypatch):
     """The default rule's calibration: a split per factor dimension of the zoo CNN on digits,
     JSON that wrap reads as that plan, one plot panel per dimension; --replot redraws it."""
     out = tmp_path / "cal.json"
-    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", MPLBACKEND="Agg")
-    script = os.path.join(REPO, "scripts", "calibrate_split_dim.py")
-    proc = subprocess.run(
-        [sys.executable, script, "--model", "cnn", "--data", "digits", "--steps", "3", "--quick",
-         "--out", str(out)], capture_output=True, text=True, env=env, timeout=240,
-        cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    stdout = _calibrate(capsys, monkeypatch, tmp_path, "--model", "cnn", "--data", "digits",
+                        "--steps", "3", "--quick", "--out", str(out))
     result = json.loads(out.read_text())
     assert result["rule"] == "eigenbasis"
     plan = thor_tf.SplitPlan.from_config(result["split_plan"])
@@ -274,15 +270,14 @@ def test_calibration_script_for_the_eigenbasis_rule_end_to_end(tmp_path):
         assert len(entry["information"]) == len(entry["speed"]) == len(entry["cost_seconds"]) == n
         assert entry["split"] in entry["candidates"] and entry["candidates"][0] == 1
         assert max(entry["speed"]) == pytest.approx(1.0)
-    assert "split calibrated for the eigenbasis rule" in proc.stdout
+    assert "split calibrated for the eigenbasis rule" in stdout
     png = out.with_suffix(".png")
     assert png.stat().st_size > 1000
     model = thor_tf.wrap(_tiny_model(), split_dim=str(out), verbose=False)
     assert model._thor_config.split_dim == plan
     png.unlink()
-    replot = subprocess.run([sys.executable, script, "--replot", str(out)], capture_output=True,
-                            text=True, env=env, timeout=120, cwd=str(tmp_path))
-    assert replot.returncode == 0 and png.stat().st_size > 1000, replot.stderr[-2000:]
+    _calibrate(capsys, monkeypatch, tmp_path, "--replot", str(out))
+    assert png.stat().st_size > 1000
 
 
 def test_calibrate_on_trained_model_needs_exact_factors():

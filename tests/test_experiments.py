@@ -1,22 +1,17 @@
 """Tests for the experiment scripts: time_to_target, and --quick runs of mnist.py and resnet.py.
 
-The two --quick runs train THOR and SGD for real (digits, tiny) in subprocesses, the way a user runs
-the scripts, and check the files they write. Together they take about a minute on 2 CPU cores.
+The --quick runs train THOR and the baselines for real (digits, tiny) through each script's
+``main(argv)``, what ``python experiments/<script>.py`` runs, and check the files they write (in
+this process: a subprocess would cost every run TensorFlow's import again, ~6 s of CI's CPU;
+tests/test_entry_points.py runs each script's argument parsing as its command line does).
 """
 
 import csv
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
+import importlib
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-EXPERIMENTS = ROOT / "experiments"
-
 
 from experiments import cli, reports
 from experiments.reports import time_to_target
@@ -117,14 +112,10 @@ def test_default_target_is_the_best_of_all_first_order_baselines_muon_and_adamw_
 
 # --------------------------------------------------------------------------- --quick runs
 
-def _run_quick(script, out, optimizers, *extra):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")  # the scripts import the installed packages
-    proc = subprocess.run(
-        [sys.executable, str(EXPERIMENTS / script), "--quick", "--optimizers", optimizers,
-         "--out", str(out), *extra],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
+def _run_quick(capsys, script, out, optimizers, *extra):
+    module = importlib.import_module(f"experiments.{script}")
+    module.main(["--quick", "--optimizers", optimizers, "--out", str(out), *extra])
+    return capsys.readouterr().out
 
 
 def _check_outputs(out, optimizers, epochs, stdout, baseline="sgd"):
@@ -175,20 +166,20 @@ def _check_outputs(out, optimizers, epochs, stdout, baseline="sgd"):
     assert "target accuracy" in stdout and "optimizer" in stdout
 
 
-def test_resnet_quick(tmp_path):
+def test_resnet_quick(tmp_path, capsys):
     out = tmp_path / "resnet"
-    stdout = _run_quick("resnet.py", out, "thor,sgd")
+    stdout = _run_quick(capsys, "resnet", out, "thor,sgd")
     _check_outputs(out, ["thor", "sgd"], epochs=1, stdout=stdout)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["model"] == "resnet20"
     assert summary["dataset"]["input_shape"][:2] == [32, 32]
 
 
-def test_transformer_quick(tmp_path):
+def test_transformer_quick(tmp_path, capsys):
     """The ViT script: every layer type with a block is registered, AdamW (the only baseline of
     the run) is the target."""
     out = tmp_path / "transformer"
-    stdout = _run_quick("transformer.py", out, "thor,adamw")
+    stdout = _run_quick(capsys, "transformer", out, "thor,adamw")
     _check_outputs(out, ["thor", "adamw"], epochs=2, stdout=stdout, baseline="adamw")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["model"] == "vit"
@@ -196,7 +187,7 @@ def test_transformer_quick(tmp_path):
     assert {"conv2d", "dense"} <= kinds
 
 
-def test_mnist_quick_with_sgd_and_muon(tmp_path):
+def test_mnist_quick_with_sgd_and_muon(tmp_path, capsys):
     """The main job's script, quick: THOR, SGD and keras.optimizers.Muon (Keras >= 3.10; one run
     of the script for both baselines, CI's time). Muon trains (digits, 2 epochs of 23 steps, lr
     3e-3: well above the 10 % of chance), appears in metrics.csv and the summary; the target is
@@ -206,7 +197,7 @@ def test_mnist_quick_with_sgd_and_muon(tmp_path):
     with_muon = hasattr(keras.optimizers, "Muon")
     names = ["thor", "sgd", "muon"] if with_muon else ["thor", "sgd"]
     out = tmp_path / "mnist"
-    stdout = _run_quick("mnist.py", out, ",".join(names),
+    stdout = _run_quick(capsys, "mnist", out, ",".join(names),
                         *(["--lr-grid", "muon=3e-3"] if with_muon else []))
     summary = json.loads((out / "summary.json").read_text())
     finals = {n: summary["optimizers"][n]["final_acc"] for n in names[1:]}

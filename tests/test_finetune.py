@@ -1,6 +1,6 @@
 """experiments/finetune.py: the LoRA fine-tuning benchmark (a small GemmaCausalLM from a config).
 
-* ``--quick`` end to end in a subprocess on a small synthetic text written here (no network, no
+* ``--quick`` end to end (``main(argv)``, in this process) on a small synthetic text written here (no network, no
   corpus): every output exists and is well formed, and the pretrained weights are reused.
 * The Riemannian preconditioner (Zhang & Pilanci) of ``RiemannianAdamW``: one optimizer step on a
   float64 Dense LoRA layer against a NumPy float64 reference built from first principles (the
@@ -15,10 +15,6 @@ Skipped without keras-hub or on Keras < 3.15 (KerasHub 0.32's floor), as tests/t
 
 import csv
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import keras
 import numpy as np
@@ -27,9 +23,6 @@ import pytest
 if tuple(int(p) for p in keras.__version__.split(".")[:2]) < (3, 15):
     pytest.skip("KerasHub 0.32 needs Keras >= 3.15", allow_module_level=True)
 pytest.importorskip("keras_hub", reason="keras-hub is not installed (bash .ci/hub installs it)")
-
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "experiments" / "finetune.py"
 
 
 @pytest.fixture(scope="module")
@@ -47,19 +40,16 @@ def _synthetic_text(path, lines=1500, seed=0):
     return path
 
 
-def _run(args, cwd):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+def _run(finetune, capsys, args):
+    finetune.main(args)
+    return capsys.readouterr().out
 
 
-def test_quick_run_outputs(tmp_path):
+def test_quick_run_outputs(tmp_path, finetune, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     corpus = _synthetic_text(tmp_path / "text.txt")
     out = tmp_path / "out"
-    stdout = _run(["--quick", "--text", str(corpus), "--out", str(out)], tmp_path)
+    stdout = _run(finetune, capsys, ["--quick", "--text", str(corpus), "--out", str(out)])
     names = ("thor", "adamw", "muon", "riemannian")
     for name in names:  # a progress line per evaluation
         for step in (0, 10, 20):
@@ -93,8 +83,8 @@ def test_quick_run_outputs(tmp_path):
     assert (out / "val_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (weights,) = out.glob("pretrained_*.weights.h5")
     # a second run reuses the pretrained weights and starts from the same val loss
-    stdout = _run(["--quick", "--text", str(corpus), "--out", str(out), "--optimizers",
-                   "riemannian"], tmp_path)
+    stdout = _run(finetune, capsys, ["--quick", "--text", str(corpus), "--out", str(out),
+                                     "--optimizers", "riemannian"])
     assert f"reusing {weights}" in stdout
     with open(out / "metrics.csv", newline="") as handle:
         again = list(csv.DictReader(handle))
