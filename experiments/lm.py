@@ -37,7 +37,8 @@ final validation loss over the seeds):
   update_rule=inverse`` only); peak learning rate ``--thor-lr`` (default 1e-2: a third of
   thor_tf's default peak, which overshoots this 2,000-step model: docs/lm.md) under ``--thor-schedule`` (default ``cosine``: the baselines' warmup + cosine
   to lr/10; ``poly``: THOR's polynomial decay sized to the run, ``ThorPolynomialDecay(lr,
-  1.25·steps, 4.9687)`` per step), ``--damping-split`` (default ``pi`` for the inverse rule:
+  1.25·steps, 4.9687)`` per step; ``default``: what ``thor_tf.wrap`` gives a run of ``--steps``,
+  ``WarmupCosine(steps)``, its peak ``3e-2·sqrt(256/steps)`` decaying to 0), ``--damping-split`` (default ``pi`` for the inverse rule:
   docs/lm.md says why), damping ``--thor-damping`` (constant; default thor_tf's, 0.03). The
   settings in force are printed and stored in the
   summary (``thor_settings``); docs/lm.md has the measurement made with these defaults.
@@ -248,12 +249,16 @@ def warmup_cosine(lr, steps, warmup):
 
 def thor_options(args, lr):
     """The options ``thor_tf.wrap`` gets (everything else: thor_tf's defaults)."""
+    import thor_tf
+
     from experiments import runner
 
     if args.thor_schedule == "poly":  # THOR's decay sized to the run: one "epoch" per step
         lr_value = runner.lr_schedule("poly", lr, args.steps, steps_per_epoch=1)
     elif args.thor_schedule == "cosine":
         lr_value = warmup_cosine(lr, args.steps, args.warmup)
+    elif args.thor_schedule == "default":  # thor_tf's own: parse_args set lr to its peak
+        lr_value = thor_tf.schedules.WarmupCosine(args.steps)
     else:
         lr_value = float(lr)
     options = dict(learning_rate=lr_value, damping=args.thor_damping, fisher=args.fisher)
@@ -649,9 +654,12 @@ def parse_args(argv=None):
                    help=f"cadence (default thor_tf's, {defaults['frequency']})")
     t.add_argument("--max-block-age", type=cli._max_block_age, default=None, metavar="STEPS",
                    help=f"or 'none' (default thor_tf's, {defaults['max_block_age']})")
-    t.add_argument("--thor-schedule", choices=("poly", "cosine", "constant"), default="cosine",
+    t.add_argument("--thor-schedule", choices=("poly", "cosine", "constant", "default"),
+                   default="cosine",
                    help="cosine: the baselines' warmup + cosine to lr/10 (default); poly: THOR's "
-                        "polynomial decay lr·(1 − step/(1.25·steps))^4.9687; constant")
+                        "polynomial decay lr·(1 − step/(1.25·steps))^4.9687; constant; default: "
+                        "what thor_tf.wrap gives a run of --steps, WarmupCosine(steps) (its peak "
+                        "3e-2·sqrt(256/steps), 5 %% warmup, cosine to 0; --thor-lr is ignored)")
     t.add_argument("--damping-split", choices=("pi", "sqrt"), default="pi",
                    help="pi (default here: the attention's q/k factors start ~1e-4 of the "
                         "damping, docs/lm.md) or sqrt (thor_tf's default)")
@@ -678,6 +686,8 @@ def parse_args(argv=None):
         args.warmup = round(WARMUP_FRACTION * args.steps)
     if not 0 <= args.warmup < args.steps:
         raise SystemExit("error: --warmup must be in [0, --steps)")
+    if args.thor_schedule == "default":  # the peak WarmupCosine(steps) takes, for the records
+        args.thor_lr = [cli.default_thor_peak(args.steps)]
     if "muon" in args.optimizers:
         cli.require_muon()
     try:

@@ -251,6 +251,20 @@ def test_thor_flags_reach_thor_tf():
     assert settings["kl_clip"] is None    # the inverse rule's option; the default rule has none
 
 
+def test_thor_schedule_default_is_what_wrap_gives_the_run():
+    """``--thor-schedule default``: thor_tf's own WarmupCosine(steps), the peak it takes recorded
+    as THOR's rate (3e-2·sqrt(256/2000) for 2,000 steps; 3e-2 up to 256)."""
+    import math
+
+    lm = _lm()
+    args = lm.parse_args(["--steps", "2000", "--thor-schedule", "default", "--thor-lr", "0.5"])
+    assert args.thor_lr == [pytest.approx(0.03 * math.sqrt(256 / 2000))]
+    schedule = lm.thor_options(args, args.thor_lr[0])["learning_rate"]
+    assert type(schedule).__name__ == "WarmupCosine" and schedule.total_steps == 2000
+    assert schedule.peak is None        # wrap's rule fills in the peak, as for a user's run
+    assert _args(lm, "--thor-schedule", "default").thor_lr == [pytest.approx(0.03)]
+
+
 def test_tied_embeddings_use_the_token_matrix_as_the_head():
     import keras
 
