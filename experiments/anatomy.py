@@ -70,7 +70,7 @@ import numpy as np
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from experiments import horizon as hz  # noqa: E402
-from experiments import baselines, suite  # noqa: E402
+from experiments import baselines, reports, suite  # noqa: E402
 from experiments import workloads as wl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -454,38 +454,38 @@ def markdown(record):
     table, metric = record["phases"], record["metric"]
     base = record["baseline"]
     lines = [f"{record['workload']} at {record['multiple']}x ({record['total_steps']} steps, "
-             f"seeds {record['seeds']}): THOR vs {base} {record['baseline_rate']:g}", "",
-             f"| phase (end step) | train-subset loss THOR / {base} | held-out loss | held-out "
-             f"{metric} | gap (held-out - train) | {base}'s steps to THOR's train loss, held-out "
-             f"loss, {metric} / THOR's |",
-             "|---|---|---|---|---|---|"]
+             f"seeds {record['seeds']}): THOR vs {base} {record['baseline_rate']:g}", ""]
 
     def ratio(v):
         return "never" if v is None else f"{v:.2f}"
 
+    rows = []
     for t, b in zip(table.get("thor", []), table.get(base, [])):
         if "end_step" not in t:
             continue
         m = t.get("match") or {}
-        lines.append(
-            f"| {t['phase']} ({t['end_step']:.0f}) | {t['train_loss']:.4f} / "
-            f"{b['train_loss']:.4f} | "
-            f"{t['test_loss']:.4f} / {b['test_loss']:.4f} | {t['test_metric']:.4f} / "
-            f"{b['test_metric']:.4f} | {t['gap']:+.4f} / {b['gap']:+.4f} | "
-            f"{ratio(m.get('train_loss'))}, {ratio(m.get('test_loss'))}, "
-            f"{ratio(m.get('test_metric'))} |")
+        rows.append((f"{t['phase']} ({t['end_step']:.0f})",
+                     f"{t['train_loss']:.4f} / {b['train_loss']:.4f}",
+                     f"{t['test_loss']:.4f} / {b['test_loss']:.4f}",
+                     f"{t['test_metric']:.4f} / {b['test_metric']:.4f}",
+                     f"{t['gap']:+.4f} / {b['gap']:+.4f}",
+                     f"{ratio(m.get('train_loss'))}, {ratio(m.get('test_loss'))}, "
+                     f"{ratio(m.get('test_metric'))}"))
+    lines += reports.md_table(
+        ("phase (end step)", f"train-subset loss THOR / {base}", "held-out loss",
+         f"held-out {metric}", "gap (held-out - train)",
+         f"{base}'s steps to THOR's train loss, held-out loss, {metric} / THOR's"), rows)
     layers = sorted({k for t in table.get("thor", []) for k in t.get("step_size", {})})
-    lines += ["", "Step size ||dw||/||w|| per step, mean in phase, THOR / " + base + ":", "",
-              "| phase | " + " | ".join(layers) + " |", "|---|" + "---|" * len(layers)]
-    for t, b in zip(table.get("thor", []), table.get(base, [])):
-        if "step_size" in t and "step_size" in b:
-            lines.append(f"| {t['phase']} | " + " | ".join(
-                f"{t['step_size'][k]:.2e} / {b['step_size'].get(k, float('nan')):.2e}"
-                for k in layers) + " |")
+    lines += ["", "Step size ||dw||/||w|| per step, mean in phase, THOR / " + base + ":", ""]
+    lines += reports.md_table(
+        ["phase"] + layers,
+        [[t["phase"]] + [f"{t['step_size'][k]:.2e} / {b['step_size'].get(k, float('nan')):.2e}"
+                         for k in layers]
+         for t, b in zip(table.get("thor", []), table.get(base, []))
+         if "step_size" in t and "step_size" in b])
     lines += ["", "THOR's state per phase: refreshes in it, mean basis age, off-diagonal "
-              "energy in use / identity / fresh from the other probe batch (rotated sides):", "",
-              "| phase | refreshes | age | frozen (seeds) | off-diagonal energy |",
-              "|---|---|---|---|---|"]
+              "energy in use / identity / fresh from the other probe batch (rotated sides):", ""]
+    rows = []
     for t in table.get("thor", []):
         if "refreshes" not in t:
             continue
@@ -493,33 +493,34 @@ def markdown(record):
                           f"{m['fresh_other']:.3f})"
                           for layer, sides in (t.get("staleness") or {}).items()
                           for side, m in sides.items() if m["identity"] > 0)
-        lines.append(f"| {t['phase']} | " + ", ".join(f"{k} {v:g}" for k, v in
-                                                        t["refreshes"].items()) + " | " +
-                     ", ".join(f"{k} {v:.0f}" for k, v in t["age"].items()) + " | " +
-                     ", ".join(f"{k} {v}" for k, v in t["frozen"].items()) + f" | {stale} |")
+        rows.append((t["phase"], ", ".join(f"{k} {v:g}" for k, v in t["refreshes"].items()),
+                     ", ".join(f"{k} {v:.0f}" for k, v in t["age"].items()),
+                     ", ".join(f"{k} {v}" for k, v in t["frozen"].items()), stale))
+    lines += reports.md_table(
+        ("phase", "refreshes", "age", "frozen (seeds)", "off-diagonal energy"), rows)
     paths = record.get("path_length") or {}
     if paths:
         layers = sorted({k for p in paths.values() for k in p["layers"]})
         lines += ["", "The whole run's path, sum over steps of ||dw||/||w|| per layer (sampled "
-                  "steps x interval), the sum of the rates, and the final gap and metric:", "",
-                  "| run | " + " | ".join(layers) + " | sum lr | final gap | final metric |",
-                  "|---|" + "---|" * (len(layers) + 3)]
-        for key, p in paths.items():
-            lines.append(f"| {key} | " + " | ".join(f"{p['layers'].get(k, float('nan')):.2f}"
-                                                    for k in layers) +
-                         f" | {p['lr']:.2f} | {p['final_gap']:+.3f} | {p['final_metric']:.4f} |")
+                  "steps x interval), the sum of the rates, and the final gap and metric:", ""]
+        lines += reports.md_table(
+            ["run"] + layers + ["sum lr", "final gap", "final metric"],
+            [[key] + [f"{p['layers'].get(k, float('nan')):.2f}" for k in layers]
+             + [f"{p['lr']:.2f}", f"{p['final_gap']:+.3f}", f"{p['final_metric']:.4f}"]
+             for key, p in paths.items()])
     by_age = record.get("staleness_by_age") or {}
     if by_age:
         lines += ["", f"Off-diagonal energy by the basis's age (THOR, after warmup, all seeds): "
                   f"in use when young (age <= {YOUNG}) / old (>= {OLD}); identity; fresh from "
-                  f"the other probe batch (evaluations in each bin):", "",
-                  "| side | young | old | identity | fresh other |", "|---|---|---|---|---|"]
+                  f"the other probe batch (evaluations in each bin):", ""]
+
         def cell(group):
             return "-" if not group else f"{group['in_use']:.3f} ({group['n']})"
 
-        for key, b in by_age.items():
-            lines.append(f"| {key} | {cell(b.get('young'))} | {cell(b.get('old'))} | "
-                         f"{b['all']['identity']:.3f} | {b['all']['fresh_other']:.3f} |")
+        lines += reports.md_table(
+            ("side", "young", "old", "identity", "fresh other"),
+            [(key, cell(b.get("young")), cell(b.get("old")), f"{b['all']['identity']:.3f}",
+              f"{b['all']['fresh_other']:.3f}") for key, b in by_age.items()])
     return "\n".join(lines) + "\n"
 
 

@@ -430,24 +430,26 @@ def markdown(summary):
         target = entry["target_val_loss"]
         lines += [f"### LoRA rank {entry['rank']}", "",
                   f"Target: {fmt(target, '.4f', 'none')} (median final val loss of the best "
-                  f"baseline, {entry['best_baseline']}).", "",
-                  "| optimizer | lr | final val loss, median (per seed) | steps to target: "
-                  "median curve (per seed) | seconds to target: median curve (per seed) | "
-                  "first segment s, steady s/step, load | train s (median) |",
-                  "|---|---|---|---|---|---|---|"]
+                  f"baseline, {entry['best_baseline']}).", ""]
+        rows = []
         for name, e in entry["optimizers"].items():
             s = e["per_seed"]
             finals = " / ".join(fmt(p["final_val_loss"], ".4f", "nan") for p in s)
             steps = " / ".join(fmt(p["steps_to_target"], "d") for p in s)
             secs = " / ".join(fmt(p["seconds_to_target"], ".1f") for p in s)
             lr = f"{e['lr']:g} (default)" if name == "thor" else f"{e['lr']:g}"
-            lines.append(f"| {name} | {lr} | {fmt(e['final_val_loss'], '.4f', 'nan')} ({finals})"
-                         f" | {fmt(e['steps_to_target'], 'g')} ({steps}) | "
-                         f"{fmt(e['seconds_to_target'], '.1f')} ({secs}) | "
+            rows.append((name, lr, f"{fmt(e['final_val_loss'], '.4f', 'nan')} ({finals})",
+                         f"{fmt(e['steps_to_target'], 'g')} ({steps})",
+                         f"{fmt(e['seconds_to_target'], '.1f')} ({secs})",
                          f"{fmt(e.get('first_segment_seconds'), '.1f', '–')}, "
                          f"{fmt(e.get('steady_step_seconds'), '.4f', '–')}, "
-                         f"{fmt(e.get('load'), '.0%', '?')} | "
-                         f"{fmt(e['total_seconds'], '.1f')} |")
+                         f"{fmt(e.get('load'), '.0%', '?')}",
+                         fmt(e["total_seconds"], ".1f")))
+        lines += reports.md_table(
+            ("optimizer", "lr", "final val loss, median (per seed)",
+             "steps to target: median curve (per seed)",
+             "seconds to target: median curve (per seed)",
+             "first segment s, steady s/step, load", "train s (median)"), rows)
         v = entry["thor_vs_best"]
         if v is not None:
             seconds = (fmt(v["seconds_ratio"], ".2f", "–") if v.get("comparable", True)
@@ -455,13 +457,15 @@ def markdown(summary):
             lines += ["", f"THOR / {v['best_baseline']}: steps {fmt(v['steps_ratio'], '.2f', '–')}"
                           f", seconds {seconds}; target (≤ 0.75× steps and ≤ 1.0× seconds) "
                           f"**{'met' if v['met'] else 'not met'}**."]
-        lines += ["", "| optimizer | lr | final val loss, median (per seed) |", "|---|---|---|"]
+        rows = []
         for name, e in entry["optimizers"].items():
             for g in e["grid"]:
                 per = " / ".join(fmt(x, ".4f", "nan") for x in g["final_val_loss_per_seed"])
                 mark = " (best)" if g["lr"] == e["lr"] and len(e["grid"]) > 1 else ""
-                lines.append(f"| {name} | {g['lr']:g}{mark} | "
-                             f"{fmt(g['final_val_loss'], '.4f', 'nan')} ({per}) |")
+                rows.append((name, f"{g['lr']:g}{mark}",
+                             f"{fmt(g['final_val_loss'], '.4f', 'nan')} ({per})"))
+        lines += [""] + reports.md_table(
+            ("optimizer", "lr", "final val loss, median (per seed)"), rows)
         lines += [f"\nNote: {name}: {e['note']}." for name, e in entry["optimizers"].items()
                   if e.get("note")]
         lines.append("")

@@ -55,6 +55,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from experiments import batch_scaling as bs  # noqa: E402
 from experiments import horizon as hz  # noqa: E402
+from experiments import reports  # noqa: E402
 from experiments import workloads as wl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -408,9 +409,7 @@ def markdown(record, commands):
         if not entry["workloads"]:
             lines += ["(no paired runs yet)", ""]
             continue
-        lines += ["| workload, length | seeds | target (from) | default final | lever final "
-                  "| lever − default per seed | improved | default steps | lever steps "
-                  "| steps difference per seed |", "|---|---|---|---|---|---|---|---|---|---|"]
+        rows = []
         for name, per in entry["workloads"].items():
             for m, c in sorted(per.items(), key=lambda kv: int(kv[0])):
                 spec = _metric_spec(c)
@@ -426,15 +425,19 @@ def markdown(record, commands):
                           f"seed 0)")
                 st = c["steps_to_target"]
                 sdiff = st["difference"]["per_seed"]
-                lines.append(
-                    f"| {name} {m}× ({c['steps']:,} steps) | {','.join(map(str, c['seeds']))} "
-                    f"| {target} | {_stat_text(c['final']['default'], spec)} "
-                    f"| {_stat_text(c['final']['lever'], spec)} "
-                    f"| {_seeds_text(diffs, dspec)} (mean {_f(dmean, dspec)}{dsd}) "
-                    f"| {c['final']['improved']}/{c['final']['pairs']} "
-                    f"| {_seeds_text(st['default']['per_seed'], 'd')} "
-                    f"| {_seeds_text(st['lever']['per_seed'], 'd')} "
-                    f"| {', '.join('–' if d is None else f'{d:+d}' for d in sdiff)} |")
+                rows.append((
+                    f"{name} {m}× ({c['steps']:,} steps)", ",".join(map(str, c["seeds"])),
+                    target, _stat_text(c["final"]["default"], spec),
+                    _stat_text(c["final"]["lever"], spec),
+                    f"{_seeds_text(diffs, dspec)} (mean {_f(dmean, dspec)}{dsd})",
+                    f"{c['final']['improved']}/{c['final']['pairs']}",
+                    _seeds_text(st["default"]["per_seed"], "d"),
+                    _seeds_text(st["lever"]["per_seed"], "d"),
+                    ", ".join("–" if d is None else f"{d:+d}" for d in sdiff)))
+        lines += reports.md_table(
+            ("workload, length", "seeds", "target (from)", "default final", "lever final",
+             "lever − default per seed", "improved", "default steps", "lever steps",
+             "steps difference per seed"), rows)
         lines.append("")
     lines += ["Commands:", "", "```"] + commands + ["```", ""]
     return "\n".join(lines)

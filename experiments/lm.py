@@ -515,44 +515,47 @@ def _seconds(versus, key):
 def markdown(summary):
     """The tables of ``results.md`` (best rate per optimizer, THOR/baseline, the grid)."""
     target = summary["target_val_loss"]
-    lines = [f"Target val loss {fmt(target, '.4f', 'none')}: {summary['target_source']}.", "",
-             "| optimizer | lr | final val loss, median (per seed) | steps to target, per seed "
-             "(median) | seconds to target (median) | first segment s | s/step (steady) | "
-             "train s | load | ν at the end |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"Target val loss {fmt(target, '.4f', 'none')}: {summary['target_source']}.", ""]
     never = "never" if target is not None else "–"
+    rows = []
     for name, e in summary["optimizers"].items():
         seeds = e["per_seed"]
         finals = " / ".join(fmt(s["final_val_loss"], ".4f", "nan") for s in seeds)
         steps = " / ".join(fmt(s["steps_to_target"], "d", never) for s in seeds)
         nu = " / ".join(fmt(s["final_kl_scale"], ".3g", "–") for s in seeds)
-        lines.append(f"| {name} | {e['lr']:g} | {fmt(e['final_val_loss'], '.4f', 'nan')} "
-                     f"({finals}) | {steps} ({fmt(e['steps_to_target'], 'g', never)}) | "
-                     f"{fmt(e['seconds_to_target'], '.1f', never)} | "
-                     f"{fmt(e.get('first_segment_seconds'), '.1f', '–')} | "
-                     f"{fmt(e['steady_step_seconds'], '.4f', '–')} | "
-                     f"{fmt(e['total_seconds'], '.1f', '–')} | "
-                     f"{fmt(e.get('load'), '.0%', '?')} | {nu} |")
+        rows.append((name, f"{e['lr']:g}", f"{fmt(e['final_val_loss'], '.4f', 'nan')} ({finals})",
+                     f"{steps} ({fmt(e['steps_to_target'], 'g', never)})",
+                     fmt(e["seconds_to_target"], ".1f", never),
+                     fmt(e.get("first_segment_seconds"), ".1f", "–"),
+                     fmt(e["steady_step_seconds"], ".4f", "–"),
+                     fmt(e["total_seconds"], ".1f", "–"), fmt(e.get("load"), ".0%", "?"), nu))
+    lines += reports.md_table(
+        ("optimizer", "lr", "final val loss, median (per seed)",
+         "steps to target, per seed (median)", "seconds to target (median)", "first segment s",
+         "s/step (steady)", "train s", "load", "ν at the end"), rows)
     if summary["thor_vs"]:
-        lines += ["", "| THOR / baseline | steps to target | seconds to target | steady step time "
-                  "| per seed: steps / seconds |", "|---|---|---|---|---|"]
+        rows = []
         for name, r in summary["thor_vs"].items():
             seeds = ", ".join(
                 f"{fmt(p['steps'], '.2f', '–')} / "
                 f"{fmt(p['seconds'], '.2f', '–') if p['comparable'] else 'n/c'}"
                 for p in r["per_seed"])
-            lines.append(f"| thor / {name} | {fmt(r['steps'], '.2f', '–')} | "
-                         f"{_seconds(r, 'seconds')} | {_seconds(r, 'steady_step_time')} | "
-                         f"{seeds} |")
+            rows.append((f"thor / {name}", fmt(r["steps"], ".2f", "–"), _seconds(r, "seconds"),
+                         _seconds(r, "steady_step_time"), seeds))
+        lines += [""] + reports.md_table(
+            ("THOR / baseline", "steps to target", "seconds to target", "steady step time",
+             "per seed: steps / seconds"), rows)
         lines += [f"\nSeconds of thor / {name} {timing.NOT_COMPARABLE}: {r['reason']}."
                   for name, r in summary["thor_vs"].items() if not r["comparable"]]
-    lines += ["", "| optimizer | lr | final val loss, median (per seed) |", "|---|---|---|"]
+    rows = []
     for name, e in summary["optimizers"].items():
         for g in e["grid"]:
             per = " / ".join(fmt(v, ".4f", "nan") for v in g["final_val_loss_per_seed"])
             mark = " (best)" if g["lr"] == e["lr"] else ""
-            lines.append(f"| {name} | {g['lr']:g}{mark} | "
-                         f"{fmt(g['final_val_loss'], '.4f', 'nan')} ({per}) |")
+            rows.append((name, f"{g['lr']:g}{mark}",
+                         f"{fmt(g['final_val_loss'], '.4f', 'nan')} ({per})"))
+    lines += [""] + reports.md_table(
+        ("optimizer", "lr", "final val loss, median (per seed)"), rows)
     lines += [f"\nNote: {name}: {e['note']}." for name, e in summary["optimizers"].items()
               if e.get("note")]
     return "\n".join(lines)

@@ -28,7 +28,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from experiments import workloads
+from experiments import reports, workloads
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path("docs") / "results"
@@ -240,14 +240,12 @@ def outside_summary(record, root=ROOT):
 
 # -- the tables ---------------------------------------------------------------------------------
 def _table(rows, strip=""):
-    lines = ["| workload | steps | seeds | THOR | best baseline (target) | THOR's steps to the "
-             "target | seconds to the target | data |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['workload']} | {r['steps'] or '?':,} | {r['seeds']} | **{r['thor']}** | "
-                     f"{r['baseline']} | {r['steps_ratio']} | {r['seconds_ratio']} | "
-                     f"[record]({r['record'][len(strip):]}) |")
-    return lines
+    return reports.md_table(
+        ("workload", "steps", "seeds", "THOR", "best baseline (target)",
+         "THOR's steps to the target", "seconds to the target", "data"),
+        [(r["workload"], f"{r['steps'] or '?':,}", str(r["seeds"]), f"**{r['thor']}**",
+          r["baseline"], r["steps_ratio"], r["seconds_ratio"],
+          f"[record]({r['record'][len(strip):]})") for r in rows])
 
 
 def all_rows(records, root=ROOT):
@@ -321,9 +319,7 @@ def batch_scaling_line(record):
 def batch_scaling_table(record):
     """docs/results.md's table of the batch-scaling record: per workload and batch, THOR's and
     the best baseline's steps and seconds to the target."""
-    out = ["| workload | batch | best baseline (rate) | final, THOR / baseline | "
-           "steps to target, THOR / baseline | seconds to target, THOR over baseline (median "
-           "of the interleaved pairs) | THOR's best peak |", "|---|---|---|---|---|---|---|"]
+    rows = []
     for name, w in record["workloads"].items():
         label = workload_format(name)[0]
         for b, cell in sorted(w["batches"].items(), key=lambda kv: int(kv[0])):
@@ -339,11 +335,16 @@ def batch_scaling_table(record):
                 seconds = "–"
             baseline = f"{OPTIMIZER_NAMES.get(cell['best_baseline'], cell['best_baseline'])} " \
                        f"{base['rate']:.2g}"
-            out.append(f"| {label} | {int(b):,} | {baseline} | "
-                       f"{thor['final']:.4g} / {base['final']:.4g} | "
-                       f"{fmt(thor['steps_to_target'], 'g')} / {fmt(base['steps_to_target'], 'g')} | "
-                       f"{seconds} | {cell['thor_best']['rate']:.2g} |")
-    return out
+            rows.append((label, f"{int(b):,}", baseline,
+                         f"{thor['final']:.4g} / {base['final']:.4g}",
+                         f"{fmt(thor['steps_to_target'], 'g')} / "
+                         f"{fmt(base['steps_to_target'], 'g')}",
+                         seconds, f"{cell['thor_best']['rate']:.2g}"))
+    return reports.md_table(
+        ("workload", "batch", "best baseline (rate)", "final, THOR / baseline",
+         "steps to target, THOR / baseline",
+         "seconds to target, THOR over baseline (median of the interleaved pairs)",
+         "THOR's best peak"), rows)
 
 
 def _fmt_batch(value):
@@ -355,11 +356,8 @@ def _fmt_batch(value):
 def batch_scaling_block(record):
     """docs/batch_scaling.md's results (between the results markers): the table, per workload
     the critical and halving batches, and the projection across replicas."""
-    out = [BEGIN, GENERATED, ""] + batch_scaling_table(record) + [
-        "", "| workload | critical batch B_crit, THOR / best baseline | halving batch, THOR / "
-            "best baseline | projected seconds to the target, THOR over the best baseline at "
-            "B per replica, R = 1, 2, 4, 8, 16, 32, 64 (* extrapolated) |",
-        "|---|---|---|---|"]
+    out = [BEGIN, GENERATED, ""] + batch_scaling_table(record) + [""]
+    table = []
     projection = (record.get("projection") or {}).get("workloads", {})
     for name, w in record["workloads"].items():
         label = workload_format(name)[0]
@@ -372,11 +370,16 @@ def batch_scaling_block(record):
             return text + ("*" if r["thor"]["extrapolated"] or r["baseline"]["extrapolated"]
                            else "")
 
-        out.append(f"| {label} | {_fmt_batch(sc['thor']['critical_batch'])} / "
-                   f"{_fmt_batch(sc['best_baseline']['critical_batch'])} | "
-                   f"{_fmt_batch(sc['thor']['halving_batch'])} / "
-                   f"{_fmt_batch(sc['best_baseline']['halving_batch'])} | "
-                   f"{', '.join(cell(r) for r in rows)} |")
+        table.append((label, f"{_fmt_batch(sc['thor']['critical_batch'])} / "
+                             f"{_fmt_batch(sc['best_baseline']['critical_batch'])}",
+                      f"{_fmt_batch(sc['thor']['halving_batch'])} / "
+                      f"{_fmt_batch(sc['best_baseline']['halving_batch'])}",
+                      ", ".join(cell(r) for r in rows)))
+    out += reports.md_table(
+        ("workload", "critical batch B_crit, THOR / best baseline",
+         "halving batch, THOR / best baseline",
+         "projected seconds to the target, THOR over the best baseline at B per replica, "
+         "R = 1, 2, 4, 8, 16, 32, 64 (* extrapolated)"), table)
     out += ["", "![steps to the target against the batch](results/batch_scaling_steps.png)", "",
             "![seconds to the target against the batch](results/batch_scaling_seconds.png)", "",
             "![projected seconds across replicas](results/batch_scaling_projection.png)", "", END]
@@ -416,11 +419,7 @@ def horizon_block(record):
         return "\n".join(out + ["No runs recorded yet (`docs/results/horizon.json` is written "
                                 "by `python experiments/horizon.py`).", "", END])
     fmt = lambda v, spec: "never" if v is None else format(v, spec)  # noqa: E731
-    out += ["| workload | length (steps) | best baseline (rate) | target | final: THOR / "
-            "THOR's best peak / baseline | steps to target: THOR / baseline | THOR / baseline: "
-            "steps, seconds (interleaved) | THOR's best peak (steps ratio) | seeds: THOR, "
-            "baseline |", "|---|---|---|---|---|---|---|---|---|"]
-    cost = []
+    rows, cost = [], []
     for name, w in record["workloads"].items():
         label = workload_format(name)[0]
         for m, cell in sorted(w["lengths"].items(), key=lambda kv: int(kv[0])):
@@ -432,17 +431,22 @@ def horizon_block(record):
             seconds = (f"{seconds:.2f}×" if seconds is not None else
                        "only THOR" if ps.get("only_thor_seeds") else "–")
             edge = " (grid end)" if base.get("at_edge") else ""
-            out.append(
-                f"| {label} | {m}× ({cell['steps']:,}) | "
-                f"{OPTIMIZER_NAMES.get(best, best)} {base['rate']:.2g}{edge} | "
-                f"{cell['target']:.4g} | {thor['final']:.4g} / {peak['final']:.4g} / "
-                f"{base['final']:.4g} | {fmt(thor['steps_to_target'], 'g')} / "
-                f"{fmt(base['steps_to_target'], 'g')} | "
-                f"{_vs_baseline(cell, 'steps_to_target')}, {seconds} | "
-                f"{peak['rate']:.2g} ({fmt(cell.get('best_peak_steps_ratio'), '.2f')}) | "
-                f"{len(thor['seeds'])}, {len(base['seeds'])} |")
+            rows.append((
+                label, f"{m}× ({cell['steps']:,})",
+                f"{OPTIMIZER_NAMES.get(best, best)} {base['rate']:.2g}{edge}",
+                f"{cell['target']:.4g}",
+                f"{thor['final']:.4g} / {peak['final']:.4g} / {base['final']:.4g}",
+                f"{fmt(thor['steps_to_target'], 'g')} / {fmt(base['steps_to_target'], 'g')}",
+                f"{_vs_baseline(cell, 'steps_to_target')}, {seconds}",
+                f"{peak['rate']:.2g} ({fmt(cell.get('best_peak_steps_ratio'), '.2f')})",
+                f"{len(thor['seeds'])}, {len(base['seeds'])}"))
             cost.append(f"{label} {m}×: {cell['runs']} runs, "
                         f"{cell['wall_seconds'] / 3600:.2f} h")
+    out += reports.md_table(
+        ("workload", "length (steps)", "best baseline (rate)", "target",
+         "final: THOR / THOR's best peak / baseline", "steps to target: THOR / baseline",
+         "THOR / baseline: steps, seconds (interleaved)", "THOR's best peak (steps ratio)",
+         "seeds: THOR, baseline"), rows)
     out += ["", "Measured cost (runs in the cache and their wall seconds, evaluations included, "
             "on the shared 2-core machine): " + "; ".join(cost) + ".", "",
             "![THOR's steps to the target over the best baseline's against the length]"
@@ -498,19 +502,20 @@ def results_page(records, root=ROOT):
             f"`{RECORDS['suite'][1]}`: THOR and each workload's best baseline "
             "(its rate chosen by the suite's grid, [suite.md](suite.md)) trained in turn, segment "
             "by segment, in one process. Seconds per seed: THOR's seconds to the target over the "
-            "baseline's (– where one run never reached it).", "",
-            "| workload | seconds, per seed | median of the per-seed ratios | first segment s, "
-            "THOR / baseline | steady ms/step, THOR / baseline |",
-            "|---|---|---|---|---|"]
+            "baseline's (– where one run never reached it).", ""]
+    rows = []
     for r in suite_rows(suite):
         raw = r["raw"]
         per_seed = ", ".join("–" if p is None else f"{p:.2f}×" for p in raw["paired_ratios"])
         first = raw.get("first_seconds") or [None, None]
         steady = raw.get("steady_seconds_per_step") or [None, None]
         fmt = lambda v, scale=1, spec=".2f": "?" if v is None else f"{v * scale:{spec}}"
-        out.append(f"| {r['workload']} | {per_seed} | {_ratio(raw.get('paired_median'))} | "
-                   f"{fmt(first[0])} / {fmt(first[1])} | {fmt(steady[0], 1000, '.1f')} / "
-                   f"{fmt(steady[1], 1000, '.1f')} |")
+        rows.append((r["workload"], per_seed, _ratio(raw.get("paired_median")),
+                     f"{fmt(first[0])} / {fmt(first[1])}",
+                     f"{fmt(steady[0], 1000, '.1f')} / {fmt(steady[1], 1000, '.1f')}"))
+    out += reports.md_table(
+        ("workload", "seconds, per seed", "median of the per-seed ratios",
+         "first segment s, THOR / baseline", "steady ms/step, THOR / baseline"), rows)
     out += ["", "![THOR's seconds to the target over the baseline's, per workload]"
                 "(results/suite.png)", "",
             "## The main job, per seed", ""]
@@ -534,12 +539,11 @@ def results_page(records, root=ROOT):
             "", "## Outside the suite", "",
             f"Five small workloads that were not used to choose THOR's defaults "
             f"([outside.md](outside.md)); THOR: {records['outside']['thor_candidate_note']}. "
-            "Medians over seeds 0, 1, 2; the best baseline per workload from a widened grid.", "",
-            "| workload | metric | THOR | best baseline (target) | THOR ahead |",
-            "|---|---|---|---|---|"]
-    for o in outside:
-        out.append(f"| `{o['workload']}` | {o['metric']} | {o['thor']} | {o['baseline']} | "
-                   f"{'**yes**' if o['ahead'] else 'no'} |")
+            "Medians over seeds 0, 1, 2; the best baseline per workload from a widened grid.", ""]
+    out += reports.md_table(
+        ("workload", "metric", "THOR", "best baseline (target)", "THOR ahead"),
+        [(f"`{o['workload']}`", o["metric"], o["thor"], o["baseline"],
+          "**yes**" if o["ahead"] else "no") for o in outside])
     out += ["", f"THOR ahead on {sum(o['ahead'] for o in outside)} of {len(outside)}.", "",
             "## Larger batches", "",
             "THOR at its defaults against each workload's best baseline re-tuned at every batch "
@@ -550,15 +554,16 @@ def results_page(records, root=ROOT):
     out += ["",
             "## The records", "",
             "One current record per benchmark in [`results/`](results/); the history of every "
-            "earlier run is in git.", "",
-            "| benchmark | record | commit | machine | written by |", "|---|---|---|---|---|"]
+            "earlier run is in git.", ""]
+    rows = []
     commands = {name: cmd for name, (_, cmd) in {**RECORDS, **OPTIONAL_RECORDS}.items()}
     for name, record in records.items():
         commit, machine = _provenance(record)
         if (record.get("thor_rows") or {}).get("commit"):
             commit += f" (THOR's rows: {record['thor_rows']['commit']})"
-        out.append(f"| {name} | [`{record['_path'][len('docs/'):]}`]({record['_path'][len('docs/'):]}) | "
-                   f"{commit} | {machine} | `{commands[name]}` |")
+        path = record["_path"][len("docs/"):]
+        rows.append((name, f"[`{path}`]({path})", commit, machine, f"`{commands[name]}`"))
+    out += reports.md_table(("benchmark", "record", "commit", "machine", "written by"), rows)
     return "\n".join(out) + "\n"
 
 

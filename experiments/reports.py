@@ -370,6 +370,24 @@ def fmt(value, spec, none="never"):
     return "∞" if value == math.inf else format(value, spec)
 
 
+def md_table(header, rows):
+    """A markdown table as lines: the header, the separator ``|---|---|...|`` (one ``---`` per
+    column, no alignment marks) and one line per row; the header and each row are written
+    ``"| " + " | ".join(cells) + " |"``. ``header``: the column titles; ``rows``: sequences of
+    cells already formatted as text, written verbatim (an empty cell comes out as ``|  |``; a
+    ``|`` in a cell would split it). The one markdown table writer of the experiments' reports;
+    a row whose length differs from the header's raises ValueError."""
+    header = list(header)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for index, row in enumerate(rows):
+        row = list(row)
+        if len(row) != len(header):
+            raise ValueError(f"md_table: row {index} has {len(row)} cells, the header "
+                             f"{len(header)} ({' | '.join(header)}): {row!r}")
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
 def summary_table(summary):
     """The table printed at the end (best config per optimizer, medians over seeds)."""
     target = summary["target"]

@@ -59,7 +59,7 @@ from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from experiments import timing, workloads as wl  # noqa: E402
+from experiments import reports, timing, workloads as wl  # noqa: E402
 from experiments.baselines import NAMES as BASELINES  # noqa: E402
 from experiments.reports import fmt  # noqa: E402
 
@@ -340,10 +340,7 @@ def _ratio(a, b):
 
 
 def markdown(summaries, thor_options):
-    lines = ["| workload | optimizer (best rate) | median final | steps to target | "
-             "seconds to target | first segment s, steady ms/step, load | "
-             "THOR/best: steps, seconds |",
-             "|---|---|---|---|---|---|---|"]
+    rows = []
     for s in summaries:
         if "target" not in s:
             continue
@@ -368,13 +365,15 @@ def markdown(summaries, thor_options):
             label_metric = metric if s.get("split", "test") == "test" else f"{s['split']} {metric}"
             first = (f"{s['workload']} ({label_metric}, target {format(s['target'], spec)})"
                      if i == 0 else "")
-            lines.append(
-                f"| {first} | {label} | {format(info['final'], spec)} | "
-                f"{fmt(info['median_steps'], '.0f')} / {info['total_steps']} | "
-                f"{fmt(info['median_seconds'], '.1f')} / {info['total_seconds']:.1f} | {split} | "
-                f"{ratios} |")
+            rows.append((first, label, format(info["final"], spec),
+                         f"{fmt(info['median_steps'], '.0f')} / {info['total_steps']}",
+                         f"{fmt(info['median_seconds'], '.1f')} / {info['total_seconds']:.1f}",
+                         split, ratios))
     notes = [w for s in summaries for w in s.get("warnings", [])]
-    text = "\n".join(lines)
+    text = "\n".join(reports.md_table(
+        ("workload", "optimizer (best rate)", "median final", "steps to target",
+         "seconds to target", "first segment s, steady ms/step, load",
+         "THOR/best: steps, seconds"), rows))
     if thor_options:
         text += f"\n\nTHOR options changed from thor_tf's defaults: {thor_options}"
     if notes:
