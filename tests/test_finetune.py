@@ -1,7 +1,8 @@
 """experiments/finetune.py: the LoRA fine-tuning benchmark (a small GemmaCausalLM from a config).
 
-* ``--quick`` end to end (``main(argv)``, in this process) on a small synthetic text written here (no network, no
-  corpus): every output exists and is well formed, and the pretrained weights are reused.
+* ``--quick`` end to end (``main(argv)``, in this process) on a small synthetic text written
+  here (no network, no corpus): every output exists and is well formed, and the pretrained
+  weights are reused.
 * The Riemannian preconditioner (Zhang & Pilanci) of ``RiemannianAdamW``: one optimizer step on a
   float64 Dense LoRA layer against a NumPy float64 reference built from first principles (the
   layer's gradients by hand, explicit ``(b bᵀ + δI)⁻¹`` and ``(aᵀa + δI)⁻¹``, Keras' AdamW
