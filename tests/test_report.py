@@ -89,3 +89,21 @@ def test_the_batch_scaling_record_gives_readme_its_line_and_the_page_its_table()
     assert "| 10 / 40 | 0.30× |" in table
     cell[base].update(steps_to_target=None)
     assert "only THOR reaches the target" in report.batch_scaling_line(record)
+
+
+def test_the_lm_row_compares_thor_with_the_best_baseline_whatever_the_order():
+    """``lm_row``: THOR against the baseline with the lowest final (the target's), not the first
+    one the record lists; its seconds only when the record says they are comparable."""
+    record = {"_path": "docs/results/lm.json", "target_val_loss": 1.656,
+              "args": {"steps": 2000, "seeds": [0, 1, 2]},
+              "optimizers": {"thor": {"final_val_loss": 1.631},
+                             "adamw": {"lr": 3e-3, "final_val_loss": 1.7555},
+                             "muon": {"lr": 3e-3, "final_val_loss": 1.656}},
+              "thor_vs": {"adamw": {"steps": None, "comparable": False},
+                          "muon": {"steps": 0.85, "seconds": 0.99, "comparable": False}}}
+    row = report.lm_row(record)
+    assert row["baseline"].startswith("Muon") and "1.656" in row["baseline"]
+    assert row["steps_ratio"] == "0.85×" and row["seconds_ratio"] == "not comparable"
+    assert row["seeds"] == 3
+    record["thor_vs"]["muon"]["comparable"] = True
+    assert report.lm_row(record)["seconds_ratio"] == "0.99×"
