@@ -409,9 +409,13 @@ def horizon_line(record):
                              f"{', '.join(map(str, seeds))} so far")
             cells.append(f"{m}× {steps}" + (f" ({'; '.join(notes)})" if notes else ""))
         parts.append(f"{label}: " + ", ".join(cells))
-    return ("On longer runs (1×, 4× and 16× the suite's steps, the baselines re-tuned at each "
-            "length; [docs/horizon.md](docs/horizon.md)), THOR's steps to the best baseline's "
-            "final over the baseline's: " + "; ".join(parts) + ".")
+    lengths = sorted({int(m) for w in record["workloads"].values() for m in w["lengths"]})
+    named = [f"{m}×" for m in lengths]
+    named = ", ".join(named[:-1]) + " and " + named[-1] if len(named) > 1 else named[0]
+    return (f"On longer runs ({named} the suite's steps, the "
+            "baselines re-tuned at each length; [docs/horizon.md](docs/horizon.md)), THOR's steps "
+            "to the best baseline's final over the baseline's (seconds: interleaved pairs in one "
+            "process, but beside other jobs, so indicative only): " + "; ".join(parts) + ".")
 
 
 def horizon_block(record):
