@@ -7,9 +7,9 @@ tests/test_entry_points.py runs each script's argument parsing as its command li
 """
 
 import csv
+import importlib
 import json
 import math
-import importlib
 
 import pytest
 
