@@ -35,11 +35,12 @@ final validation loss over the seeds):
   orthogonalized by Newton–Schulz at its norm; preset "thor",
   split_dim 128, no weight decay; damping, its split and κ act under ``--thor-option
   update_rule=inverse`` only); peak learning rate ``--thor-lr`` (default 1e-2: a third of
-  thor_tf's default peak, which overshoots this 2,000-step model: docs/lm.md) under ``--thor-schedule`` (default ``cosine``: the baselines' warmup + cosine
-  to lr/10; ``poly``: THOR's polynomial decay sized to the run, ``ThorPolynomialDecay(lr,
-  1.25·steps, 4.9687)`` per step; ``default``: what ``thor_tf.wrap`` gives a run of ``--steps``,
-  ``WarmupCosine(steps)``, its peak ``3e-2·sqrt(256/steps)`` decaying to 0), ``--damping-split`` (default ``pi`` for the inverse rule:
-  docs/lm.md says why), damping ``--thor-damping`` (constant; default thor_tf's, 0.03). The
+  thor_tf's default peak, which overshoots this 2,000-step model: docs/lm.md) under
+  ``--thor-schedule`` (default ``cosine``: the baselines' warmup + cosine to lr/10; ``poly``:
+  THOR's polynomial decay sized to the run, ``ThorPolynomialDecay(lr, 1.25·steps, 4.9687)`` per
+  step; ``default``: what ``thor_tf.wrap`` gives a run of ``--steps``, ``WarmupCosine(steps)``,
+  its peak ``3e-2·sqrt(256/steps)`` decaying to 0), ``--damping-split`` (default ``pi`` for the
+  inverse rule: docs/lm.md says why), damping ``--thor-damping`` (constant; default thor_tf's, 0.03). The
   settings in force are printed and stored in the
   summary (``thor_settings``); docs/lm.md has the measurement made with these defaults.
 
