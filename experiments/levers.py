@@ -93,6 +93,9 @@ LEVERS = {
               lambda name: {"rule": {"beta_2": 0.99}}),
     "releps": ("the eigenbasis rule's relative epsilon 1e-2 -> 1e-3",
                lambda name: {"rule": {"relative_epsilon": 1e-3}}),
+    "ema": ("the weights' moving average (Keras' use_ema, momentum 0.99: ~100 steps) is the "
+            "model evaluated and returned, as the field's long-run record averages its weights",
+            lambda name: {"use_ema": True, "ema_momentum": 0.99}),
     "fixed_refresh": ("every block refreshed at every cadence point (every 10 steps; "
                       "preset thor_nt, omega1 = omega2 = 0) instead of the trace rule's choice",
                       lambda name: {"preset": "thor_nt"}),

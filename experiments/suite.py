@@ -49,6 +49,7 @@ without the timing columns, join with their seconds "not comparable").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
@@ -161,6 +162,11 @@ class SegmentedRun:
         self.lr, self.seed, self.total = float(lr), int(seed), total
         self.model = compiled_model(optimizer, lr, workload, data, quick, total,
                                     thor_options if optimizer == "thor" else ())
+        if getattr(self.model.optimizer, "use_ema", False):
+            # One run in segments, as one fit: Keras' fit ends by overwriting the weights with
+            # their moving average (``finalize_variable_values``), which after every segment
+            # would restart training from the average; :meth:`evaluate` looks at it instead.
+            self.model.optimizer.finalize_variable_values = lambda variables: None
         self.clock, self.rows = timing.RunClock(), []
         self.log, self.callbacks, self.on_evaluate = log, callbacks, on_evaluate
 
@@ -168,7 +174,8 @@ class SegmentedRun:
         """Evaluate on the workload's split; the row (also appended, logged and hooked)."""
         w, d = self.workload, self.data
         x, y = (d.x_train, d.y_train) if w.eval_split == "train" else (d.x_test, d.y_test)
-        result = self.model.evaluate(x, y, batch_size=512, verbose=0, return_dict=True)
+        with averaged_weights(self.model):
+            result = self.model.evaluate(x, y, batch_size=512, verbose=0, return_dict=True)
         row = {"workload": w.name, "optimizer": self.optimizer, "lr": self.lr,
                "seed": self.seed, "step": step, "seconds": round(self.clock.seconds, 4),
                "metric": float(result[w.metric]), "train_loss": train_loss,
@@ -201,6 +208,27 @@ class SegmentedRun:
                 f"{self.workload.metric} {self.rows[-1]['metric']:.4f}  {clock.seconds:.1f}s "
                 f"(first {clock.first_seconds:.1f}s, load {'?' if load is None else f'{load:.0%}'})"
                 f"{extra}")
+
+
+@contextlib.contextmanager
+def averaged_weights(model):
+    """The optimizer's moving average of the trainable weights (Keras' ``use_ema``) in their
+    place for the duration, what a ``fit`` ending there leaves; the trained values back after.
+    Without ``use_ema`` (or before the first step) nothing changes."""
+    optimizer = model.optimizer
+    averages = getattr(optimizer, "_model_variables_moving_average", None) or []
+    if not (getattr(optimizer, "use_ema", False) and averages and int(optimizer.iterations)):
+        yield
+        return
+    variables = optimizer._trainable_variables  # the averages' order (Keras' build)
+    trained = [v.numpy() for v in variables]
+    for variable, average in zip(variables, averages):
+        variable.assign(average)
+    try:
+        yield
+    finally:
+        for variable, value in zip(variables, trained):
+            variable.assign(value)
 
 
 def segment_plan(workload, data, seed, evals):

@@ -164,6 +164,55 @@ def test_thor_in_the_suite_is_wrap_with_thor_tf_defaults_and_warmup_cosine():
         77, peak=rule.default_learning_rate, reference_steps=rule.reference_steps).get_config()
 
 
+def test_a_run_with_use_ema_trains_on_its_weights_and_evaluates_their_moving_average():
+    """Keras' ``use_ema`` under THOR, in the suite's segments: the optimizer's averages are the
+    float64 moving average of the per-step weights (Keras' rule: the first step's weights, then
+    ``a = m·a + (1−m)·w``); a segment's end leaves the trained weights in place (one run in
+    segments trains as one fit would), and an evaluation sees the averages and puts the trained
+    weights back."""
+    import keras
+
+    w = wl.WORKLOADS["tabular_mlp"]
+    data = w.load(True)
+    momentum = 0.8
+    trajectory = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            opt = self.model.optimizer
+            trajectory.append([v.numpy().astype(np.float64) for v in opt._trainable_variables])
+
+    keras.utils.set_random_seed(0)
+    run = suite.SegmentedRun(w, data, "thor", 0.0, 0, True, 12,
+                             thor_options=[("use_ema", True), ("ema_momentum", momentum)],
+                             callbacks=[Record()])
+    order, plan = suite.segment_plan(w, data, 0, 2)
+    for index, _, idx in plan[:2]:
+        run.train(index, idx[:6 * w.batch_size])
+    opt = run.model.optimizer
+    assert len(trajectory) == 12 and int(opt.iterations) == 12
+    average = trajectory[0]
+    for weights in trajectory[1:]:
+        average = [momentum * a + (1 - momentum) * x for a, x in zip(average, weights)]
+    trained = [v.numpy() for v in opt._trainable_variables]
+    for value, last in zip(trained, trajectory[-1]):
+        np.testing.assert_array_equal(value, last.astype(np.float32))   # not finalized
+    for got, ref in zip(opt._model_variables_moving_average, average):
+        np.testing.assert_allclose(got.numpy(), ref, rtol=1e-5, atol=1e-6)
+    assert max(np.abs(a - t).max() for a, t in zip(average, trained)) > 1e-3  # they differ
+    # The evaluation is of the averaged weights; the trained ones are back after it.
+    row = run.evaluate(12, None)
+    for variable, value in zip(opt._trainable_variables, trained):
+        np.testing.assert_array_equal(variable.numpy(), value)
+    x, y = (data.x_train, data.y_train) if w.eval_split == "train" else (data.x_test, data.y_test)
+    of_trained = run.model.evaluate(x, y, batch_size=512, verbose=0, return_dict=True)[w.metric]
+    assert row["metric"] != pytest.approx(of_trained, rel=1e-3)
+    for variable, ref in zip(opt._trainable_variables, average):
+        variable.assign(ref.astype(np.float32))
+    expected = run.model.evaluate(x, y, batch_size=512, verbose=0, return_dict=True)[w.metric]
+    assert row["metric"] == pytest.approx(expected, rel=1e-5)
+
+
 def test_autoencoder_loss_is_sigmoid_cross_entropy_summed_over_pixels():
     rng = np.random.default_rng(0)
     y = rng.uniform(size=(5, 12))
