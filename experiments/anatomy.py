@@ -20,7 +20,7 @@ the suite's epochs at the suite's batch, ``horizon.lengthened_workload``). Measu
    frozen_at_step, last_refresh_step) and ``model.thor.counters()``; the basis's ``age`` =
    steps done - ``last_refresh_step``.
 3. **Staleness of the bases in use**: fresh full factors ``A``, ``G`` (float64,
-   ``thor_tf.factor_probe.batch_factors``) on ``PROBE_BATCHES`` fixed batches of the training set
+   ``thor_tf.split.probe.batch_factors``) on ``PROBE_BATCHES`` fixed batches of the training set
    (the suite's batch size). For each side (``A`` with ``Q_A``, ``G`` with ``Q_G`` of
    ``model.thor.bases``), with ``F_bd`` the factor's diagonal blocks of the split in use (the
    last one zero-padded) and ``Q`` the block-diagonal basis: :func:`offdiag_fraction` =
@@ -157,7 +157,7 @@ def side_staleness(factors, bases):
 def staleness(model, probes):
     """``{layer: {"A": measures, "G": measures}}`` of a THOR model now (``probes``:
     ``[(x, y)]``)."""
-    from thor_tf.factor_probe import batch_factors
+    from thor_tf.split.probe import batch_factors
 
     per_batch = batch_factors(model, probes)
     with _one_blas_thread():

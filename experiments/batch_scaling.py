@@ -547,7 +547,7 @@ def exchanged_floats(name, quick=False):
     cadence point where some layer refreshes)."""
     import keras
     import thor_tf
-    from thor_tf.split_plan import split_size
+    from thor_tf.split.plan import split_size
 
     base = wl.WORKLOADS[name].sized(quick)
     keras.backend.clear_session()

@@ -44,7 +44,7 @@ def thor_defaults():
 
     from thor_tf import model
     from thor_tf.config import ThorConfig
-    from thor_tf.split_plan import split_config
+    from thor_tf.split.plan import split_config
 
     config = ThorConfig()
     rule = config.update_rule

@@ -126,7 +126,7 @@ def worker_resnet50(optimizer):
     seconds = time.perf_counter() - start
     split = {}
     if optimizer == "thor":  # the split this model was built with (the default plan)
-        from thor_tf.split_plan import split_config
+        from thor_tf.split.plan import split_config
 
         split = {"split_dim": split_config(model.thor_optimizer.config.split_dim)}
     return {"first_epoch_s": seconds, "steps": 1, "batch": batch,

@@ -5,16 +5,17 @@ Trains the model wrapped with THOR for a few warm-up steps, then for each candid
 what the split costs the rule against what it keeps, and takes the crossing of the two curves
 (DESIGN.md §2, "Hardware-aware splitting"):
 
-  * --rule eigenbasis (the default rule; thor_tf/split_calibration.py): per factor dimension
+  * --rule eigenbasis (the default rule; thor_tf/split/calibrate.py): per factor dimension
     and candidate (1 = that side not rotated, 16, 32, … up to --max-split), the seconds of the
     rule's own traced work — the rotations into the split bases and back every step, the basis
     refresh at the warm-up's measured refresh rate — against the step's forward and backward
     pass; and how well a split basis from one batch's factor diagonalizes the next batch's. One
     split per factor dimension (a plan), also what wrap(model, split_dim="auto") does in fit;
-  * --rule inverse (THOR's inverse rule, the seed's calibration; thor_tf/calibration.py): the
-    fraction of factor matrices whose information loss L = 1 − sqrt(λmax(ÂÂᵀ)/λmax(AAᵀ))
-    (Â: block-diagonal part) is below --threshold, against the time to invert all the damped
-    factors split at that candidate; one split for the model.
+  * --rule inverse (THOR's inverse rule, the seed's calibration;
+    thor_tf/split/inverse_calibration.py): the fraction of factor matrices whose information
+    loss L = 1 − sqrt(λmax(ÂÂᵀ)/λmax(AAᵀ)) (Â: block-diagonal part) is below --threshold,
+    against the time to invert all the damped factors split at that candidate; one split for
+    the model.
 
 Writes --out (JSON; pass it to ``thor_tf.wrap(model, split_dim="that.json")``) and a plot of the
 curves next to it (same stem, .png), and prints a table.
@@ -349,7 +350,7 @@ def calibrate_rule_main(args, argv):
     import keras
     import numpy as np
     import thor_tf
-    from thor_tf import calibration, split_calibration
+    from thor_tf.split import calibrate, timing
 
     start = time.time()
     if args.workload is not None:
@@ -371,7 +372,7 @@ def calibrate_rule_main(args, argv):
     stats = wrapped.thor.layer_stats()
     rate = sum(r["refreshes"] for r in stats) / max(1, len(stats) * steps)
     options = {} if args.max_split is None else {"max_split": args.max_split}
-    plan, report = split_calibration.auto_split(wrapped, [take(steps), take(steps + 1)],
+    plan, report = calibrate.auto_split(wrapped, [take(steps), take(steps + 1)],
                                                 refresh_rate=rate, repeats=args.repeats,
                                                 verbose=True, **options)
     result = {
@@ -384,7 +385,7 @@ def calibrate_rule_main(args, argv):
         "refresh_rate": report["refresh_rate"],
         "calibration_seconds": round(report["calibration_seconds"], 2),
         "load_average_1min": report["load_average_1min"],
-        "device": calibration.device_description(),
+        "device": timing.device_description(),
         "tensorflow_version": __import__("tensorflow").__version__,
         "model": args.workload or args.model,
         "data": description,
@@ -459,7 +460,7 @@ def main(argv=None):
         return calibrate_rule_main(args, argv)
     import keras
 
-    from thor_tf import calibration
+    from thor_tf.split import inverse_calibration
 
     keras.utils.set_random_seed(args.seed)
     start = time.time()
@@ -472,7 +473,7 @@ def main(argv=None):
     if nonfinite:
         print(f"warning: {nonfinite} of {args.steps} warm-up steps were non-finite (diverged); the "
               f"factors are those of the last finite refresh. Try a smaller --learning-rate.")
-    result = calibration.calibrate(wrapped, cands=args.candidates, damping=args.damping,
+    result = inverse_calibration.calibrate(wrapped, cands=args.candidates, damping=args.damping,
                                    threshold=args.threshold, repeats=args.repeats,
                                    warmup=args.warmup)
     result.update({

@@ -124,7 +124,7 @@ def dense_reference(factor, q_blocks):
 
 
 def test_quick_run_writes_the_record(tmp_path, monkeypatch):
-    from thor_tf.factor_probe import batch_factors
+    from thor_tf.split.probe import batch_factors
 
     checked = []
     measure = anatomy.staleness

@@ -1,4 +1,5 @@
-"""Tests for thor_tf.calibration and scripts/calibrate_split_dim.py (hardware-aware splitting)."""
+"""The seed's split calibration for the inverse rule (thor_tf/split/: crossing, information,
+timing, inverse_calibration) and scripts/calibrate_split_dim.py (hardware-aware splitting)."""
 
 import json
 import math
@@ -9,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import thor_tf
-from thor_tf import calibration
+from thor_tf.split import crossing, information, inverse_calibration, timing
 from thor_tf.rules.inverse_ops import split_inverse
 
 # THOR's inverse rule (K-FAC step, KL clip, damping, momentum) is what these tests check.
@@ -38,15 +39,15 @@ def _reference_loss(a, size):
 # ---------------------------------------------------------------------------------- candidates
 
 def test_candidates():
-    assert calibration.candidates(577) == [1, 16, 32, 64, 128, 256, 512, 577]
-    assert calibration.candidates(512) == [1, 16, 32, 64, 128, 256, 512]
-    assert calibration.candidates(10) == [1, 10]
-    assert calibration.candidates(16) == [1, 16]
-    assert calibration.candidates(1) == [1]
-    assert calibration.candidates(100, base=(1, 8)) == [1, 8, 16, 32, 64, 100]
+    assert crossing.candidates(577) == [1, 16, 32, 64, 128, 256, 512, 577]
+    assert crossing.candidates(512) == [1, 16, 32, 64, 128, 256, 512]
+    assert crossing.candidates(10) == [1, 10]
+    assert crossing.candidates(16) == [1, 16]
+    assert crossing.candidates(1) == [1]
+    assert crossing.candidates(100, base=(1, 8)) == [1, 8, 16, 32, 64, 100]
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError):
-            calibration.candidates(bad)
+            crossing.candidates(bad)
 
 
 # ---------------------------------------------------------------------------- information loss
@@ -56,7 +57,7 @@ def test_information_loss_matches_eigenvalue_reference(n, seed, rank):
     a = _spd(n, seed, rank)
     for size in (1, 3, 8, 16, 25, n - 1, n, n + 5):
         expected = 0.0 if size >= n else _reference_loss(a, size)
-        got = calibration.information_loss(a.astype(np.float32) if seed == 3 else a, size)
+        got = information.information_loss(a.astype(np.float32) if seed == 3 else a, size)
         assert got == pytest.approx(expected, abs=1e-6 if seed == 3 else 1e-10), (n, size)
         assert 0.0 <= got <= 1.0
 
@@ -64,7 +65,7 @@ def test_information_loss_matches_eigenvalue_reference(n, seed, rank):
 def test_information_loss_non_symmetric_uses_singular_values():
     a = np.random.default_rng(4).standard_normal((30, 30))
     for size in (4, 7, 16):
-        assert calibration.information_loss(a, size) == pytest.approx(_reference_loss(a, size), abs=1e-10)
+        assert information.information_loss(a, size) == pytest.approx(_reference_loss(a, size), abs=1e-10)
 
 
 def test_information_loss_zero_for_block_diagonal_at_size_and_multiples():
@@ -74,13 +75,13 @@ def test_information_loss_zero_for_block_diagonal_at_size_and_multiples():
     for k in range(n // b):
         a[k * b:(k + 1) * b, k * b:(k + 1) * b] = _spd(b, seed=10 + k)
     for size in (10, 20, 30, 40, 50, 64):
-        assert calibration.information_loss(a, size) == pytest.approx(0.0, abs=1e-12), size
+        assert information.information_loss(a, size) == pytest.approx(0.0, abs=1e-12), size
     # Smaller sizes cut every 10-block and lose information. (A size such as 15 that keeps one
     # whole 10-block can still give L = 0: only the largest block norm counts.)
     for size in (1, 5, 7):
-        assert calibration.information_loss(a, size) > 1e-3, size
-    assert calibration.information_loss(np.zeros((6, 6)), 2) == 0.0
-    assert calibration.information_loss(np.eye(9), 1) == pytest.approx(0.0, abs=1e-15)
+        assert information.information_loss(a, size) > 1e-3, size
+    assert information.information_loss(np.zeros((6, 6)), 2) == 0.0
+    assert information.information_loss(np.eye(9), 1) == pytest.approx(0.0, abs=1e-15)
 
 
 def test_loss_fractions():
@@ -89,18 +90,18 @@ def test_loss_fractions():
     dense = np.ones((32, 32))                      # L = 1 − size/32 for size < 32
     small = _spd(5, 6)                             # any size >= 5 keeps it exactly
     cands = [1, 8, 16, 32]
-    fractions, losses = calibration.loss_fractions([diag, blocks, dense, small], cands,
+    fractions, losses = information.loss_fractions([diag, blocks, dense, small], cands,
                                                    return_losses=True)
     assert losses.shape == (4, 4)
     np.testing.assert_allclose(losses[2], [1 - 1 / 32, 1 - 8 / 32, 1 - 16 / 32, 0.0], atol=1e-12)
     np.testing.assert_allclose(losses[3, 1:], 0.0)
     assert fractions == pytest.approx([1 / 4, 3 / 4, 3 / 4, 1.0])
     # A looser threshold counts more matrices as kept.
-    assert calibration.loss_fractions([dense], [16, 32], threshold=0.6) == [1.0, 1.0]
+    assert information.loss_fractions([dense], [16, 32], threshold=0.6) == [1.0, 1.0]
     with pytest.raises(ValueError):
-        calibration.loss_fractions([np.ones((3, 4))], cands)
+        information.loss_fractions([np.ones((3, 4))], cands)
     with pytest.raises(ValueError):
-        calibration.loss_fractions([diag], [16, 8])
+        information.loss_fractions([diag], [16, 8])
 
 
 # ---------------------------------------------------------------------------------- crossing
@@ -111,7 +112,7 @@ CANDS = [1, 16, 32, 64, 128, 256]
 def test_crossing_exactly_at_a_candidate():
     info = [0.0, 0.2, 0.4, 0.6, 0.9, 1.0]
     speed = [1.0, 0.9, 0.8, 0.6, 0.5, 0.3]
-    result = calibration.find_crossing(CANDS, info, speed)
+    result = crossing.find_crossing(CANDS, info, speed)
     assert result.crossing == 64.0 and result.split_dim == 64
 
 
@@ -119,14 +120,14 @@ def test_crossing_between_candidates_is_interpolated_on_log2_axis():
     info = [0.0, 0.2, 0.4, 0.5, 0.9, 1.0]
     speed = [1.0, 0.9, 0.8, 0.7, 0.5, 0.3]
     # D(64) = −0.2, D(128) = +0.4: t = 1/3 of the way from log2 64 = 6 to log2 128 = 7.
-    result = calibration.find_crossing(CANDS, info, speed)
+    result = crossing.find_crossing(CANDS, info, speed)
     assert result.crossing == pytest.approx(2 ** (6 + 1 / 3))
     assert result.split_dim == 64
     # MindSpore's ResNet-50 case: a crossing at 106 rounds to 128.
     t = math.log2(106) - 6
     info = [0.0, 0.1, 0.2, 0.5 - 0.1 * t, 0.5 + 0.1 * (1 - t), 1.0]
     speed = [1.0, 0.9, 0.8, 0.5, 0.5, 0.2]
-    result = calibration.find_crossing(CANDS, info, speed)
+    result = crossing.find_crossing(CANDS, info, speed)
     assert result.crossing == pytest.approx(106.0)
     assert result.split_dim == 128
     assert "106" in result.reason
@@ -134,22 +135,22 @@ def test_crossing_between_candidates_is_interpolated_on_log2_axis():
 
 def test_crossing_fallbacks():
     # Information below speed everywhere: the largest candidate (the exact inverse).
-    result = calibration.find_crossing(CANDS, [0.0] * 6, [1.0, 0.9, 0.8, 0.7, 0.6, 0.5])
+    result = crossing.find_crossing(CANDS, [0.0] * 6, [1.0, 0.9, 0.8, 0.7, 0.6, 0.5])
     assert result.crossing is None and result.split_dim == 256
     # Information above speed from the start: the smallest candidate.
-    result = calibration.find_crossing(CANDS, [1.0] * 6, [0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
+    result = crossing.find_crossing(CANDS, [1.0] * 6, [0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
     assert result.crossing is None and result.split_dim == 1
     # Equal at the smallest candidate (every factor kept at split 1, speed is 1 there).
-    result = calibration.find_crossing(CANDS, [1.0] * 6, [1.0, 0.8, 0.7, 0.6, 0.5, 0.4])
+    result = crossing.find_crossing(CANDS, [1.0] * 6, [1.0, 0.8, 0.7, 0.6, 0.5, 0.4])
     assert result.crossing == 1.0 and result.split_dim == 1
     with pytest.raises(ValueError):
-        calibration.find_crossing(CANDS, [0.0] * 5, [1.0] * 6)
+        crossing.find_crossing(CANDS, [0.0] * 5, [1.0] * 6)
 
 
 def test_normalize_speed():
-    assert calibration.normalize_speed([0.5, 1.0, 2.0]) == [1.0, 0.5, 0.25]
+    assert crossing.normalize_speed([0.5, 1.0, 2.0]) == [1.0, 0.5, 0.25]
     with pytest.raises(ValueError):
-        calibration.normalize_speed([1.0, 0.0])
+        crossing.normalize_speed([1.0, 0.0])
 
 
 # --------------------------------------------------------------------------- split inversion
@@ -173,9 +174,9 @@ def test_split_inverse_equals_inverse_of_block_diagonal_part(n, split):
 
 def test_time_split_inversion_and_calibrate_on_factor_list():
     mats = [_spd(40, 0), _spd(33, 1, rank=5), np.eye(7)]
-    seconds = calibration.time_split_inversion(mats, [1, 16, 40], damping=0.1, repeats=1, warmup=0)
+    seconds = timing.time_split_inversion(mats, [1, 16, 40], damping=0.1, repeats=1, warmup=0)
     assert len(seconds) == 3 and all(s > 0 for s in seconds)
-    result = calibration.calibrate({"a": {"A": mats[0], "G": mats[1]}, "b": mats[2]},
+    result = inverse_calibration.calibrate({"a": {"A": mats[0], "G": mats[1]}, "b": mats[2]},
                                    repeats=1, warmup=0)
     for key in ("candidates", "loss_fraction", "inversion_seconds", "speed_normalized", "crossing",
                 "split_dim", "reason", "device", "tensorflow_version", "num_factors",
@@ -188,7 +189,7 @@ def test_time_split_inversion_and_calibrate_on_factor_list():
     assert set(result["factors"]) == {"a/A", "a/G", "b"}
     json.dumps(result)  # JSON ready
     with pytest.raises(ValueError):
-        calibration.time_split_inversion(mats, [1, 16], damping=0.0)
+        timing.time_split_inversion(mats, [1, 16], damping=0.0)
 
 
 # --------------------------------------------------------------------- wrap(split_dim=json)
@@ -286,10 +287,10 @@ def test_calibrate_on_trained_model_needs_exact_factors():
     exact = thor_tf.wrap(_tiny_model(), split_dim=1 << 30, verbose=False, frequency=1)
     exact.compile(loss="sparse_categorical_crossentropy")
     exact.fit(x, y, batch_size=32, epochs=1, verbose=0)
-    result = calibration.calibrate(exact, repeats=1, warmup=0)
+    result = inverse_calibration.calibrate(exact, repeats=1, warmup=0)
     assert result["num_factors"] == 4 and result["factor_dims"] == [3, 5, 6, 7]
     first = exact.thor.layer_stats()[0]["name"]
-    collected = calibration.collect_factors(exact)[f"{first}/A"]
+    collected = inverse_calibration.collect_factors(exact)[f"{first}/A"]
     assert collected.shape == (7, 7)
     np.testing.assert_allclose(collected, exact.thor.factors(first)["A"])
     assert np.count_nonzero(collected[:3, 3:])  # a full factor, not only diagonal blocks
@@ -297,4 +298,4 @@ def test_calibrate_on_trained_model_needs_exact_factors():
     split.compile(loss="sparse_categorical_crossentropy")
     split.fit(x, y, batch_size=32, epochs=1, verbose=0)
     with pytest.raises(ValueError, match="split_dim"):
-        calibration.calibrate(split, repeats=1, warmup=0)
+        inverse_calibration.calibrate(split, repeats=1, warmup=0)

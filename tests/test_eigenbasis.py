@@ -19,7 +19,7 @@ import tensorflow as tf
 
 import thor_tf
 from thor_tf.rules import Eigenbasis, Inverse
-from thor_tf.split_plan import SplitPlan
+from thor_tf.split.plan import SplitPlan
 
 from reference import homogeneous, mean_outer
 

@@ -20,7 +20,7 @@ import pytest
 
 import thor_tf
 from thor_tf.rules import Eigenbasis
-from thor_tf.split_plan import SplitPlan
+from thor_tf.split.plan import SplitPlan
 
 from reference import dense_backward, dense_forward, homogeneous, mean_outer
 from test_eigenbasis import EVERY_2, LR, NumpyEigenbasis

@@ -17,7 +17,7 @@ import pytest
 import thor_tf
 from thor_tf.rules.eigenbasis_ops import newton_schulz
 from thor_tf.rules import Eigenbasis
-from thor_tf.split_plan import SplitPlan
+from thor_tf.split.plan import SplitPlan
 
 from reference import homogeneous, mean_outer
 from test_newton_schulz import np_newton_schulz

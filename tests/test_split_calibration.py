@@ -1,5 +1,5 @@
-"""The split calibrated for the rule that runs (thor_tf/split_calibration.py, split_plan.py,
-basis_information.py, the rules' side_work / information_curve, split_dim="auto").
+"""The split calibrated for the rule that runs (thor_tf/split/calibrate.py, plan.py,
+information.py, the rules' side_work / information_curve, split_dim="auto").
 
 * ``SplitPlan`` and ``split_dim``'s forms, with errors naming the argument; a plan sets each
   factor dimension's split in the state, the registration table and the saved config.
@@ -23,12 +23,12 @@ import pytest
 import tensorflow as tf
 
 import thor_tf
-from thor_tf import split_calibration as sc
-from thor_tf.basis_information import held_out_kept, kept_curve
+from thor_tf.split import calibrate as sc
+from thor_tf.split.information import held_out_kept, kept_curve
 from thor_tf.model import _probe_batches
 from thor_tf.rules import Eigenbasis, Inverse
 from thor_tf.rules.base import SideWork
-from thor_tf.split_plan import AUTO, SplitPlan, resolve_split_dim, split_size
+from thor_tf.split.plan import AUTO, SplitPlan, resolve_split_dim, split_size
 
 
 def _psd(n, seed, rank=None):

@@ -39,7 +39,7 @@ from thor_tf.blocks import KroneckerBlock, register_block  # noqa: E402
 from thor_tf.model import ThorModel, wrap  # noqa: E402
 from thor_tf.optimizer import ThorOptimizer  # noqa: E402
 from thor_tf.trace_rule import PRESETS  # noqa: E402
-from thor_tf.split_plan import SplitPlan  # noqa: E402
+from thor_tf.split.plan import SplitPlan  # noqa: E402
 from thor_tf import rules, schedules  # noqa: E402
 
 __all__ = ["wrap", "ThorModel", "ThorOptimizer", "PRESETS", "SplitPlan", "block_diagonal",

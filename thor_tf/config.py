@@ -20,7 +20,7 @@ import keras
 
 from thor_tf import rules
 from thor_tf.trace_rule import PRESETS, TRACE_FILTERS, CadenceSchedule
-from thor_tf.split_plan import resolve_split_dim, split_config
+from thor_tf.split.plan import resolve_split_dim, split_config
 
 FISHER_TYPES = ("empirical", "sampled")
 #: Options that belong to one update rule (on its class: ``thor_tf.rules.Inverse(momentum=...,
@@ -100,7 +100,7 @@ class ThorConfig:
 
     Derived, read-only: ``omegas`` (ω1, ω2 after the preset), ``cadence`` (the
     :class:`~thor_tf.trace_rule.CadenceSchedule` of ``frequency``); ``split_dim`` is resolved to
-    an int, a :class:`~thor_tf.split_plan.SplitPlan` or ``"auto"`` (a calibration JSON path is
+    an int, a :class:`~thor_tf.split.plan.SplitPlan` or ``"auto"`` (a calibration JSON path is
     read once, here; ``"auto"`` becomes a plan at the start of ``fit``); :data:`RULE_OPTIONS`
     are handed to ``update_rule`` and then read back from it.
     """

@@ -24,7 +24,7 @@ import tensorflow as tf
 from thor_tf import _keras_compat, capture
 from thor_tf.blocks import block_class_for, registered_layer_class
 from thor_tf.block_diagonal import split_layout
-from thor_tf.split_plan import AUTO
+from thor_tf.split.plan import AUTO
 
 class NormalizationByName(abc.ABC):
     """``isinstance(layer, NormalizationByName)``: a Keras layer whose class (or a base class) is

@@ -43,7 +43,7 @@ from thor_tf import (_keras_compat, capture, discovery, distributed, fisher, los
 from thor_tf.blocks import TiedLookupBlock
 from thor_tf.introspection import Introspection
 from thor_tf.refresh import Refresher
-from thor_tf.split_plan import AUTO
+from thor_tf.split.plan import AUTO
 from thor_tf.state import DecisionLog, ThorState
 
 def _values(gradient):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from thor_tf.block_diagonal import BlockDiagonal, split_layout
-from thor_tf.split_plan import AUTO
+from thor_tf.split.plan import AUTO
 
 
 class Introspection:

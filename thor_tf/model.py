@@ -33,8 +33,8 @@ from thor_tf.engine import ThorEngine
 from thor_tf.config import is_schedule, split_options
 from thor_tf.optimizer import ThorOptimizer
 from thor_tf.schedules import EXPLICIT_SCHEDULE, FitWarmupCosine
-from thor_tf.split_calibration import auto_split
-from thor_tf.split_plan import AUTO
+from thor_tf.split.calibrate import auto_split
+from thor_tf.split.plan import AUTO
 
 #: G's mean eigenvalue below this fraction of the per-factor damping in every refreshed layer:
 #: the damping swamps the curvature and THOR's step is SGD's divided by √λ (docs/internals.md).
@@ -433,7 +433,7 @@ class ThorModel(keras.Model):
 
     def calibrate_split(self, batches, **options):
         """Calibrate the split for the rule in use on two ``(x, y)`` batches and build THOR's
-        state with it (:func:`thor_tf.split_calibration.auto_split`; ``options`` go there):
+        state with it (:func:`thor_tf.split.calibrate.auto_split`; ``options`` go there):
         what ``split_dim="auto"`` does at the start of ``fit``. For a custom loop, call it before
         the first step. Prints the plan and the registration table; returns the calibration's
         report. ``batches`` None (data ``fit`` cannot sample): the default split, said so."""

@@ -27,7 +27,7 @@ import tensorflow as tf
 from thor_tf.config import (THOR_OPTIONS, REFUSED_KERAS_ARGUMENTS,
                             saved_options, split_options)
 from thor_tf.schedules import FitWarmupCosine
-from thor_tf.split_plan import AUTO
+from thor_tf.split.plan import AUTO
 
 
 @keras.saving.register_keras_serializable(package="thor_tf")

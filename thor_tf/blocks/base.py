@@ -27,7 +27,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from thor_tf.block_diagonal import split_layout
-from thor_tf.split_plan import split_size
+from thor_tf.split.plan import split_size
 
 
 def block_gram(rows, split_dim=None, row_weights=None):
@@ -138,7 +138,7 @@ class KroneckerBlock:
     def split_sizes(self, split_dim):
         """``(split of A, split of G)``: the diagonal block sizes this block's factors are stored
         and inverted in, for the model's ``split_dim`` (an int, or a
-        :class:`~thor_tf.split_plan.SplitPlan`: a split per factor dimension). A block whose A is
+        :class:`~thor_tf.split.plan.SplitPlan`: a split per factor dimension). A block whose A is
         diagonal by structure (Embedding) returns 1 for A: V 1×1 blocks, O(V) memory and work."""
         return split_size(split_dim, self.a_dim), split_size(split_dim, self.g_dim)
 

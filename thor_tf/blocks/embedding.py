@@ -25,7 +25,7 @@ import tensorflow as tf
 from keras import ops
 
 from thor_tf.blocks.base import KroneckerBlock, joined_row_weights
-from thor_tf.split_plan import split_size
+from thor_tf.split.plan import split_size
 
 
 class EmbeddingBlock(KroneckerBlock):

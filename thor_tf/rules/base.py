@@ -15,7 +15,7 @@ checkpoints. A rule says, in four places, what happens with them:
 * :meth:`build_slots` / :meth:`update_step`: the optimizer's per-variable chain (momentum, or
   Adam's moments for the variables without a block).
 
-And, for the split calibration (:mod:`thor_tf.split_calibration`, the H of THOR), what a split
+And, for the split calibration (:mod:`thor_tf.split.calibrate`, the H of THOR), what a split
 costs the rule and what it keeps:
 
 * :meth:`side_work`: the work that depends on one factor side's split, per step and per
@@ -93,7 +93,7 @@ class UpdateRule:
     reference_steps = None
     #: Whether the rule's step depends on ``damping`` (the "G below the damping" warning).
     uses_damping = False
-    #: ``split_dim`` when none is given (an int or a :class:`thor_tf.split_plan.SplitPlan`).
+    #: ``split_dim`` when none is given (an int or a :class:`thor_tf.split.plan.SplitPlan`).
     default_split = 128
     #: The split calibration's choice when the information curve stays below the speed curve
     #: at every candidate: ``"largest"`` (the seed's: the most exact split timed),

@@ -46,7 +46,7 @@ from keras import ops
 
 from thor_tf import _keras_compat, block_matrices, lean
 from thor_tf.buckets import per_size_bucket, size_buckets
-from thor_tf.basis_information import kept_curve
+from thor_tf.split.information import kept_curve
 from thor_tf.rules.base import (SideWork, UpdateRule, keras_serializable, side_matrix,
                                 split_blocks)
 from thor_tf.rules.eigenbasis_ops import (REFRESHES, TIE_BREAK, basis_change, eigh_blocks,
@@ -54,7 +54,7 @@ from thor_tf.rules.eigenbasis_ops import (REFRESHES, TIE_BREAK, basis_change, ei
                                           refresh_selected, rotate_first_moment, rotate_in,
                                           rotate_out, rotate_second_moment)
 from thor_tf.rules.inverse import identity_blocks
-from thor_tf.split_plan import SplitPlan
+from thor_tf.split.plan import SplitPlan
 
 
 @dataclasses.dataclass
@@ -596,7 +596,7 @@ class Eigenbasis(UpdateRule):
 
     def information_curve(self, pairs, cands):
         """How well a split basis from one batch's factor diagonalizes the next batch's
-        (:func:`thor_tf.basis_information.kept_curve`), relative to the unsplit basis: its own
+        (:func:`thor_tf.split.information.kept_curve`), relative to the unsplit basis: its own
         held-out value when the unsplit factor is a candidate, else 1 (what it keeps of its own
         batch; an ``n³`` decomposition of a wide factor is not worth timing for)."""
         kept = kept_curve(pairs, cands)

@@ -22,6 +22,7 @@ from thor_tf.rules.inverse_ops import (DAMPING_SPLITS, factor_dampings, invert_b
                                        invert_selected,
                                        precondition_gradients)
 from thor_tf.block_diagonal import BlockDiagonal
+from thor_tf.split.information import loss_fractions
 from thor_tf.rules.base import (SideWork, UpdateRule, keras_serializable, side_matrix,
                                 split_blocks)
 
@@ -242,9 +243,8 @@ class Inverse(UpdateRule):
 
     def information_curve(self, pairs, cands):
         """The seed's curve: the fraction of the factors (each pair's first) whose information
-        loss ``1 − ‖Â‖₂/‖A‖₂`` is below 1 % (:func:`thor_tf.calibration.loss_fractions`)."""
-        from thor_tf.calibration import loss_fractions  # calibration imports the rules' ops
-
+        loss ``1 − ‖Â‖₂/‖A‖₂`` is below 1 %
+        (:func:`thor_tf.split.information.loss_fractions`)."""
         return loss_fractions([f for f, _ in pairs], cands)
 
     def build_slots(self, optimizer, var_list):

@@ -11,7 +11,7 @@ split (DESIGN.md §2). ``thor_tf.wrap(model, split_dim=...)`` takes
 * the path of a calibration JSON (``scripts/calibrate_split_dim.py``): its ``split_plan`` when
   it has one, else its ``split_dim``;
 * ``"auto"``: calibrated for the rule in use at the start of ``fit``
-  (:mod:`thor_tf.split_calibration`), which prints the plan it chose.
+  (:mod:`thor_tf.split.calibrate`), which prints the plan it chose.
 
 :func:`split_size` is what the blocks call: the split of one factor dimension under any of the
 resolved forms.

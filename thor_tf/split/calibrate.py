@@ -1,14 +1,15 @@
 """The split calibrated for the rule that runs, per factor dimension (the H of THOR).
 
-The seed's calibration (:mod:`thor_tf.calibration`) times the inverse rule's Cholesky and weighs
-it against the seed's information curve. What a split costs and keeps depends on the rule
-(:meth:`thor_tf.rules.UpdateRule.side_work`, :meth:`~thor_tf.rules.UpdateRule.
-information_curve`): the default eigenbasis rule never inverts; it rotates every step's gradient
-into its split bases and back and renews the bases at refreshes. This module calibrates the
+The seed's calibration (:mod:`thor_tf.split.inverse_calibration`) times the inverse rule's
+Cholesky and weighs it against the seed's information curve. What a split costs and keeps
+depends on the rule (:meth:`thor_tf.rules.UpdateRule.side_work`,
+:meth:`~thor_tf.rules.UpdateRule.information_curve`): the default eigenbasis rule never
+inverts; it rotates every step's gradient into its split bases and back and renews the bases at
+refreshes. This module calibrates the
 split for whichever rule the model trains with, on the model, the batch and the machine at hand:
 
 1. factors: the full ``A`` and ``G`` of every block on two probe batches
-   (:func:`thor_tf.factor_probe.batch_factors`; the weights are not touched). Each block gives two
+   (:func:`thor_tf.split.probe.batch_factors`; the weights are not touched). Each block gives two
    *sides* (its ``A`` of dimension ``a_dim``, its ``G`` of ``g_dim``); sides are grouped by their
    dimension ``n``, and each dimension gets its own split (a CNN's wide first Dense and its
    64-wide convolutions need not share one);
@@ -25,13 +26,13 @@ split for whichever rule the model trains with, on the model, the batch and the 
 3. information: the rule's curve over the same candidates on the probe factors of that
    dimension (the inverse rule: the seed's fraction of factors with loss < 1 %; the eigenbasis
    rule: how well a split basis from batch 1 diagonalizes batch 2's factor, relative to the
-   unsplit basis: :mod:`thor_tf.basis_information`);
-4. the crossing of the two curves, as the seed takes it (:func:`thor_tf.calibration.
+   unsplit basis: :mod:`thor_tf.split.information`);
+4. the crossing of the two curves, as the seed takes it (:func:`thor_tf.split.crossing.
    find_crossing`), is that dimension's split; where the information stays below the speed at
    every candidate, the rule's ``split_fallback`` decides (the inverse rule: the largest
    candidate, the seed's; the eigenbasis rule: its default split for that dimension, since its
    measure cannot tell there what the split does to training: docs/split_dim.md). The result is
-   a :class:`thor_tf.split_plan.SplitPlan` (the rule's default for dimensions the probe did not
+   a :class:`thor_tf.split.plan.SplitPlan` (the rule's default for dimensions the probe did not
    see).
 
 ``thor_tf.wrap(model, split_dim="auto")`` runs this at the start of ``fit`` on its first two
@@ -43,20 +44,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import statistics
 import time
 from typing import Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 
-from thor_tf.calibration import candidates as _doubling_candidates
-from thor_tf.calibration import Crossing, find_crossing
-from thor_tf.factor_probe import batch_factors, untouched
-from thor_tf.split_plan import DEFAULT_SPLIT, SplitPlan, split_size
+from thor_tf.split.crossing import Crossing, find_crossing
+from thor_tf.split.crossing import candidates as _doubling_candidates
+from thor_tf.split.plan import DEFAULT_SPLIT, SplitPlan, split_size
+from thor_tf.split.probe import batch_factors, untouched
+from thor_tf.split.timing import time_round_robin
 
 __all__ = ["Side", "auto_split", "calibrate_rule", "candidates_for", "format_report",
-           "layer_costs", "probe_sides", "step_base_seconds", "time_round_robin"]
+           "layer_costs", "probe_sides", "step_base_seconds"]
 
 #: The largest split calibration times by default (a refresh of 512-blocks of a 3,137-wide
 #: factor is ~0.4 s of float64 ``eigh`` per call on a 2-core CPU, and its rotations cost ~5x
@@ -120,36 +121,6 @@ def candidates_for(dim: int, max_split: int = DEFAULT_MAX_SPLIT) -> list:
     if dim <= max_split:
         cands.append(int(dim))
     return cands
-
-
-def _sync():
-    tf.test.experimental.sync_devices()
-
-
-def time_round_robin(works: Sequence, repeats: int = 3, warmup: int = 1) -> list:
-    """Median seconds of each ``(fn, args)`` in ``works``: each traced and run ``warmup`` times,
-    then ``repeats`` rounds that run every one once (round robin: a slow spell of a shared machine
-    hits all alike)."""
-    if int(repeats) < 1 or int(warmup) < 0:
-        raise ValueError(f"need repeats >= 1 and warmup >= 0; got {repeats}, {warmup}.")
-    logger = tf.get_logger()
-    level = logger.level
-    logger.setLevel("ERROR")  # one tf.function per candidate is the point: no retracing warning
-    try:
-        for fn, args in works:
-            for _ in range(1 + int(warmup)):
-                fn(*args)
-        _sync()
-        times = [[] for _ in works]
-        for _ in range(int(repeats)):
-            for k, (fn, args) in enumerate(works):
-                start = time.perf_counter()
-                fn(*args)
-                _sync()
-                times[k].append(time.perf_counter() - start)
-    finally:
-        logger.setLevel(level)
-    return [float(statistics.median(t)) for t in times]
 
 
 def calibrate_rule(sides: Sequence, rule, base_seconds: float, refresh_rate: float,
