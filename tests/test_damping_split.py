@@ -187,7 +187,7 @@ def test_damping_split_round_trips_through_config_and_save(tmp_path):
     loaded = keras.models.load_model(path)
     assert isinstance(loaded, thor_tf.ThorModel)
     assert loaded.optimizer.damping_split == "pi"
-    assert loaded.optimizer.config.damping_split == "pi"
+    assert loaded.optimizer.config.rule.damping_split == "pi"
     refreshes = {s["name"]: s["refreshes"] for s in loaded.thor.layer_stats()}
     # Both continue identically. The step after loading refreshes every block (checked), and the
     # loaded model's new inverses are the float64 inverses of its new factors damped with π (far

@@ -37,9 +37,8 @@ def _declared_options():
     """``{option: default}`` as the code declares them (``inspect.Parameter.empty`` where the
     default is not one value: a schedule, a per-rule plan)."""
     declared = {}
-    for field in dataclasses.fields(config.ThorConfig):
-        if field.name not in config.RULE_OPTIONS:  # those: the rule's table (below)
-            declared[field.name] = field.default
+    for field in dataclasses.fields(config.ThorConfig):  # the rule's own: their table (below)
+        declared[field.name] = field.default
     declared["update_rule"] = rules.DEFAULT_RULE
     declared["split_dim"] = declared["learning_rate"] = inspect.Parameter.empty
     for name in ("exclude", "verbose", "graph_optimization"):

@@ -3,6 +3,7 @@
 ``ThorOptimizer`` still take them by name and hand them to it, refuse them (naming the rule) under
 a rule that has no use for them, and load configs saved when they were top-level options."""
 
+import dataclasses
 import warnings
 
 import keras
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 import thor_tf
-from thor_tf.config import RULE_OPTIONS, ThorConfig
+from thor_tf.config import RULE_OPTIONS, ThorConfig, split_options
 from thor_tf.rules import Eigenbasis, Inverse
 
 NON_DEFAULT = {"momentum": 0.5, "kl_clip": 0.01, "damping_split": "pi",
@@ -28,7 +29,7 @@ def test_an_inverse_option_under_the_eigenbasis_rule_is_refused_naming_both(name
     value = NON_DEFAULT[name]
     for make in (lambda: thor_tf.ThorOptimizer(**{name: value}),
                  lambda: thor_tf.wrap(_model(), verbose=False, **{name: value}),
-                 lambda: ThorConfig(update_rule=Eigenbasis(beta_2=0.99), **{name: value})):
+                 lambda: split_options({"update_rule": Eigenbasis(beta_2=0.99), name: value})):
         with pytest.raises(ValueError) as err:
             make()
         text = str(err.value)
@@ -117,7 +118,20 @@ def test_old_configs_load_and_give_the_same_steps():
     assert loaded.kl_clip is None
     # ThorConfig's own config (what ThorModel saves) the same way.
     cfg = ThorConfig.from_config({**ThorConfig().get_config(), "momentum": 0.9})
-    assert cfg.rule == Eigenbasis() and cfg.momentum is None
+    assert cfg.rule == Eigenbasis()
+    cfg = ThorConfig.from_config({**ThorConfig(update_rule="inverse").get_config(),
+                                  "update_rule": "inverse", "momentum": 0.5})
+    assert cfg.rule == Inverse(momentum=0.5)
+
+
+@pytest.mark.parametrize("name", RULE_OPTIONS)
+def test_the_rules_options_live_on_the_rule_only(name):
+    """One home: ThorConfig has no field for a rule's option (it takes none by that name)."""
+    assert name not in {f.name for f in dataclasses.fields(ThorConfig)}
+    with pytest.raises(TypeError):
+        ThorConfig(update_rule="inverse", **{name: NON_DEFAULT[name]})
+    assert ThorConfig(update_rule=Inverse(**{name: NON_DEFAULT[name]})).rule == Inverse(
+        **{name: NON_DEFAULT[name]})
 
 
 @pytest.mark.parametrize("name, rule", [("inverse_momentum", Inverse(momentum=0.5, kl_clip=0.01)),

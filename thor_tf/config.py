@@ -23,12 +23,11 @@ from thor_tf.trace_rule import PRESETS, TRACE_FILTERS, CadenceSchedule
 from thor_tf.split.plan import resolve_split_dim, split_config
 
 FISHER_TYPES = ("empirical", "sampled")
-#: Options that belong to one update rule (on its class: ``thor_tf.rules.Inverse(momentum=...,
-#: damping_split=..., kl_clip=..., inverse_assignment=...)``), still taken by name here and
-#: handed to the rule (:func:`thor_tf.rules.with_options`): ``wrap(model, update_rule="inverse",
-#: kl_clip=None)``. Set on a rule that does not take them, they raise ``ValueError`` naming the
-#: rule. Unset: the rule's own value. After construction they hold the rule's value (None when it has
-#: no such option).
+#: Options that belong to one update rule and live only there (``thor_tf.rules.Inverse(
+#: momentum=..., damping_split=..., kl_clip=..., inverse_assignment=...)``); ``wrap`` and
+#: ``ThorOptimizer`` still take them by name and hand them to the rule (:func:`split_options`,
+#: :func:`thor_tf.rules.with_options`): ``wrap(model, update_rule="inverse", kl_clip=None)``. Set
+#: on a rule that does not take them, they raise ``ValueError`` naming the rule.
 RULE_OPTIONS = ("momentum", "kl_clip", "inverse_assignment", "damping_split")
 #: What those options were worth in configs saved before they moved to the rule (every saved
 #: config holds them, whatever its rule); one that differs on a rule without it had no effect.
@@ -36,14 +35,6 @@ _SAVED_RULE_OPTION_DEFAULTS = {"momentum": 0.9, "kl_clip": 0.001, "inverse_assig
                                "damping_split": "sqrt"}
 
 
-class _Unset:
-    """The default of :data:`RULE_OPTIONS` in ``ThorConfig``: not given (the rule's own)."""
-
-    def __repr__(self):
-        return "<the rule's>"
-
-
-UNSET = _Unset()
 #: How the loss reduces over the batch (undone to make G the mean of per-example outer products):
 #: "auto" reads the compiled loss in ``ThorModel.fit`` and assumes "mean" in the user's own code.
 LOSS_REDUCTIONS = ("auto", "mean", "sum")
@@ -101,11 +92,10 @@ class ThorConfig:
     Derived, read-only: ``omegas`` (ω1, ω2 after the preset), ``cadence`` (the
     :class:`~thor_tf.trace_rule.CadenceSchedule` of ``frequency``); ``split_dim`` is resolved to
     an int, a :class:`~thor_tf.split.plan.SplitPlan` or ``"auto"`` (a calibration JSON path is
-    read once, here; ``"auto"`` becomes a plan at the start of ``fit``); :data:`RULE_OPTIONS`
-    are handed to ``update_rule`` and then read back from it.
+    read once, here; ``"auto"`` becomes a plan at the start of ``fit``). The update rule's own
+    options are on ``update_rule`` only (:data:`RULE_OPTIONS`).
     """
 
-    momentum: Any = UNSET            # RULE_OPTIONS: the rule's (thor_tf.rules.Inverse)
     damping: Any = 0.03
     weight_decay: float = 0.0
     weight_decay_exclude: Optional[Tuple[str, ...]] = None
@@ -118,11 +108,8 @@ class ThorConfig:
     fisher: str = "empirical"
     factor_decay: float = 0.0
     trace_filter: str = DEFAULT_TRACE_FILTER
-    kl_clip: Any = UNSET
     factor_examples: Optional[int] = None
-    inverse_assignment: Any = UNSET
     loss_reduction: str = "auto"
-    damping_split: Any = UNSET
     max_block_age: Optional[int] = DEFAULT_MAX_BLOCK_AGE
     update_rule: Any = None  # None: rules.DEFAULT_RULE
 
@@ -130,12 +117,8 @@ class ThorConfig:
         def set_(name, value):
             object.__setattr__(self, name, value)
 
-        rule = rules.resolve(rules.DEFAULT_RULE if self.update_rule is None else self.update_rule)
-        rule = rules.with_options(rule, {name: getattr(self, name) for name in RULE_OPTIONS
-                                         if getattr(self, name) is not UNSET})
-        set_("update_rule", rule)
-        for name in RULE_OPTIONS:
-            set_(name, getattr(rule, name, None))
+        set_("update_rule", rules.resolve(
+            rules.DEFAULT_RULE if self.update_rule is None else self.update_rule))
 
         check_positive_or_schedule("damping", self.damping)
         if not _is_real(self.weight_decay) or self.weight_decay < 0:
@@ -193,8 +176,7 @@ class ThorConfig:
     def options(self):
         """The options as constructor keywords (live objects: schedules, callables); the rule's
         own options are on ``update_rule``."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in RULE_OPTIONS}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def get_config(self):
         """JSON-able options (schedules serialized; a callable ``frequency`` becomes the default,
@@ -227,9 +209,9 @@ def saved_options(config, custom_objects=None):
       only one then; a bare name that meant other settings then is read as those
       (:func:`thor_tf.rules.from_saved`);
     * ``trace_smoothing`` (replaced by ``trace_filter``) is not carried;
-    * :data:`RULE_OPTIONS` the rule does not take are dropped: configs saved before the options
-      moved to the rules hold all four whatever the rule, where they did nothing. One that was
-      not at its default says so in a warning.
+    * :data:`RULE_OPTIONS` (top-level in configs saved before the options moved to the rules,
+      all four whatever the rule) are handed to the rule when it takes them, and dropped when it
+      does not (they did nothing there; one that was not at its default says so in a warning).
     """
     import warnings
 
@@ -243,14 +225,17 @@ def saved_options(config, custom_objects=None):
         config["frequency"] = [tuple(p) for p in config["frequency"]]
     config["update_rule"] = rules.from_saved(config.get("update_rule", "inverse"))
     rule = rules.resolve(config["update_rule"] or rules.DEFAULT_RULE)
+    taken = {}
     for name in [name for name in RULE_OPTIONS if name in config]:
-        if rules.takes_option(rule, name):
-            continue
         value = config.pop(name)
-        if value is not None and value != _SAVED_RULE_OPTION_DEFAULTS[name]:
+        if rules.takes_option(rule, name):
+            taken[name] = value
+        elif value is not None and value != _SAVED_RULE_OPTION_DEFAULTS[name]:
             warnings.warn(f"thor_tf: the saved option {name}={value!r} is not used by the "
                           f"{rule.name!r} update rule (it never was); it is dropped.",
                           stacklevel=3)
+    if taken:
+        config["update_rule"] = rules.with_options(rule, taken)
     return config
 
 
@@ -290,12 +275,18 @@ def split_options(options):
             f"{options['trace_smoothing']!r}.")
     learning_rate = options.pop("learning_rate", None)
     thor = {k: options.pop(k) for k in THOR_OPTIONS if k in options}
+    by_name = {k: options.pop(k) for k in RULE_OPTIONS if k in options}
     allowed = keras_optimizer_arguments()
     unknown = sorted(k for k in options if k not in allowed)
     if unknown:
+        keras_arguments = [a for a in allowed if a not in REFUSED_KERAS_ARGUMENTS]
         raise ValueError(
-            f"unknown option(s) {unknown}: THOR's options are {list(THOR_OPTIONS)}, plus "
-            f"`learning_rate` and Keras optimizer arguments {[a for a in allowed if a not in REFUSED_KERAS_ARGUMENTS]}.")
+            f"unknown option(s) {unknown}: THOR's options are {list(THOR_OPTIONS)}, the update "
+            f"rule's {list(RULE_OPTIONS)} by name, plus `learning_rate` and Keras optimizer "
+            f"arguments {keras_arguments}.")
+    if by_name:
+        thor["update_rule"] = rules.with_options(
+            rules.resolve(thor.get("update_rule") or rules.DEFAULT_RULE), by_name)
     config = ThorConfig(**thor)
     return config, resolve_learning_rate(learning_rate, config.rule), options
 

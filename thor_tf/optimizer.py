@@ -24,7 +24,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from thor_tf.config import (THOR_OPTIONS, REFUSED_KERAS_ARGUMENTS,
+from thor_tf.config import (RULE_OPTIONS, THOR_OPTIONS, REFUSED_KERAS_ARGUMENTS,
                             saved_options, split_options)
 from thor_tf.schedules import FitWarmupCosine
 from thor_tf.split.plan import AUTO
@@ -274,6 +274,8 @@ keras.saving.get_custom_objects()["thor"] = _ThorByName
 
 
 def _option_view(name):
+    if name in RULE_OPTIONS:                    # the rule's (None under a rule without it)
+        return property(lambda self: getattr(self.config.rule, name, None))
     if name in ("omega1", "omega2"):            # after the preset
         return property(lambda self: self.config.omegas[name == "omega2"])
     if name == "weight_decay_exclude":
@@ -284,7 +286,7 @@ def _option_view(name):
 
 # THOR's options as read-only views of ``config`` (what users and older code read), one per
 # ThorConfig field. ``weight_decay`` is Keras' own attribute: THOR's is ``thor_weight_decay``.
-for _name in THOR_OPTIONS + ("cadence",):
+for _name in THOR_OPTIONS + RULE_OPTIONS + ("cadence",):
     if _name not in ("update_rule",):
         setattr(ThorOptimizer, "thor_weight_decay" if _name == "weight_decay" else _name,
                 _option_view(_name))
