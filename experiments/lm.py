@@ -227,7 +227,9 @@ def thor_defaults():
     import thor_tf
 
     fields = {f.name: f.default for f in dataclasses.fields(thor_tf.config.ThorConfig)}
-    out = {k: fields[k] for k in ("damping", "frequency", "max_block_age", "fisher")}
+    out = {k: fields[k] for k in ("damping", "fisher")}
+    trace = thor_tf.TraceRule()
+    out.update(frequency=trace.frequency, max_block_age=trace.max_block_age)
     out["kl_clip"] = thor_tf.rules.Inverse().kl_clip  # the inverse rule's
     # learning_rate None: the default update rule's rate.
     out["learning_rate"] = thor_tf.rules.resolve(thor_tf.rules.DEFAULT_RULE).default_learning_rate
@@ -298,8 +300,15 @@ def make_model(optimizer, lr, args, vocab_size, show_table=False, **thor_extra):
 
 def thor_settings(model):
     """The THOR options in force (``ThorConfig`` plus the learning rate), JSON-able."""
+    from thor_tf.config import RULE_OPTIONS
+
     opt = model.thor_optimizer if hasattr(model, "thor_optimizer") else model.optimizer
-    settings = {f.name: getattr(opt.config, f.name) for f in dataclasses.fields(opt.config)}
+    config = opt.config
+    settings = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+                if f.name != "trace_rule"}
+    # Flat, as the records hold them: the trace rule's options and the update rule's by name.
+    settings.update({name: getattr(config.trace_rule, name) for name in config.trace_rule.options()})
+    settings.update({name: getattr(config.rule, name, None) for name in RULE_OPTIONS})
     lr = opt._learning_rate
     if hasattr(lr, "get_config"):
         lr = {"class": type(lr).__name__, **lr.get_config()}

@@ -50,8 +50,9 @@ def thor_defaults():
     rule = config.update_rule
     return {"split_dim": split_config(config.split_dim),
             "update_rule": {"name": rule.name, **rule.get_config()},
-            "frequency": config.frequency, "preset": config.preset,
-            "trace_filter": config.trace_filter, "max_block_age": config.max_block_age,
+            "frequency": config.trace_rule.frequency, "preset": config.trace_rule.preset,
+            "trace_filter": config.trace_rule.trace_filter,
+            "max_block_age": config.trace_rule.max_block_age,
             "graph_optimization": inspect.signature(
                 model.ThorModel.__init__).parameters["graph_optimization"].default}
 

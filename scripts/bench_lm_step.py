@@ -170,7 +170,7 @@ def main(argv=None):
         print(f"{variant:17s} first step (trace) {first_step[variant]:6.1f} s", flush=True)
     frequency = None
     if "thor" in models:
-        frequency = models["thor"].thor_optimizer.config.frequency
+        frequency = models["thor"].thor_optimizer.config.trace_rule.frequency
         settings = lm.thor_settings(models["thor"])
     rounds = {v: [] for v in variants}
     load = [os.getloadavg()[0]]

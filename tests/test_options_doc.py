@@ -39,7 +39,10 @@ def _declared_options():
     declared = {}
     for field in dataclasses.fields(config.ThorConfig):  # the rule's own: their table (below)
         declared[field.name] = field.default
+    for field in dataclasses.fields(thor_tf.TraceRule):  # taken by name, in the same table
+        declared[field.name] = field.default
     declared["update_rule"] = rules.DEFAULT_RULE
+    declared["trace_rule"] = inspect.Parameter.empty  # an object: its options are the rows
     declared["split_dim"] = declared["learning_rate"] = inspect.Parameter.empty
     for name in ("exclude", "verbose", "graph_optimization"):
         declared[name] = inspect.signature(model.ThorModel.__init__).parameters[name].default

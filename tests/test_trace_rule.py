@@ -375,11 +375,11 @@ def test_adaptive_interval_grows_while_layers_reuse_and_shrinks_when_they_refres
 
 def test_adaptive_cadence_serializes_and_validates():
     opt = thor_tf.ThorOptimizer(frequency="adaptive")
-    assert opt.get_config()["frequency"] == "adaptive"
+    assert opt.get_config()["trace_rule"]["frequency"] == "adaptive"
     assert opt.cadence.adaptive.base == 10 and opt.cadence.adaptive.max_interval == 80
     custom = thor_tf.ThorOptimizer(frequency=trace_rule.AdaptiveCadence(5, 20), trace_filter="none")
     config = custom.get_config()
-    assert config["trace_filter"] == "none"
+    assert config["trace_rule"]["trace_filter"] == "none"
     again = thor_tf.ThorOptimizer.from_config(config)
     assert (again.cadence.adaptive.base, again.cadence.adaptive.max_interval) == (5, 20)
     for bad in ("adaptiv", {"adaptive": {"base": 0}}, {"adaptive": {"base": 4, "max_interval": 2}},
@@ -390,8 +390,9 @@ def test_adaptive_cadence_serializes_and_validates():
         thor_tf.ThorOptimizer(trace_filter="ema")
     with pytest.raises(ValueError, match="trace_smoothing.*trace_filter"):
         thor_tf.ThorOptimizer(trace_smoothing=0.9)
-    # A config saved before trace_filter existed still loads.
+    # A config saved before trace_filter existed (the trace rule's options top-level) still loads.
     legacy = thor_tf.ThorOptimizer().get_config()
+    legacy.update(legacy.pop("trace_rule"))
     legacy.pop("trace_filter")
     legacy["trace_smoothing"] = 0.9
     assert thor_tf.ThorOptimizer.from_config(legacy).trace_filter == "mean"
@@ -456,9 +457,9 @@ def test_max_block_age_round_trips_through_the_optimizer_config(tmp_path):
     assert thor_tf.ThorOptimizer().max_block_age == 50
     for age in (7, None):
         config = thor_tf.ThorOptimizer(max_block_age=age).get_config()
-        assert config["max_block_age"] == age
+        assert config["trace_rule"]["max_block_age"] == age
         restored = thor_tf.ThorOptimizer.from_config(config)
-        assert restored.max_block_age == age and restored.config.max_block_age == age
+        assert restored.max_block_age == age and restored.config.trace_rule.max_block_age == age
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="fc")])
     wrapped = thor_tf.wrap(model, max_block_age=7, verbose=False)
@@ -467,7 +468,8 @@ def test_max_block_age_round_trips_through_the_optimizer_config(tmp_path):
     path = str(tmp_path / "age.keras")
     wrapped.save(path)
     loaded = keras.models.load_model(path)
-    assert loaded.optimizer.max_block_age == 7 and loaded.optimizer.config.max_block_age == 7
+    assert loaded.optimizer.max_block_age == 7
+    assert loaded.optimizer.config.trace_rule.max_block_age == 7
 
 
 def test_scheduler_module_reexports_the_trace_rule_objects():
@@ -479,3 +481,38 @@ def test_scheduler_module_reexports_the_trace_rule_objects():
     for name in names:
         assert getattr(scheduler, name) is getattr(trace_rule, name), name
     assert trace_rule.TRACE_WINDOW == 8 and trace_rule.FREEZE_AFTER == 5
+
+
+def test_the_trace_rules_options_are_one_object_also_taken_by_name():
+    """``thor_tf.TraceRule`` holds the trace rule's six options (ThorConfig has no field of its
+    own for them); ``wrap``/``ThorOptimizer`` take each by name too; configs save it nested and
+    load the flat form earlier releases saved; a name given twice with two values is refused."""
+    import dataclasses
+
+    from thor_tf.config import ThorConfig
+
+    by_name = thor_tf.ThorOptimizer(preset="thor_stop", max_block_age=7, frequency=5)
+    as_object = thor_tf.ThorOptimizer(
+        trace_rule=thor_tf.TraceRule(preset="thor_stop", max_block_age=7, frequency=5))
+    assert by_name.config == as_object.config
+    assert by_name.config.trace_rule == thor_tf.TraceRule(5, "thor_stop", max_block_age=7)
+    assert (by_name.omega1, by_name.omega2) == (0.01, 0.001) and by_name.frequency == 5
+    assert not {f.name for f in dataclasses.fields(ThorConfig)} & set(thor_tf.TraceRule.options())
+    config = by_name.get_config()
+    assert config["trace_rule"] == {"frequency": 5, "preset": "thor_stop", "omega1": None,
+                                    "omega2": None, "trace_filter": "mean", "max_block_age": 7}
+    assert not set(config) & set(thor_tf.TraceRule.options())
+    flat = dict(config)
+    flat.update(flat.pop("trace_rule"))       # as saved before the trace rule had a home
+    assert thor_tf.ThorOptimizer.from_config(flat).config == by_name.config
+    assert thor_tf.ThorOptimizer.from_config(config).config == by_name.config
+    with pytest.raises(ValueError, match="`preset` is given twice"):
+        thor_tf.ThorOptimizer(trace_rule=thor_tf.TraceRule(preset="thor_stop"), preset="thor_nt")
+    # A name the object leaves at its default is set by name.
+    both = thor_tf.ThorOptimizer(trace_rule=thor_tf.TraceRule(preset="thor_stop"),
+                                 max_block_age=None)
+    assert both.max_block_age is None and both.preset == "thor_stop"
+    with pytest.raises(ValueError, match="`trace_rule` must be a thor_tf.TraceRule"):
+        thor_tf.ThorOptimizer(trace_rule="thor")
+    with pytest.raises(ValueError, match="`max_block_age` must be None or an int"):
+        thor_tf.TraceRule(max_block_age=0)

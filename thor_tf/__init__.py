@@ -8,9 +8,9 @@ One line turns a Keras model into one that trains with THOR::
 
 Public API: :func:`wrap`, :class:`ThorModel`, :class:`ThorOptimizer`, the update rules
 (:mod:`thor_tf.rules`: ``"eigenbasis"``, the default, and ``"inverse"``), the schedules
-(:mod:`thor_tf.schedules`), the trace-rule presets (:data:`PRESETS`), the split per factor
-dimension (:class:`SplitPlan`; ``split_dim="auto"`` calibrates one in ``fit``), the block-diagonal
-algebra (:mod:`thor_tf.block_diagonal`), the layer-type registry (:func:`register_block`,
+(:mod:`thor_tf.schedules`), the trace rule's options (:class:`TraceRule`) and presets
+(:data:`PRESETS`), the split per factor dimension (:class:`SplitPlan`; ``split_dim="auto"``
+calibrates one in ``fit``), the block-diagonal algebra (:mod:`thor_tf.block_diagonal`), the layer-type registry (:func:`register_block`,
 :class:`KroneckerBlock`). Datasets and the model zoo of the experiments live in the separate
 package ``experiments`` (``experiments/``).
 """
@@ -38,10 +38,10 @@ from thor_tf import block_diagonal  # noqa: E402
 from thor_tf.blocks import KroneckerBlock, register_block  # noqa: E402
 from thor_tf.model import ThorModel, wrap  # noqa: E402
 from thor_tf.optimizer import ThorOptimizer  # noqa: E402
-from thor_tf.trace_rule import PRESETS  # noqa: E402
+from thor_tf.trace_rule import PRESETS, TraceRule  # noqa: E402
 from thor_tf.split.plan import SplitPlan  # noqa: E402
 from thor_tf import rules, schedules  # noqa: E402
 
-__all__ = ["wrap", "ThorModel", "ThorOptimizer", "PRESETS", "SplitPlan", "block_diagonal",
-           "rules", "schedules", "register_block", "KroneckerBlock"]
+__all__ = ["wrap", "ThorModel", "ThorOptimizer", "PRESETS", "TraceRule", "SplitPlan",
+           "block_diagonal", "rules", "schedules", "register_block", "KroneckerBlock"]
 __version__ = "0.1.0"

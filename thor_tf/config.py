@@ -19,7 +19,8 @@ from typing import Any, Optional, Tuple
 import keras
 
 from thor_tf import rules
-from thor_tf.trace_rule import PRESETS, TRACE_FILTERS, CadenceSchedule
+from thor_tf.trace_rule import (DEFAULT_FREQUENCY, DEFAULT_MAX_BLOCK_AGE,  # noqa: F401
+                                DEFAULT_TRACE_FILTER, TRACE_FILTERS, TraceRule, resolve_omegas)
 from thor_tf.split.plan import resolve_split_dim, split_config
 
 FISHER_TYPES = ("empirical", "sampled")
@@ -38,12 +39,8 @@ _SAVED_RULE_OPTION_DEFAULTS = {"momentum": 0.9, "kl_clip": 0.001, "inverse_assig
 #: How the loss reduces over the batch (undone to make G the mean of per-example outer products):
 #: "auto" reads the compiled loss in ``ThorModel.fit`` and assumes "mean" in the user's own code.
 LOSS_REDUCTIONS = ("auto", "mean", "sum")
-DEFAULT_FREQUENCY = 10
-#: Noise filter of the trace rule ("none" = the rule as published); see trace_rule.py.
-DEFAULT_TRACE_FILTER = "mean"
-#: Steps after which a block is refreshed whatever the trace rule says (issue 18's 3-seed
-#: benchmark on the CNN, ResNet-20 and ViT, docs/results.md); None: the rule alone.
-DEFAULT_MAX_BLOCK_AGE = 50
+#: The trace rule's options (on :class:`thor_tf.trace_rule.TraceRule`), also taken by name.
+TRACE_OPTIONS = TraceRule.options()
 #: Keras optimizer arguments ThorOptimizer refuses (they would act before preconditioning).
 REFUSED_KERAS_ARGUMENTS = ("clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps")
 
@@ -64,23 +61,6 @@ def check_positive_or_schedule(name, value, allow_zero=False):
             f"got {value!r}.")
 
 
-def resolve_omegas(preset, omega1, omega2):
-    """``(ω1, ω2)`` from a preset name and/or explicit values (explicit values win)."""
-    if preset is not None and preset not in PRESETS:
-        raise ValueError(f"`preset` must be one of {sorted(PRESETS)} or None; got {preset!r}.")
-    base1, base2 = PRESETS[preset or "thor"]
-    omega1 = base1 if omega1 is None else omega1
-    omega2 = base2 if omega2 is None else omega2
-    for name, value in (("omega1", omega1), ("omega2", omega2)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or value < 0:
-            raise ValueError(f"`{name}` must be a float >= 0; got {value!r}.")
-    if omega2 > omega1:
-        raise ValueError(
-            f"`omega2` must be <= `omega1` (0 <= omega2 <= omega1); got omega1={omega1}, "
-            f"omega2={omega2}.")
-    return float(omega1), float(omega2)
-
-
 def _is_real(value):
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
@@ -89,8 +69,8 @@ def _is_real(value):
 class ThorConfig:
     """THOR's options (see ``ThorOptimizer`` for each one's meaning), validated on construction.
 
-    Derived, read-only: ``omegas`` (ω1, ω2 after the preset), ``cadence`` (the
-    :class:`~thor_tf.trace_rule.CadenceSchedule` of ``frequency``); ``split_dim`` is resolved to
+    The trace rule's options are one :class:`~thor_tf.trace_rule.TraceRule` (``trace_rule``;
+    ``wrap`` also takes them by name: :data:`TRACE_OPTIONS`); ``split_dim`` is resolved to
     an int, a :class:`~thor_tf.split.plan.SplitPlan` or ``"auto"`` (a calibration JSON path is
     read once, here; ``"auto"`` becomes a plan at the start of ``fit``). The update rule's own
     options are on ``update_rule`` only (:data:`RULE_OPTIONS`).
@@ -100,17 +80,12 @@ class ThorConfig:
     weight_decay: float = 0.0
     weight_decay_exclude: Optional[Tuple[str, ...]] = None
     clip_norm: Optional[float] = None
-    frequency: Any = DEFAULT_FREQUENCY
-    preset: Optional[str] = "thor"
-    omega1: Optional[float] = None
-    omega2: Optional[float] = None
+    trace_rule: Any = None  # None: TraceRule(); a TraceRule or its config
     split_dim: Any = None  # None: the update rule's default_split
     fisher: str = "empirical"
     factor_decay: float = 0.0
-    trace_filter: str = DEFAULT_TRACE_FILTER
     factor_examples: Optional[int] = None
     loss_reduction: str = "auto"
-    max_block_age: Optional[int] = DEFAULT_MAX_BLOCK_AGE
     update_rule: Any = None  # None: rules.DEFAULT_RULE
 
     def __post_init__(self):
@@ -129,19 +104,12 @@ class ThorConfig:
             raise ValueError(f"`fisher` must be one of {list(FISHER_TYPES)}; got {self.fisher!r}.")
         if not _is_real(self.factor_decay) or not 0 <= self.factor_decay < 1:
             raise ValueError(f"`factor_decay` must be a float in [0, 1); got {self.factor_decay!r}.")
-        if not isinstance(self.trace_filter, str) or self.trace_filter not in TRACE_FILTERS:
-            raise ValueError(
-                f"`trace_filter` must be one of {list(TRACE_FILTERS)}; got {self.trace_filter!r}.")
         k = self.factor_examples
         if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1):
             raise ValueError(f"`factor_examples` must be None or an int >= 1; got {k!r}.")
         if not isinstance(self.loss_reduction, str) or self.loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"`loss_reduction` must be one of {list(LOSS_REDUCTIONS)}; "
                              f"got {self.loss_reduction!r}.")
-        age = self.max_block_age
-        if age is not None and (isinstance(age, bool) or not isinstance(age, numbers.Integral)
-                                or age < 1):
-            raise ValueError(f"`max_block_age` must be None or an int >= 1 (steps); got {age!r}.")
         exclude = self.weight_decay_exclude
         if exclude is not None and (isinstance(exclude, str)
                                     or not all(isinstance(p, str) for p in exclude)):
@@ -153,20 +121,27 @@ class ThorConfig:
         set_("clip_norm", None if self.clip_norm is None else float(self.clip_norm))
         set_("factor_decay", float(self.factor_decay))
         set_("factor_examples", None if k is None else int(k))
-        set_("max_block_age", None if age is None else int(age))
         set_("split_dim", resolve_split_dim(
             self.update_rule.default_split if self.split_dim is None else self.split_dim))
-        set_("_omegas", resolve_omegas(self.preset, self.omega1, self.omega2))
-        set_("_cadence", CadenceSchedule(self.frequency))
+        trace = self.trace_rule
+        if trace is None:
+            trace = TraceRule()
+        elif isinstance(trace, dict):
+            trace = TraceRule.from_config(trace)
+        elif not isinstance(trace, TraceRule):
+            raise ValueError(f"`trace_rule` must be a thor_tf.TraceRule (or its config); got "
+                             f"{trace!r}.")
+        set_("trace_rule", trace)
 
     @property
     def omegas(self):
-        """``(ω1, ω2)``: the preset's thresholds overridden by explicit ``omega1``/``omega2``."""
-        return self._omegas
+        """``(ω1, ω2)`` of the trace rule (its preset's, overridden by explicit values)."""
+        return self.trace_rule.omegas
 
     @property
     def cadence(self):
-        return self._cadence
+        """The trace rule's :class:`~thor_tf.trace_rule.CadenceSchedule` (``frequency``)."""
+        return self.trace_rule.cadence
 
     @property
     def rule(self):
@@ -184,8 +159,7 @@ class ThorConfig:
         out = self.options()
         if is_schedule(self.damping) and not _is_real(self.damping):
             out["damping"] = keras.saving.serialize_keras_object(self.damping)
-        frequency = self.cadence.get_config()
-        out["frequency"] = DEFAULT_FREQUENCY if frequency is None else frequency
+        out["trace_rule"] = self.trace_rule.get_config()
         out["weight_decay_exclude"] = list(self.weight_decay_exclude) if self.weight_decay_exclude else None
         out["update_rule"] = rules.serialize(self.update_rule)
         out["split_dim"] = split_config(self.split_dim)
@@ -204,7 +178,9 @@ def saved_options(config, custom_objects=None):
     ``ThorOptimizer`` or ``ThorModel``'s ``thor_options``; the one place that reads what earlier
     releases saved):
 
-    * schedules (``learning_rate``, ``damping``) deserialized, ``frequency`` pairs as tuples;
+    * schedules (``learning_rate``, ``damping``) deserialized;
+    * the trace rule's options, top-level in configs saved before they had a home of their own
+      (:data:`TRACE_OPTIONS`), or its config: one :class:`~thor_tf.trace_rule.TraceRule`;
     * ``update_rule``: absent (saved before update rules existed) is the inverse rule, THOR's
       only one then; a bare name that meant other settings then is read as those
       (:func:`thor_tf.rules.from_saved`);
@@ -221,8 +197,14 @@ def saved_options(config, custom_objects=None):
         if isinstance(config.get(key), dict):
             config[key] = keras.saving.deserialize_keras_object(config[key],
                                                                 custom_objects=custom_objects)
-    if isinstance(config.get("frequency"), list):
-        config["frequency"] = [tuple(p) for p in config["frequency"]]
+    flat = {name: config.pop(name) for name in TRACE_OPTIONS if name in config}
+    trace = config.get("trace_rule")
+    trace = TraceRule.from_config(trace) if isinstance(trace, dict) else trace or TraceRule()
+    if flat:
+        if isinstance(flat.get("frequency"), list):
+            flat["frequency"] = [tuple(p) for p in flat["frequency"]]
+        trace = trace.with_options(flat, explicit=False)
+    config["trace_rule"] = trace
     config["update_rule"] = rules.from_saved(config.get("update_rule", "inverse"))
     rule = rules.resolve(config["update_rule"] or rules.DEFAULT_RULE)
     taken = {}
@@ -276,17 +258,25 @@ def split_options(options):
     learning_rate = options.pop("learning_rate", None)
     thor = {k: options.pop(k) for k in THOR_OPTIONS if k in options}
     by_name = {k: options.pop(k) for k in RULE_OPTIONS if k in options}
+    trace_by_name = {k: options.pop(k) for k in TRACE_OPTIONS if k in options}
     allowed = keras_optimizer_arguments()
     unknown = sorted(k for k in options if k not in allowed)
     if unknown:
         keras_arguments = [a for a in allowed if a not in REFUSED_KERAS_ARGUMENTS]
         raise ValueError(
-            f"unknown option(s) {unknown}: THOR's options are {list(THOR_OPTIONS)}, the update "
-            f"rule's {list(RULE_OPTIONS)} by name, plus `learning_rate` and Keras optimizer "
-            f"arguments {keras_arguments}.")
+            f"unknown option(s) {unknown}: THOR's options are {list(THOR_OPTIONS)}, the trace "
+            f"rule's {list(TRACE_OPTIONS)} and the update rule's {list(RULE_OPTIONS)} by name, "
+            f"plus `learning_rate` and Keras optimizer arguments {keras_arguments}.")
     if by_name:
         thor["update_rule"] = rules.with_options(
             rules.resolve(thor.get("update_rule") or rules.DEFAULT_RULE), by_name)
+    if trace_by_name:
+        given = thor.get("trace_rule")
+        trace = (TraceRule.from_config(given) if isinstance(given, dict) else given) or TraceRule()
+        if not isinstance(trace, TraceRule):
+            raise ValueError(f"`trace_rule` must be a thor_tf.TraceRule (or its config); got "
+                             f"{given!r}.")
+        thor["trace_rule"] = trace.with_options(trace_by_name, explicit=given is not None)
     config = ThorConfig(**thor)
     return config, resolve_learning_rate(learning_rate, config.rule), options
 

@@ -809,17 +809,17 @@ def wrap(model, **options):
         :class:`thor_tf.rules.UpdateRule`), ``learning_rate`` (float or schedule; default
         warmup + cosine over the length ``fit`` knows, peaking at the rule's rate:
         :class:`thor_tf.schedules.FitWarmupCosine`), ``damping`` (float or schedule),
-        ``weight_decay``, ``weight_decay_exclude``, ``clip_norm``, ``frequency`` (int,
+        ``weight_decay``, ``weight_decay_exclude``, ``clip_norm``, ``trace_rule`` (a
+        :class:`thor_tf.TraceRule`), ``split_dim`` (int, a :class:`thor_tf.SplitPlan` or its
+        dict, ``"auto"`` or a calibration JSON path), ``fisher`` (``"empirical"`` or
+        ``"sampled"``), ``factor_decay``, ``factor_examples`` (None or k), ``loss_reduction``
+        (``"auto"``, ``"mean"``, ``"sum"``); the trace rule's ``frequency`` (int,
         ``"adaptive"``, list of ``(epoch, interval)`` pairs or callable), ``preset``
-        (``"thor"``, ``"thor_stop"``, ``"thor_nt"``), ``omega1``, ``omega2``, ``split_dim`` (int,
-        a :class:`thor_tf.SplitPlan` or its dict, ``"auto"`` or a calibration JSON path),
-        ``fisher`` (``"empirical"`` or ``"sampled"``), ``factor_decay``, ``factor_examples``
-        (None or k), ``trace_filter`` (``"mean"`` or ``"none"``), ``loss_reduction``
-        (``"auto"``, ``"mean"``, ``"sum"``), ``max_block_age`` (None or steps); the inverse
-        rule's ``momentum``, ``kl_clip`` (κ or None), ``inverse_assignment`` (``"all"`` or
-        ``"balanced"``) and ``damping_split`` (``"sqrt"`` or ``"pi"``), handed to it; Keras
-        optimizer arguments such as
-        ``loss_scale_factor``; plus ``exclude`` (layer names kept first order), ``verbose``
+        (``"thor"``, ``"thor_stop"``, ``"thor_nt"``), ``omega1``, ``omega2``,
+        ``trace_filter`` (``"mean"`` or ``"none"``) and ``max_block_age`` (None or steps), and
+        the inverse rule's ``momentum``, ``kl_clip`` (κ or None), ``inverse_assignment``
+        (``"all"`` or ``"balanced"``) and ``damping_split`` (``"sqrt"`` or ``"pi"``), each
+        handed to its rule; Keras optimizer arguments such as ``loss_scale_factor``; plus ``exclude`` (layer names kept first order), ``verbose``
         (print the registration table, default True) and ``graph_optimization`` (``"auto"``,
         the default: grappler's remapper only for the train step on a machine without GPU,
         TensorFlow's default passes with one; ``"light"``; ``"full"``; see

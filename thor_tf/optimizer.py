@@ -24,7 +24,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from thor_tf.config import (RULE_OPTIONS, THOR_OPTIONS, REFUSED_KERAS_ARGUMENTS,
+from thor_tf.config import (REFUSED_KERAS_ARGUMENTS, RULE_OPTIONS, THOR_OPTIONS, TRACE_OPTIONS,
                             saved_options, split_options)
 from thor_tf.schedules import FitWarmupCosine
 from thor_tf.split.plan import AUTO
@@ -61,6 +61,9 @@ class ThorOptimizer(keras.optimizers.Optimizer):
       weight_decay_exclude: variable-name patterns (regex, as Keras' ``exclude_from_weight_decay``)
         that get no weight decay, e.g. ``["bias", "gamma", "beta"]``.
       clip_norm: optional per-tensor clip-by-norm of the update before momentum (float > 0).
+      trace_rule: the trace rule's options as one :class:`thor_tf.TraceRule` (default
+        ``TraceRule()``): ``frequency``, ``preset``, ``omega1``, ``omega2``, ``trace_filter`` and
+        ``max_block_age`` below, each also taken here by name.
       frequency: cadence of factor work: int, list of ``(epoch, interval)``, callable of the step,
         or ``"adaptive"`` / ``thor_tf.scheduler.AdaptiveCadence(base, max_interval)``: the interval
         doubles (up to ``max_interval``, default 8·base) after a cadence point where no layer
@@ -278,6 +281,8 @@ def _option_view(name):
         return property(lambda self: getattr(self.config.rule, name, None))
     if name in ("omega1", "omega2"):            # after the preset
         return property(lambda self: self.config.omegas[name == "omega2"])
+    if name in TRACE_OPTIONS:                   # the trace rule's
+        return property(lambda self: getattr(self.config.trace_rule, name))
     if name == "weight_decay_exclude":
         return property(lambda self: list(self.config.weight_decay_exclude)
                         if self.config.weight_decay_exclude else None)
@@ -285,8 +290,9 @@ def _option_view(name):
 
 
 # THOR's options as read-only views of ``config`` (what users and older code read), one per
-# ThorConfig field. ``weight_decay`` is Keras' own attribute: THOR's is ``thor_weight_decay``.
-for _name in THOR_OPTIONS + RULE_OPTIONS + ("cadence",):
+# ThorConfig field and per option taken by name (the trace rule's, the update rule's).
+# ``weight_decay`` is Keras' own attribute: THOR's is ``thor_weight_decay``.
+for _name in THOR_OPTIONS + RULE_OPTIONS + TRACE_OPTIONS + ("cadence",):
     if _name not in ("update_rule",):
         setattr(ThorOptimizer, "thor_weight_decay" if _name == "weight_decay" else _name,
                 _option_view(_name))

@@ -85,8 +85,9 @@ filter update, the traces in use are kept; the engine counts it (``counters()["n
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
-from typing import NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import tensorflow as tf
 
@@ -384,6 +385,106 @@ def _frequency_error(value):
     )
 
 
+# --- The rule's options ------------------------------------------------------------------------
+
+#: Cadence of factor work (``frequency``): every 10 steps.
+DEFAULT_FREQUENCY = 10
+#: Noise filter of the rule ("none" = the rule as published).
+DEFAULT_TRACE_FILTER = "mean"
+#: Steps after which a block is refreshed whatever the trace rule says (issue 18's 3-seed
+#: benchmark on the CNN, ResNet-20 and ViT, docs/results.md); None: the rule alone.
+DEFAULT_MAX_BLOCK_AGE = 50
+
+
+def resolve_omegas(preset, omega1, omega2):
+    """``(ω1, ω2)`` from a preset name and/or explicit values (explicit values win)."""
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"`preset` must be one of {sorted(PRESETS)} or None; got {preset!r}.")
+    base1, base2 = PRESETS[preset or "thor"]
+    omega1 = base1 if omega1 is None else omega1
+    omega2 = base2 if omega2 is None else omega2
+    for name, value in (("omega1", omega1), ("omega2", omega2)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or value < 0:
+            raise ValueError(f"`{name}` must be a float >= 0; got {value!r}.")
+    if omega2 > omega1:
+        raise ValueError(
+            f"`omega2` must be <= `omega1` (0 <= omega2 <= omega1); got omega1={omega1}, "
+            f"omega2={omega2}.")
+    return float(omega1), float(omega2)
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceRule:
+    """The trace rule's options, validated on construction: ``thor_tf.wrap(model,
+    trace_rule=thor_tf.TraceRule(preset="thor_stop"))``; ``wrap`` and ``ThorOptimizer`` also take
+    each by name (``wrap(model, preset="thor_stop")``). See ``ThorOptimizer`` for each one's
+    meaning and docs/trace_rule.md for the rule.
+
+    Derived, read-only: ``omegas`` (ω1, ω2 after the preset), ``cadence`` (the
+    :class:`CadenceSchedule` of ``frequency``).
+    """
+
+    frequency: Any = DEFAULT_FREQUENCY
+    preset: Optional[str] = "thor"
+    omega1: Optional[float] = None
+    omega2: Optional[float] = None
+    trace_filter: str = DEFAULT_TRACE_FILTER
+    max_block_age: Optional[int] = DEFAULT_MAX_BLOCK_AGE
+
+    def __post_init__(self):
+        if not isinstance(self.trace_filter, str) or self.trace_filter not in TRACE_FILTERS:
+            raise ValueError(
+                f"`trace_filter` must be one of {list(TRACE_FILTERS)}; got {self.trace_filter!r}.")
+        age = self.max_block_age
+        if age is not None and (isinstance(age, bool) or not isinstance(age, numbers.Integral)
+                                or age < 1):
+            raise ValueError(f"`max_block_age` must be None or an int >= 1 (steps); got {age!r}.")
+        object.__setattr__(self, "max_block_age", None if age is None else int(age))
+        object.__setattr__(self, "_omegas", resolve_omegas(self.preset, self.omega1, self.omega2))
+        object.__setattr__(self, "_cadence", CadenceSchedule(self.frequency))
+
+    @property
+    def omegas(self):
+        """``(ω1, ω2)``: the preset's thresholds overridden by explicit ``omega1``/``omega2``."""
+        return self._omegas
+
+    @property
+    def cadence(self):
+        return self._cadence
+
+    @classmethod
+    def options(cls):
+        """The option names (also taken by name by ``wrap`` and ``ThorOptimizer``)."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def with_options(self, given, explicit):
+        """This rule with ``given`` (``{name: value}``, by name) set; ``explicit``: this instance
+        was given as ``trace_rule`` too, so a name it sets to another value is given twice."""
+        if not given:
+            return self
+        for name, value in given.items():
+            if explicit and getattr(self, name) != value and getattr(self, name) != getattr(
+                    TraceRule, name):
+                raise ValueError(
+                    f"`{name}` is given twice, {value!r} by name and {getattr(self, name)!r} in "
+                    f"trace_rule={self!r}; give it once.")
+        return dataclasses.replace(self, **given)
+
+    def get_config(self):
+        """JSON-able (a callable ``frequency`` becomes the default: callables do not serialize)."""
+        out = {name: getattr(self, name) for name in self.options()}
+        frequency = self.cadence.get_config()
+        out["frequency"] = DEFAULT_FREQUENCY if frequency is None else frequency
+        return out
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        if isinstance(config.get("frequency"), list):
+            config["frequency"] = [tuple(p) for p in config["frequency"]]
+        return cls(**config)
+
+
 # --- The rule over the engine's active layers (one cadence point) ----------------------------
 
 
@@ -433,8 +534,8 @@ def judge(state, config, layers, traces, damping, step):
 
     Args:
       state: the engine's :class:`~thor_tf.state.ThorState` (read only).
-      config: the :class:`~thor_tf.config.ThorConfig` (``omegas``, ``trace_filter``,
-        ``factor_decay``, ``max_block_age``).
+      config: the :class:`~thor_tf.config.ThorConfig` (its ``trace_rule``: ``omegas``,
+        ``trace_filter``, ``max_block_age``; and ``factor_decay``).
       layers: the active layers' ``_CadenceLayer``.
       traces: ``[n_active, 2]`` float32, ``[tr A, tr G]`` per layer.
       damping: λ (float32 scalar).
@@ -462,12 +563,13 @@ def judge(state, config, layers, traces, damping, step):
     a_dims = tf.constant([float(layer.block.a_dim) for layer in layers])
     g_dims = tf.constant([float(layer.block.g_dim) for layer in layers])
     batch_a, batch_g = traces[:, 0], traces[:, 1]
-    omega1, omega2 = config.omegas
+    rule = config.trace_rule
+    omega1, omega2 = rule.omegas
     aged = None
-    if config.max_block_age is not None:
+    if rule.max_block_age is not None:
         age = step - tf.cast(rows(s.last_refresh), tf.int64)
-        aged = tf.logical_and(has_used, age >= config.max_block_age)
-    if config.trace_filter == "mean":
+        aged = tf.logical_and(has_used, age >= rule.max_block_age)
+    if rule.trace_filter == "mean":
         delta, refresh, freeze, new_calm, new_filter = filter_step(
             old_filter, batch_a * batch_g, block_damping * a_dims * g_dims, has_used, omega1,
             omega2, calm, FREEZE_AFTER, aged)
