@@ -7,7 +7,8 @@ import pytest
 
 import thor_tf
 from thor_tf.profiling import profile_step
-from thor_tf.rules import Eigenbasis, Inverse
+from thor_tf.rules.eigenbasis import EigenbasisSplitCost
+from thor_tf.rules.inverse import InverseSplitCost
 
 SPLIT = 4
 
@@ -28,7 +29,8 @@ def _np_block_diag(mat, d):
     return out
 
 
-@pytest.mark.parametrize("rule, cls", [("eigenbasis", Eigenbasis), ("inverse", Inverse)])
+@pytest.mark.parametrize("rule, cls", [("eigenbasis", EigenbasisSplitCost),
+                                       ("inverse", InverseSplitCost)])
 def test_profile_times_the_rule_in_use_on_the_batch_factors(rule, cls, monkeypatch):
     wrapped = _wrapped(rule)
     rng = np.random.default_rng(0)

@@ -1,5 +1,5 @@
 """The split calibrated for the rule that runs (thor_tf/split/calibrate.py, plan.py,
-information.py, the rules' side_work / information_curve, split_dim="auto").
+information.py, the rules' split costs, split_dim="auto").
 
 * ``SplitPlan`` and ``split_dim``'s forms, with errors naming the argument; a plan sets each
   factor dimension's split in the state, the registration table and the saved config.
@@ -27,7 +27,8 @@ from thor_tf.split import calibrate as sc
 from thor_tf.split.information import held_out_kept, kept_curve
 from thor_tf.model import _probe_batches
 from thor_tf.rules import Eigenbasis, Inverse
-from thor_tf.rules.base import SideWork
+from thor_tf.rules.inverse import InverseSplitCost
+from thor_tf.rules.base import SideWork, SplitCost
 from thor_tf.split.plan import AUTO, SplitPlan, resolve_split_dim, split_size
 
 
@@ -149,13 +150,17 @@ def test_held_out_kept_checks_its_arguments():
 
 # -- the crossing, with a known cost ----------------------------------------------------------------
 
-class KnownCostRule:
-    """A rule whose information curve is given; its works are tagged with their candidate."""
+class KnownCostRule(SplitCost):
+    """A rule whose information curve is given; its works are tagged with their candidate (the
+    rule is its own cost model)."""
 
     name = "known"
 
     def __init__(self, info):
         self.info = info
+
+    def split_cost(self):
+        return self
 
     def side_work(self, factor, previous, split, other_dim, side):
         tag = (lambda: tf.constant(float(split)), ())
@@ -206,13 +211,14 @@ def test_without_a_crossing_each_rule_takes_its_fallback(fallback, expected):
         return [costs[int(fn(*args)[0].numpy())] for fn, args in works[:-1]] + [0.0]
 
     rule = KnownCostRule({1: 0.0, 16: 0.05, 32: 0.1, 64: 0.2})
-    rule.split_fallback = fallback
+    rule.fallback = fallback
     side = sc.Side("dense", "G", 64, 10, np.eye(64), np.eye(64))
     report = sc.calibrate_rule([side], rule, base_seconds=0.01, refresh_rate=0.0, timer=timer,
                                default=32)
     assert report["dims"][64]["crossing"] is None
     assert report["plan"].size(64) == expected
-    assert Eigenbasis.split_fallback == "default" and Inverse.split_fallback == "largest"
+    assert Eigenbasis().split_cost().fallback == "default"
+    assert Inverse().split_cost().fallback == "largest"
 
 
 def test_eigenbasis_information_is_relative_to_the_unsplit_basis():
@@ -220,11 +226,11 @@ def test_eigenbasis_information_is_relative_to_the_unsplit_basis():
     held-out value is the reference); for a factor wider than every candidate the reference is
     1 (the unsplit basis on its own batch) and the curve is the measure itself."""
     f1, f2 = _psd(12, 7), _psd(12, 8)
-    curve = Eigenbasis().information_curve([(f1, f2)], [1, 4, 12])
+    curve = Eigenbasis().split_cost().information_curve([(f1, f2)], [1, 4, 12])
     raw = kept_curve([(f1, f2)], [1, 4, 12])
     assert curve[-1] == 1.0
     np.testing.assert_allclose(curve, [r / raw[-1] for r in raw], rtol=1e-12)
-    wide = Eigenbasis().information_curve([(f1, f2)], [1, 4, 8])
+    wide = Eigenbasis().split_cost().information_curve([(f1, f2)], [1, 4, 8])
     np.testing.assert_allclose(wide, kept_curve([(f1, f2)], [1, 4, 8]), rtol=1e-12)
 
 
@@ -267,7 +273,7 @@ def test_eigenbasis_side_work_rotates_by_the_split_bases_and_renews_them(side):
     the new factor diagonal in the renewed basis (float64 check), from the previous basis."""
     n, split = 10, 4
     factor, previous = _psd(n, 2), _psd(n, 3)
-    work = Eigenbasis().side_work(factor, previous, split, 3, side)
+    work = Eigenbasis().split_cost().side_work(factor, previous, split, 3, side)
     fn, args = work.step
     matrix = args[0].numpy()
     assert matrix.shape == ((n, 3) if side == "A" else (3, n))
@@ -288,8 +294,8 @@ def test_eigenbasis_side_work_rotates_by_the_split_bases_and_renews_them(side):
 def test_inverse_side_work_multiplies_by_the_damped_split_inverse(side):
     n, split = 10, 4
     factor = _psd(n, 4)
-    damping = Inverse.TIMING_DAMPING
-    work = Inverse().side_work(factor, factor, split, 3, side)
+    damping = InverseSplitCost.TIMING_DAMPING
+    work = Inverse().split_cost().side_work(factor, factor, split, 3, side)
     blocks = [factor[s:s + split, s:s + split] for s in range(0, n, split)]
     inverse = np.linalg.inv(_block_diag(blocks) + damping * np.eye(n))
     fn, args = work.step

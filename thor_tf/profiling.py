@@ -10,7 +10,7 @@ preconditioning).
 A layer's ``refresh`` is the work of the rule the model trains with, on this batch's factors at
 the block's split: the inverse rule's damped batched Cholesky, the eigenbasis rule's basis
 renewal (``eigh``, or a power step and QR from the basis in use), as the rule states it for the
-split calibration (:meth:`thor_tf.rules.UpdateRule.side_work`, its ``refresh`` part, both sides
+split calibration (:meth:`thor_tf.rules.base.SplitCost.side_work`, its ``refresh`` part, both sides
 in one ``tf.function``). Timing it there leaves the optimizer's state as it is.
 """
 
@@ -49,7 +49,7 @@ def _refresh_function(rule, block, factors, in_use, split_dim):
 
     ``factors`` / ``in_use``: ``(A, G)`` split blocks ``[nb, d, d]``, this batch's and those the
     products in use came from (a refresh may start from them). The rule's
-    :meth:`~thor_tf.rules.UpdateRule.side_work` takes each side's dense ``[n, n]`` factor and its
+    :meth:`~thor_tf.rules.base.SplitCost.side_work` takes each side's dense ``[n, n]`` factor and its
     split; the two ``refresh`` works are traced into one ``tf.function`` taking their tensors as
     arguments (nothing folded into constants), as the split calibration times them."""
     sides = []
@@ -58,7 +58,7 @@ def _refresh_function(rule, block, factors, in_use, split_dim):
             ("G", factors[1], in_use[1], block.g_dim, block.a_dim, block.split_sizes(split_dim)[1])):
         dense = BlockDiagonal(factor, dim).to_dense().numpy()
         previous = BlockDiagonal(tf.convert_to_tensor(previous), dim).to_dense().numpy()
-        sides.append(rule.side_work(dense, previous, split, other, side).refresh)
+        sides.append(rule.split_cost().side_work(dense, previous, split, other, side).refresh)
     (fn_a, args_a), (fn_g, args_g) = sides
     cut = len(args_a)
     both = tf.function(lambda *t: (fn_a(*t[:cut]), fn_g(*t[cut:])), autograph=False)

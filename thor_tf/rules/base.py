@@ -15,15 +15,8 @@ checkpoints. A rule says, in four places, what happens with them:
 * :meth:`build_slots` / :meth:`update_step`: the optimizer's per-variable chain (momentum, or
   Adam's moments for the variables without a block).
 
-And, for the split calibration (:mod:`thor_tf.split.calibrate`, the H of THOR), what a split
-costs the rule and what it keeps:
-
-* :meth:`side_work`: the work that depends on one factor side's split, per step and per
-  refresh, as the traced functions training runs (the inverse rule: the product by the split
-  inverse and the batched Cholesky; the eigenbasis rule: the rotations in and out and the
-  basis refresh);
-* :meth:`information_curve`: per candidate split, how much of what the rule uses of a factor
-  the split keeps, in [0, 1].
+And :meth:`split_cost`: one small :class:`SplitCost` object, what a split costs the rule and
+what it keeps, for the split calibration (:mod:`thor_tf.split.calibrate`, the H of THOR).
 
 A rule is chosen with ``thor_tf.wrap(model, update_rule=...)`` (a name from
 :data:`thor_tf.rules.RULES` or an instance); a new rule is one new file with a subclass,
@@ -45,7 +38,7 @@ from thor_tf.buckets import batched_layout
 
 @dataclasses.dataclass(frozen=True)
 class SideWork:
-    """The work one factor side of a block costs a rule at one split (:meth:`UpdateRule.
+    """The work one factor side of a block costs a rule at one split (:meth:`SplitCost.
     side_work`): ``step`` runs every step, ``refresh`` when the block's products are renewed.
     Each is ``(fn, args)``: the rule's own ops as a Python function of tensors, and the tensors
     it is called with. The calibration traces the works of one candidate into one
@@ -78,6 +71,53 @@ def side_matrix(dim, other_dim, side, seed=0):
     return tf.constant(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
 
 
+class SplitCost:
+    """What a split costs an update rule and what it keeps: the split calibration's view of a
+    rule (:meth:`UpdateRule.split_cost`), built with the rule's options.
+
+    * :meth:`side_work`: the work that depends on one factor side's split, per step and per
+      refresh, as the traced functions training runs (the inverse rule: the product by the split
+      inverse and the batched Cholesky; the eigenbasis rule: the rotations in and out and the
+      basis refresh);
+    * :meth:`fixed_work`: the rule's per-step work that no split changes;
+    * :meth:`information_curve`: per candidate split, how much of what the rule uses of a factor
+      the split keeps, in [0, 1];
+    * :attr:`fallback`: the choice when the information curve stays below the speed curve at
+      every candidate.
+    """
+
+    #: ``"largest"`` (the seed's: the most exact split timed), ``"cheapest"`` (no candidate
+    #: keeps enough to pay for its work: the least work) or ``"default"`` (the curves cannot
+    #: decide: the largest candidate up to the rule's default split).
+    fallback = "largest"
+
+    def side_work(self, factor, previous, split, other_dim, side):
+        """:class:`SideWork` of one factor side at ``split``.
+
+        Args:
+          factor: ``[n, n]`` the factor a refresh sees (NumPy, undamped).
+          previous: ``[n, n]`` the factor the products in use came from (a refresh that starts
+            from them, e.g. a power step from the bases in use, is timed from there).
+          split: the candidate split ``b`` (int >= 1).
+          other_dim: the block's other side (the gradient matrix is ``[n, other_dim]`` for side
+            ``"A"``, ``[other_dim, n]`` for ``"G"``).
+          side: ``"A"`` or ``"G"``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not say what a split costs")
+
+    def fixed_work(self, shapes):
+        """The rule's per-step work that no split changes, on blocks of ``shapes``
+        (``[(a_dim, g_dim)]``): ``(fn, args)`` as :attr:`SideWork.step`, or None (nothing worth
+        timing). Part of the step the speed curve weighs a side's work against."""
+        del shapes
+        return None
+
+    def information_curve(self, pairs, cands):
+        """Per candidate split, what the split keeps of the factors ``pairs``
+        (``[(F_batch1, F_batch2)]``, NumPy ``[n, n]``, one dimension), in [0, 1]."""
+        raise NotImplementedError(f"{type(self).__name__} does not say what a split keeps")
+
+
 class UpdateRule:
     """Base class of update rules (see the module docstring). Subclasses set ``name`` and
     ``default_learning_rate`` (the peak rate the suite measured best for the rule; what
@@ -95,11 +135,6 @@ class UpdateRule:
     uses_damping = False
     #: ``split_dim`` when none is given (an int or a :class:`thor_tf.split.plan.SplitPlan`).
     default_split = 128
-    #: The split calibration's choice when the information curve stays below the speed curve
-    #: at every candidate: ``"largest"`` (the seed's: the most exact split timed),
-    #: ``"cheapest"`` (no candidate keeps enough to pay for its work: the least work) or
-    #: ``"default"`` (the curves cannot decide: the largest candidate up to the default split).
-    split_fallback = "largest"
 
     # -- state -------------------------------------------------------------------------------------
     def create_layer_state(self, optimizer, block, prefix, layout_a, layout_g):
@@ -131,31 +166,9 @@ class UpdateRule:
         raise NotImplementedError
 
     # -- what a split costs and keeps (the split calibration) -----------------------------------
-    def side_work(self, factor, previous, split, other_dim, side):
-        """:class:`SideWork` of one factor side at ``split``.
-
-        Args:
-          factor: ``[n, n]`` the factor a refresh sees (NumPy, undamped).
-          previous: ``[n, n]`` the factor the products in use came from (a refresh that starts
-            from them, e.g. a power step from the bases in use, is timed from there).
-          split: the candidate split ``b`` (int >= 1).
-          other_dim: the block's other side (the gradient matrix is ``[n, other_dim]`` for side
-            ``"A"``, ``[other_dim, n]`` for ``"G"``).
-          side: ``"A"`` or ``"G"``.
-        """
+    def split_cost(self):
+        """The :class:`SplitCost` of this rule (with its options)."""
         raise NotImplementedError(f"{type(self).__name__} does not say what a split costs it")
-
-    def fixed_work(self, shapes):
-        """The rule's per-step work that no split changes, on blocks of ``shapes``
-        (``[(a_dim, g_dim)]``): ``(fn, args)`` as :attr:`SideWork.step`, or None (nothing worth
-        timing). Part of the step the speed curve weighs a side's work against."""
-        del shapes
-        return None
-
-    def information_curve(self, pairs, cands):
-        """Per candidate split, what the split keeps of the factors ``pairs``
-        (``[(F_batch1, F_batch2)]``, NumPy ``[n, n]``, one dimension), in [0, 1]."""
-        raise NotImplementedError(f"{type(self).__name__} does not say what a split keeps")
 
     # -- config ------------------------------------------------------------------------------------
     def get_config(self):

@@ -47,7 +47,7 @@ from keras import ops
 from thor_tf import _keras_compat, block_matrices, lean
 from thor_tf.buckets import per_size_bucket, size_buckets
 from thor_tf.split.information import kept_curve
-from thor_tf.rules.base import (SideWork, UpdateRule, keras_serializable, side_matrix,
+from thor_tf.rules.base import (SideWork, SplitCost, UpdateRule, keras_serializable, side_matrix,
                                 split_blocks)
 from thor_tf.rules.eigenbasis_ops import (REFRESHES, TIE_BREAK, basis_change, eigh_blocks,
                                           newton_schulz_many,
@@ -145,12 +145,6 @@ class Eigenbasis(UpdateRule):
     #: ResNet-20's 576-wide convolutions within the seeds' spread. Unrotated at 289 the Fashion
     #: CNN lost 0.45 points: the threshold sits above the widest factor where rotating paid.
     default_split = SplitPlan(128, diagonal_above=512)
-    #: Where no candidate's information reaches its speed (factors wider than every affordable
-    #: split: the held-out measure grows like b/n there), the measure cannot tell what the split
-    #: does to training: leaving such sides unrotated took the deep autoencoder to its target in
-    #: 37 steps instead of 56 but cost the Fashion CNN 0.45 points (docs/split_dim.md). The
-    #: calibration then keeps the default split.
-    split_fallback = "default"
 
     #: Options of other rules this one has no use for, and why (the error ``wrap`` raises when
     #: one is set: :func:`thor_tf.rules.with_options`).
@@ -549,60 +543,9 @@ class Eigenbasis(UpdateRule):
         return out
 
     # -- what a split costs and keeps ------------------------------------------------------------
-    def side_work(self, factor, previous, split, other_dim, side):
-        """Per step: the side's rotations into its split basis and back (:func:`rotate_in` and
-        :func:`rotate_out` with the other side unrotated); Adam's moments and Newton–Schulz are
-        the same at every split and left out. Per refresh: the basis renewed from ``factor``'s
-        blocks by this rule's ``refresh`` (a power step and QR from ``previous``'s basis, with
-        its checks and ``eigh`` fallback, or ``eigh``), as :meth:`refresh` runs it."""
-        n = int(np.shape(factor)[0])
-        matrix = side_matrix(n, other_dim, side)
-        blocks, mask = split_blocks(factor, split)
-        q_old, w_old = eigh_blocks(*split_blocks(previous, split), tie_break=self.tie_break)
-        one = tf.ones([1, 1, 1])  # a side of 1×1 blocks is not rotated
-
-        def rotations(m, q):
-            q_a, q_g = (q, one) if side == "A" else (one, q)
-            return rotate_out(rotate_in(m, q_a, q_g), q_a, q_g)
-
-        def renew(blocks, mask, q, w):
-            selected = tf.ones(tf.shape(blocks)[:1], tf.bool)
-            return refresh_selected(blocks, mask, q, w, selected, self.refresh_method,
-                                    self.tie_break, self.refresh_tolerance, self.drift_tolerance,
-                                    self.refresh_min_size)[:2]
-
-        return SideWork(step=(rotations, (matrix, q_old)),
-                        refresh=(renew, (blocks, mask, q_old, w_old)))
-
-    def fixed_work(self, shapes):
-        """Adam's moments and division on every block's ``[a_dim, g_dim]`` matrix and, under
-        ``step="orthogonal"``, their Newton–Schulz orthogonalization as :meth:`precondition`
-        batches it (:meth:`_orthogonalized`)."""
-        matrices = tuple(side_matrix(a, g, "A", seed=k) for k, (a, g) in enumerate(shapes))
-
-        def step(*grads):
-            b1, b2, eps = (tf.constant(v, tf.float32) for v in (self.beta_1, self.beta_2,
-                                                                self.epsilon))
-            updates = []
-            for g in grads:
-                m = b1 * g + (1.0 - b1) * g
-                v = b2 * tf.square(g) + (1.0 - b2) * tf.square(g)
-                updates.append(m / (tf.sqrt(v) + eps))
-            if self.step == "orthogonal":
-                updates = self._orthogonalized(updates)
-            return updates
-
-        return step, matrices
-
-    def information_curve(self, pairs, cands):
-        """How well a split basis from one batch's factor diagonalizes the next batch's
-        (:func:`thor_tf.split.information.kept_curve`), relative to the unsplit basis: its own
-        held-out value when the unsplit factor is a candidate, else 1 (what it keeps of its own
-        batch; an ``n³`` decomposition of a wide factor is not worth timing for)."""
-        kept = kept_curve(pairs, cands)
-        dim = int(np.shape(pairs[0][0])[0])
-        reference = kept[-1] if cands[-1] >= dim and kept[-1] > 0 else 1.0
-        return [min(1.0, k / reference) for k in kept]
+    def split_cost(self):
+        """:class:`EigenbasisSplitCost` of this rule's options."""
+        return EigenbasisSplitCost(self)
 
     # -- the optimizer's chain ---------------------------------------------------------------------
     def update_step(self, optimizer, gradient, variable, learning_rate):
@@ -648,6 +591,77 @@ class Eigenbasis(UpdateRule):
         return (1.0 - tf.pow(ops.cast(self.beta_1, dtype), t),
                 1.0 - tf.pow(ops.cast(self.beta_2, dtype), t), ops.cast(self.epsilon, dtype),
                 decays)
+
+
+class EigenbasisSplitCost(SplitCost):
+    """What a split costs the eigenbasis rule and what it keeps (:meth:`Eigenbasis.split_cost`)."""
+
+    #: Where no candidate's information reaches its speed (factors wider than every affordable
+    #: split: the held-out measure grows like b/n there), the measure cannot tell what the split
+    #: does to training: leaving such sides unrotated took the deep autoencoder to its target in
+    #: 37 steps instead of 56 but cost the Fashion CNN 0.45 points (docs/split_dim.md). The
+    #: calibration then keeps the default split.
+    fallback = "default"
+
+    def __init__(self, rule):
+        self.rule = rule
+
+    def side_work(self, factor, previous, split, other_dim, side):
+        """Per step: the side's rotations into its split basis and back (:func:`rotate_in` and
+        :func:`rotate_out` with the other side unrotated); Adam's moments and Newton–Schulz are
+        the same at every split and left out. Per refresh: the basis renewed from ``factor``'s
+        blocks by this rule's ``refresh`` (a power step and QR from ``previous``'s basis, with
+        its checks and ``eigh`` fallback, or ``eigh``), as :meth:`Eigenbasis.refresh` runs it."""
+        rule = self.rule
+        n = int(np.shape(factor)[0])
+        matrix = side_matrix(n, other_dim, side)
+        blocks, mask = split_blocks(factor, split)
+        q_old, w_old = eigh_blocks(*split_blocks(previous, split), tie_break=rule.tie_break)
+        one = tf.ones([1, 1, 1])  # a side of 1×1 blocks is not rotated
+
+        def rotations(m, q):
+            q_a, q_g = (q, one) if side == "A" else (one, q)
+            return rotate_out(rotate_in(m, q_a, q_g), q_a, q_g)
+
+        def renew(blocks, mask, q, w):
+            selected = tf.ones(tf.shape(blocks)[:1], tf.bool)
+            return refresh_selected(blocks, mask, q, w, selected, rule.refresh_method,
+                                    rule.tie_break, rule.refresh_tolerance, rule.drift_tolerance,
+                                    rule.refresh_min_size)[:2]
+
+        return SideWork(step=(rotations, (matrix, q_old)),
+                        refresh=(renew, (blocks, mask, q_old, w_old)))
+
+    def fixed_work(self, shapes):
+        """Adam's moments and division on every block's ``[a_dim, g_dim]`` matrix and, under
+        ``step="orthogonal"``, their Newton–Schulz orthogonalization as
+        :meth:`Eigenbasis.precondition` batches it."""
+        rule = self.rule
+        matrices = tuple(side_matrix(a, g, "A", seed=k) for k, (a, g) in enumerate(shapes))
+
+        def step(*grads):
+            b1, b2, eps = (tf.constant(v, tf.float32) for v in (rule.beta_1, rule.beta_2,
+                                                                rule.epsilon))
+            updates = []
+            for g in grads:
+                m = b1 * g + (1.0 - b1) * g
+                v = b2 * tf.square(g) + (1.0 - b2) * tf.square(g)
+                updates.append(m / (tf.sqrt(v) + eps))
+            if rule.step == "orthogonal":
+                updates = rule._orthogonalized(updates)
+            return updates
+
+        return step, matrices
+
+    def information_curve(self, pairs, cands):
+        """How well a split basis from one batch's factor diagonalizes the next batch's
+        (:func:`thor_tf.split.information.kept_curve`), relative to the unsplit basis: its own
+        held-out value when the unsplit factor is a candidate, else 1 (what it keeps of its own
+        batch; an ``n³`` decomposition of a wide factor is not worth timing for)."""
+        kept = kept_curve(pairs, cands)
+        dim = int(np.shape(pairs[0][0])[0])
+        reference = kept[-1] if cands[-1] >= dim and kept[-1] > 0 else 1.0
+        return [min(1.0, k / reference) for k in kept]
 
 
 def _adam(gradient, m_old, v_old, ok, adam):

@@ -23,7 +23,7 @@ from thor_tf.rules.inverse_ops import (DAMPING_SPLITS, factor_dampings, invert_b
                                        precondition_gradients)
 from thor_tf.block_diagonal import BlockDiagonal
 from thor_tf.split.information import loss_fractions
-from thor_tf.rules.base import (SideWork, UpdateRule, keras_serializable, side_matrix,
+from thor_tf.rules.base import (SideWork, SplitCost, UpdateRule, keras_serializable, side_matrix,
                                 split_blocks)
 
 
@@ -216,8 +216,45 @@ class Inverse(UpdateRule):
             s.kl_scale.assign(tf.where(ok, nu, s.kl_scale))
         return out
 
+    # -- what a split costs and keeps -------------------------------------------------------------
+    def split_cost(self):
+        """:class:`InverseSplitCost`: the product by the split inverses, their Cholesky, the
+        seed's information curve."""
+        return InverseSplitCost()
+
     # -- the optimizer's chain ---------------------------------------------------------------------
-    # -- what a split costs and keeps ------------------------------------------------------------
+    def build_slots(self, optimizer, var_list):
+        optimizer._momentums = [
+            optimizer.add_variable_from_reference(v, name="momentum") for v in var_list]
+
+    def update_step(self, optimizer, gradient, variable, learning_rate):
+        """``Δ + wd·w`` → per-tensor clip → ``v = μv + Δ``; ``w ← w − lr·v``."""
+        config = optimizer.config
+        lr = ops.cast(learning_rate, variable.dtype)
+        update = ops.cast(gradient, variable.dtype)
+        if config.weight_decay and _keras_compat.uses_weight_decay(optimizer, variable):
+            update = update + ops.cast(config.weight_decay, variable.dtype) * variable
+        if config.clip_norm is not None:
+            update = tf.clip_by_norm(update, config.clip_norm)
+        velocity = optimizer._momentums[_keras_compat.variable_index(optimizer, variable)]
+        new_velocity = self.momentum * velocity + update
+        ok = optimizer.step_ok
+        if ok is not None:
+            # A skipped step keeps the velocity (a non-finite gradient never enters it) and
+            # moves nothing: the learning rate is masked, a scalar, not every update.
+            new_velocity = tf.where(ok, new_velocity, velocity)
+            step = tf.where(ok, lr, tf.zeros_like(lr)) * new_velocity
+        else:
+            step = lr * new_velocity
+        optimizer.assign(velocity, new_velocity)
+        optimizer.assign_sub(variable, step)
+
+
+class InverseSplitCost(SplitCost):
+    """What a split costs the inverse rule and what it keeps (:meth:`Inverse.split_cost`);
+    without a crossing the seed's choice, the largest split timed."""
+
+    fallback = "largest"
     #: The damping a factor is timed with (``sqrt`` of the default λ = 0.03): it changes the
     #: time only where a Cholesky fails and takes the float64 retry.
     TIMING_DAMPING = 0.03 ** 0.5
@@ -246,29 +283,3 @@ class Inverse(UpdateRule):
         loss ``1 − ‖Â‖₂/‖A‖₂`` is below 1 %
         (:func:`thor_tf.split.information.loss_fractions`)."""
         return loss_fractions([f for f, _ in pairs], cands)
-
-    def build_slots(self, optimizer, var_list):
-        optimizer._momentums = [
-            optimizer.add_variable_from_reference(v, name="momentum") for v in var_list]
-
-    def update_step(self, optimizer, gradient, variable, learning_rate):
-        """``Δ + wd·w`` → per-tensor clip → ``v = μv + Δ``; ``w ← w − lr·v``."""
-        config = optimizer.config
-        lr = ops.cast(learning_rate, variable.dtype)
-        update = ops.cast(gradient, variable.dtype)
-        if config.weight_decay and _keras_compat.uses_weight_decay(optimizer, variable):
-            update = update + ops.cast(config.weight_decay, variable.dtype) * variable
-        if config.clip_norm is not None:
-            update = tf.clip_by_norm(update, config.clip_norm)
-        velocity = optimizer._momentums[_keras_compat.variable_index(optimizer, variable)]
-        new_velocity = self.momentum * velocity + update
-        ok = optimizer.step_ok
-        if ok is not None:
-            # A skipped step keeps the velocity (a non-finite gradient never enters it) and
-            # moves nothing: the learning rate is masked, a scalar, not every update.
-            new_velocity = tf.where(ok, new_velocity, velocity)
-            step = tf.where(ok, lr, tf.zeros_like(lr)) * new_velocity
-        else:
-            step = lr * new_velocity
-        optimizer.assign(velocity, new_velocity)
-        optimizer.assign_sub(variable, step)

@@ -2,8 +2,8 @@
 
 The seed's calibration (:mod:`thor_tf.split.inverse_calibration`) times the inverse rule's
 Cholesky and weighs it against the seed's information curve. What a split costs and keeps
-depends on the rule (:meth:`thor_tf.rules.UpdateRule.side_work`,
-:meth:`~thor_tf.rules.UpdateRule.information_curve`): the default eigenbasis rule never
+depends on the rule (its :class:`~thor_tf.rules.base.SplitCost`,
+:meth:`thor_tf.rules.UpdateRule.split_cost`): the default eigenbasis rule never
 inverts; it rotates every step's gradient into its split bases and back and renews the bases at
 refreshes. This module calibrates the
 split for whichever rule the model trains with, on the model, the batch and the machine at hand:
@@ -21,7 +21,7 @@ split for whichever rule the model trains with, on the model, the batch and the 
    is the step's speed against its fastest split, ``(T + min_b c_n(b)) / (T + c_n(b))`` (work
    within 0.5 % of ``T`` of the cheapest counts as equally fast: timing noise), with
    ``T`` the rest of the step every split pays (the model's forward and backward pass on the
-   batch and the rule's split-independent work, :meth:`~thor_tf.rules.UpdateRule.fixed_work`):
+   batch and the rule's split-independent work, :meth:`~thor_tf.rules.base.SplitCost.fixed_work`):
    1 at the cheapest split, falling as the side's work grows relative to the step;
 3. information: the rule's curve over the same candidates on the probe factors of that
    dimension (the inverse rule: the seed's fraction of factors with loss < 1 %; the eigenbasis
@@ -29,7 +29,7 @@ split for whichever rule the model trains with, on the model, the batch and the 
    unsplit basis: :mod:`thor_tf.split.information`);
 4. the crossing of the two curves, as the seed takes it (:func:`thor_tf.split.crossing.
    find_crossing`), is that dimension's split; where the information stays below the speed at
-   every candidate, the rule's ``split_fallback`` decides (the inverse rule: the largest
+   every candidate, the rule's ``SplitCost.fallback`` decides (the inverse rule: the largest
    candidate, the seed's; the eigenbasis rule: its default split for that dimension, since its
    measure cannot tell there what the split does to training: docs/split_dim.md). The result is
    a :class:`thor_tf.split.plan.SplitPlan` (the rule's default for dimensions the probe did not
@@ -163,13 +163,14 @@ def calibrate_rule(sides: Sequence, rule, base_seconds: float, refresh_rate: flo
     # dimension, one the refresh work (as one train step runs them: a call's overhead once).
     # Sides of one dimension, side and other dimension do the same work: one of each is built
     # and run that many times inside the function.
+    cost_model = rule.split_cost()
     works, keys = [], []
     for dim, members in sorted(by_dim.items()):
         shapes = {}
         for s in members:
             shapes.setdefault((s.side, s.other_dim), []).append(s)
         for b in candidates_for(dim, max_split):
-            made = [(rule.side_work(group[0].factor, group[0].previous, b, other, side),
+            made = [(cost_model.side_work(group[0].factor, group[0].previous, b, other, side),
                      len(group)) for (side, other), group in sorted(shapes.items())]
             for kind in ("step", "refresh"):
                 works.append(_joined([(getattr(w, kind), count) for w, count in made]))
@@ -194,10 +195,10 @@ def calibrate_rule(sides: Sequence, rule, base_seconds: float, refresh_rate: flo
         cheapest = min(cost)
         speed = [1.0 if c - cheapest < SPEED_RESOLUTION * base_seconds
                  else (base_seconds + cheapest) / (base_seconds + c) for c in cost]
-        info = [float(v) for v in rule.information_curve(
+        info = [float(v) for v in cost_model.information_curve(
             [(s.previous, s.factor) for s in members], cands)]
         found = find_crossing(cands, info, speed)
-        fallback = getattr(rule, "split_fallback", "largest")
+        fallback = cost_model.fallback
         if (found.crossing is None and fallback != "largest"
                 and all(i < v for i, v in zip(info, speed))):
             if fallback == "cheapest":
@@ -261,12 +262,12 @@ def forward_backward_seconds(model, batch, repeats: int = 3) -> float:
 def step_base_seconds(model, batch, rule, repeats: int = 3) -> dict:
     """``T``: the seconds of the step every split pays: the model's forward and backward pass
     on ``batch`` and the rule's split-independent work on its blocks
-    (:meth:`~thor_tf.rules.UpdateRule.fixed_work`: the eigenbasis rule's moments and
+    (:meth:`~thor_tf.rules.base.SplitCost.fixed_work`: the eigenbasis rule's moments and
     Newton–Schulz). ``{"forward_backward": s, "rule_fixed": s, "total": s}``."""
     forward_backward = forward_backward_seconds(model, batch, repeats=repeats)
     shapes = [(b.a_dim, b.g_dim) for b in model.thor.blocks]
     works = [_adamw_work(shapes)]
-    work = rule.fixed_work(shapes)
+    work = rule.split_cost().fixed_work(shapes)
     if work is not None:
         works.append((tf.function(work[0], autograph=False), work[1]))
     seconds = time_round_robin(works, repeats=repeats)
