@@ -24,6 +24,7 @@ import tensorflow as tf
 
 import thor_tf
 from thor_tf.rules import Eigenbasis, eigenbasis as eigenbasis_module, eigenbasis_ops
+from thor_tf.rules import eigenbasis_refresh
 from thor_tf.rules.eigenbasis_ops import (newton_schulz, newton_schulz_many, rotate_in,
                                           rotate_out)
 
@@ -175,7 +176,7 @@ def test_stacked_moment_carry_against_float64_and_the_blocks_it_must_keep():
             v=tf.Variable(rng.uniform(size=(a, g)), dtype=tf.float32)))
         new.append(((tf.constant(q_a, tf.float32), None), (tf.constant(q_g, tf.float32), None)))
     flags = [tf.constant(True), tf.constant(True), tf.constant(False)]  # block 2: not selected
-    out = Eigenbasis._carried_stacked(helds, new, flags, tf.constant(True))
+    out = eigenbasis_refresh.carried_stacked(helds, new, flags, tf.constant(True))
     h = helds[0]
     q_a_old, q_g_old = (_dense_block_diag(q.numpy().astype(np.float64), n)
                         for q, n in ((h.Q_A, a), (h.Q_G, g)))
@@ -189,7 +190,8 @@ def test_stacked_moment_carry_against_float64_and_the_blocks_it_must_keep():
     for n in (1, 2):
         assert np.array_equal(out[n][0].numpy(), helds[n].m.numpy())
         assert np.array_equal(out[n][1].numpy(), helds[n].v.numpy())
-    before_first_step = Eigenbasis._carried_stacked(helds, new, flags, tf.constant(False))
+    before_first_step = eigenbasis_refresh.carried_stacked(helds, new, flags,
+                                                          tf.constant(False))
     for held, (m_n, v_n) in zip(helds, before_first_step):
         assert np.array_equal(m_n.numpy(), held.m.numpy())
         assert np.array_equal(v_n.numpy(), held.v.numpy())
@@ -300,6 +302,7 @@ def _before_this_change(monkeypatch):
         return out
 
     monkeypatch.setattr(eigenbasis_module, "rotate_in", lambda m, a, g: rotate(m, a, g, True))
+    monkeypatch.setattr(eigenbasis_refresh, "rotate_in", lambda m, a, g: rotate(m, a, g, True))
     monkeypatch.setattr(eigenbasis_module, "rotate_out", lambda m, a, g: rotate(m, a, g, False))
     monkeypatch.setattr(Eigenbasis, "_orthogonalized", orthogonalized)
 

@@ -5,19 +5,19 @@ Per block with gradient matrix ``M`` (``[a_dim, g_dim]``, bias row folded in; se
 :mod:`thor_tf.blocks.base`) and split factors ``A = ⊕_i A_i``, ``G = ⊕_j G_j``:
 
 * at a refresh (the trace rule, or ``max_block_age``): ``A_i = Q_A,i Λ_A,i Q_A,iᵀ`` and
-  ``G_j = Q_G,j Λ_G,j Q_G,jᵀ`` for every diagonal block (:mod:`thor_tf.rules.eigenbasis_ops`: batched per size
-  bucket, float64, a tie-breaking diagonal ramp; ``refresh="power_qr"``: one float32 power step
-  and QR from the basis in use instead, skipped where the factor is still nearly diagonal in
-  it, float64 ``eigh`` where a check fails); the moments are carried into the new bases
-  with ``R = Q_oldᵀ Q_new`` per block: ``m ← R_Aᵀ m R_G`` (exact), ``v ← (R_A∘R_A)ᵀ v (R_G∘R_G)`` (the diagonal of
-  ``Rᵀ diag(v) R`` on each side). Keeping ``v`` as it was across a basis change diverged on the
+  ``G_j = Q_G,j Λ_G,j Q_G,jᵀ`` for every diagonal block (:mod:`thor_tf.rules.eigenbasis_refresh`:
+  batched per size bucket, float64, a tie-breaking diagonal ramp; ``refresh="power_qr"``: one
+  float32 power step and QR from the basis in use instead, skipped where the factor is still
+  nearly diagonal in it, float64 ``eigh`` where a check fails); the moments are carried into
+  the new bases with ``R = Q_oldᵀ Q_new`` per block: ``m ← R_Aᵀ m R_G`` (exact),
+  ``v ← (R_A∘R_A)ᵀ v (R_G∘R_G)`` (the diagonal of ``Rᵀ diag(v) R`` on each side). Keeping ``v`` as it was across a basis change diverged on the
   digits CNN (DESIGN.md §9).
 * every step: ``M' = Q_Aᵀ M Q_G``; ``m ← β1 m + (1−β1) M'``, ``v ← β2 v + (1−β2) M'²``;
   ``Δ' = m̂ / (√v̂ + ε + ε_r·√mean(v̂))`` (bias-corrected with the optimizer's step ``t``; the
   mean over the block); ``Δ = Q_A Δ' Q_Gᵀ``.
 * ``step="orthogonal"`` (the default; SOAP-Muon): ``Δ ← NS(Δ)·‖Δ‖_F/‖NS(Δ)‖_F``, the Newton–Schulz
-  orthogonal factor of the whole ``[a_dim, g_dim]`` step (:mod:`thor_tf.rules.eigenbasis_ops`, one
-  batched evaluation per bucket of shapes, through ``eigh`` of the step's Gram matrix) at the
+  orthogonal factor of the whole ``[a_dim, g_dim]`` step (:mod:`thor_tf.rules.orthogonal_step`,
+  one batched evaluation per bucket of shapes, through ``eigh`` of the step's Gram matrix) at the
   Adam step's Frobenius norm (``scale="graft"``; ``"rms"``: Muon's ``0.2·√max(a_dim, g_dim)``
   instead). Adam's division in the eigenbasis chooses the direction's weighting, the
   orthogonalization equalizes its singular values, the graft keeps Adam's step size, so the rate
@@ -44,15 +44,14 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from thor_tf import _keras_compat, block_matrices, lean
-from thor_tf.buckets import per_size_bucket, size_buckets
+from thor_tf import _keras_compat, block_matrices
 from thor_tf.split.information import kept_curve
 from thor_tf.rules.base import (SideWork, SplitCost, UpdateRule, keras_serializable, side_matrix,
                                 split_blocks)
-from thor_tf.rules.eigenbasis_ops import (REFRESHES, TIE_BREAK, basis_change, eigh_blocks,
-                                          newton_schulz_many,
-                                          refresh_selected, rotate_first_moment, rotate_in,
-                                          rotate_out, rotate_second_moment)
+from thor_tf.rules.eigenbasis_ops import (REFRESHES, TIE_BREAK, eigh_blocks, refresh_selected,
+                                          rotate_in, rotate_out)
+from thor_tf.rules.eigenbasis_refresh import refresh_bases
+from thor_tf.rules.orthogonal_step import orthogonalized
 from thor_tf.rules.inverse import identity_blocks
 from thor_tf.split.plan import SplitPlan
 
@@ -250,127 +249,10 @@ class Eigenbasis(UpdateRule):
 
     # -- refresh -----------------------------------------------------------------------------------
     def refresh(self, refresher, layers, refresh, factors, damping):
-        """New bases for the refreshing layers (one batched ``eigh``, or power step and QR, per
-        bucket of block sizes, :func:`thor_tf.buckets.size_buckets`), their moments carried into
-        them where a basis changed."""
-        s = refresher.state
-        factors_flat, dims, held = [], [], []  # per factor: A, G, A, G, ...
-        for layer, (fa, fg) in zip(layers, factors):
-            state = s.layers[layer.index]
-            factors_flat += [fa, fg]
-            dims += [layer.block.a_dim, layer.block.g_dim]
-            held += [(state.Q_A, state.w_A), (state.Q_G, state.w_G)]
-        # A side split 1 (1×1 blocks: a factor kept as its diagonal) is not rotated: its basis is
-        # 1 for good and its eigenvalues are its diagonal (:func:`_diagonal_side`), with no
-        # decomposition, bucket or moment rotation (ResNet-50's unrotated sides: ~40k blocks).
-        out = [_diagonal_side(f, h, refresh[n // 2]) if int(f.shape[-1]) == 1 else None
-               for n, (f, h) in enumerate(zip(factors_flat, held))]
-        rotated = [n for n, o in enumerate(out) if o is None]
-        if rotated:
-            flags = tf.stack([refresh[n // 2] for n in rotated])
-
-            def decompose(blocks, mask, owner, in_use):
-                q, w, _ = refresh_selected(blocks, mask, in_use[0], in_use[1],
-                                           tf.gather(flags, owner), self.refresh_method,
-                                           self.tie_break, self.refresh_tolerance,
-                                           self.drift_tolerance, self.refresh_min_size)
-                return q, w
-
-            for n, pair in zip(rotated, per_size_bucket(
-                    [factors_flat[n] for n in rotated], [dims[n] for n in rotated],
-                    [held[n] for n in rotated], decompose)):
-                out[n] = pair
-        new = [(out[2 * k], out[2 * k + 1]) for k in range(len(layers))]
-        # Before the first step the moments are their initial zeros, which every rotation keeps:
-        # the first refresh (every layer's, from the identity) carries nothing.
-        started = refresher.engine.optimizer.iterations > 0
-        groups = {}
-        for n, layer in enumerate(layers):
-            groups.setdefault(self._stack_key(s.layers[layer.index]), []).append(n)
-        for members in groups.values():
-            helds = [s.layers[layers[n].index] for n in members]
-            if len(members) == 1:
-                moments = [self._carried_alone(helds[0], new[members[0]], refresh[members[0]],
-                                               started)]
-            else:
-                moments = self._carried_stacked(helds, [new[n] for n in members],
-                                                [refresh[n] for n in members], started)
-            for held, moment, n in zip(helds, moments, members):
-                if moment is not None:  # None: neither side rotates, the moments stay
-                    held.m.assign(moment[0])
-                    held.v.assign(moment[1])
-                for q_var, w_var, (q, w) in ((held.Q_A, held.w_A, new[n][0]),
-                                             (held.Q_G, held.w_G, new[n][1])):
-                    if q is not None:  # None: a diagonal side's basis, 1 for good
-                        q_var.assign(q)
-                    w_var.assign(w)
-
-    @staticmethod
-    def _carried_alone(held, new, flag, started):
-        """``(m, v)`` of one block in its new bases (``new``: ``((q_A, w_A), (q_G, w_G))``), under
-        a ``tf.cond``: four block products only where a basis changed."""
-        (q_a, _), (q_g, _) = new
-        if q_a is None and q_g is None:  # both sides diagonal: R = 1 on both, nothing to carry
-            return None
-        a_dim, g_dim = int(held.m.shape[0]), int(held.m.shape[1])
-        # A block that kept its basis (skipped, or a failed decomposition) has it bit for bit:
-        # its R is exactly I (Q_oldᵀ Q_old is I only to round-off, which v would accumulate).
-        # A diagonal side (q None) keeps its basis 1: R = 1, no product on that side.
-        same_a = None if q_a is None else _unchanged(held.Q_A, q_a)
-        same_g = None if q_g is None else _unchanged(held.Q_G, q_g)
-
-        def carried():
-            r_a = None if q_a is None else _identity_where(same_a, basis_change(held.Q_A, q_a))
-            r_g = None if q_g is None else _identity_where(same_g, basis_change(held.Q_G, q_g))
-            m = tf.convert_to_tensor(held.m)
-            v = tf.convert_to_tensor(held.v)
-            return (rotate_first_moment(m, r_a, r_g, a_dim, g_dim),
-                    rotate_second_moment(v, r_a, r_g, a_dim, g_dim))
-
-        unchanged = [tf.reduce_all(same) for same in (same_a, same_g) if same is not None]
-        changed = tf.logical_not(unchanged[0] if len(unchanged) == 1
-                                 else tf.logical_and(*unchanged))
-        return tf.cond(flag & changed & started, carried,
-                       lambda: (tf.identity(held.m), tf.identity(held.v)))
-
-    @staticmethod
-    def _carried_stacked(helds, new, flags, started):
-        """:meth:`_carried_alone` for ``L`` blocks of one shape (:meth:`_stack_key`) as one stack
-        under one ``tf.cond`` (taken where any of them changed its basis): ``R_Aᵀ m R_G`` and
-        ``(R_A∘R_A)ᵀ v (R_G∘R_G)`` are :func:`rotate_in` by ``R`` and by ``R∘R``. A block that did
-        not change keeps its moments as they are (selected, not rotated by ``I``). A diagonal
-        side (its new basis None: 1×1 blocks, basis 1) is not rotated; with both sides diagonal
-        the moments stay (``None`` per block)."""
-        sides = []  # per side: (old bases, new bases) [L, nb, d, d], or None (diagonal)
-        for k, name in ((0, "Q_A"), (1, "Q_G")):
-            if new[0][k][0] is None:
-                sides.append(None)
-                continue
-            sides.append((tf.stack([tf.convert_to_tensor(getattr(h, name)) for h in helds]),
-                          tf.stack([pair[k][0] for pair in new])))
-        if sides == [None, None]:
-            return [None] * len(helds)
-        m_old = tf.stack([tf.convert_to_tensor(h.m) for h in helds])  # [L, a_dim, g_dim]
-        v_old = tf.stack([tf.convert_to_tensor(h.v) for h in helds])
-        same = [None if side is None else tf.reduce_all(tf.equal(*side), axis=[-2, -1])
-                for side in sides]  # [L, nb]
-        unchanged = [tf.reduce_all(x, axis=1) for x in same if x is not None]
-        changed = tf.logical_not(unchanged[0] if len(unchanged) == 1
-                                 else tf.logical_and(*unchanged))
-        carry = tf.logical_and(tf.logical_and(tf.stack(flags), changed), started)  # [L]
-
-        def carried():
-            # A diagonal side's R is 1 (rotate_in skips 1×1 blocks without a product).
-            r_a, r_g = (tf.ones([len(helds), *getattr(helds[0], name).shape]) if side is None
-                        else _identity_where(x, basis_change(*side))
-                        for side, x, name in zip(sides, same, ("Q_A", "Q_G")))
-            m = rotate_in(m_old, r_a, r_g)
-            v = rotate_in(v_old, tf.square(r_a), tf.square(r_g))
-            keep = carry[:, None, None]
-            return tf.where(keep, m, m_old), tf.where(keep, v, v_old)
-
-        m, v = tf.cond(tf.reduce_any(carry), carried, lambda: (m_old, v_old))
-        return list(zip(tf.unstack(m), tf.unstack(v)))
+        """New bases for the refreshing layers, their moments carried into them where a basis
+        changed (:func:`thor_tf.rules.eigenbasis_refresh.refresh_bases`)."""
+        del damping  # eigenvectors do not move with it
+        refresh_bases(self, refresher, layers, refresh, factors)
 
     # -- precondition ------------------------------------------------------------------------------
     def precondition(self, engine, active, rows_per_term, grads, variables, ok, use_grads):
@@ -486,61 +368,8 @@ class Eigenbasis(UpdateRule):
         return tuple(held.m.shape), tuple(held.Q_A.shape), tuple(held.Q_G.shape)
 
     def _orthogonalized(self, updates):
-        """Each ``[a, g]`` update's Newton–Schulz orthogonal factor ``O``
-        (:func:`thor_tf.rules.eigenbasis_ops.newton_schulz`), scaled to the update's Frobenius
-        norm (``scale="graft"``: the step's size stays Adam's, its singular values equal) or to
-        ``O·rms·√max(a, g)`` (``"rms"``: Muon's RMS, Moonlight's rule).
-
-        One batched iteration per bucket of sizes, not per shape: the updates are grouped by
-        their short and long sides (:func:`thor_tf.buckets.size_buckets` on each), taken in the
-        bucket's majority orientation and zero-padded to its shape. Zero rows and columns stay
-        zero through the iteration and do not change a matrix's norm, so padding changes nothing
-        but round-off; a model's many small layers (a Transformer's query/key/value/output, a
-        few shapes each) then cost a few batched products instead of a few per shape (the
-        iteration's ~30 ops each); evaluated through ``eigh``, the gain's scalar recursion runs
-        once for all buckets
-        (:func:`thor_tf.rules.eigenbasis_ops.newton_schulz_many`)."""
-        tall = [int(u.shape[0]) > int(u.shape[1]) for u in updates]
-        short = [int(min(u.shape)) for u in updates]
-        long = [int(max(u.shape)) for u in updates]
-        heights, widths = size_buckets(short), size_buckets(long)
-        to_bucket = lambda buckets, d: next(b for b, sizes in buckets.items() if d in sizes)
-        groups = {}
-        for n in range(len(updates)):
-            key = (to_bucket(heights, short[n]), to_bucket(widths, long[n]))
-            groups.setdefault(key, []).append(n)
-        out = [None] * len(updates)
-        buckets = sorted(groups.items())
-        # Each bucket is iterated in its members' majority orientation (Newton–Schulz takes a
-        # tall matrix as it is): only a member of the other orientation is transposed, in and
-        # out. A Transpose of a small matrix costs about what a product does on this CPU (the
-        # char GPT's step had 22 of them, ~1.5 ms).
-        bucket_tall = [2 * sum(tall[n] for n in members) > len(members) for _, members in buckets]
-        oriented = [[updates[n] if tall[n] == t else tf.transpose(updates[n]) for n in members]
-                    for (_, members), t in zip(buckets, bucket_tall)]
-        # A bucket of one matrix is that matrix, unpadded: 2-D products are ~3x cheaper than a
-        # batch of one on this CPU (a small model's buckets are often single).
-        stacks = []
-        for ((s_size, l_size), members), t, mats in zip(buckets, bucket_tall, oriented):
-            rows, cols = (l_size, s_size) if t else (s_size, l_size)
-            stacks.append(mats[0] if len(members) == 1 else tf.stack(
-                [tf.pad(m, [[0, rows - int(m.shape[0])], [0, cols - int(m.shape[1])]])
-                 for m in mats]))
-        for (_, members), t, mats, stacked, ortho in zip(buckets, bucket_tall, oriented, stacks,
-                                                         newton_schulz_many(stacks)):
-            if self.scale == "graft":
-                norm = tf.sqrt(tf.reduce_sum(tf.square(stacked), axis=[-2, -1], keepdims=True))
-                o_norm = tf.sqrt(tf.reduce_sum(tf.square(ortho), axis=[-2, -1], keepdims=True))
-                ortho = ortho * (norm / (o_norm + 1e-30))
-            else:
-                rms = [self.rms * max(int(d) for d in updates[n].shape) ** 0.5 for n in members]
-                ortho = ortho * (rms[0] if len(members) == 1 else
-                                 tf.constant(rms, tf.float32)[:, None, None])
-            for n, m, o in zip(members, mats, [ortho] if len(members) == 1 else tf.unstack(ortho)):
-                if o.shape != m.shape:
-                    o = o[:int(m.shape[0]), :int(m.shape[1])]
-                out[n] = o if tall[n] == t else tf.transpose(o)
-        return out
+        """:func:`thor_tf.rules.orthogonal_step.orthogonalized` at this rule's ``scale``/``rms``."""
+        return orthogonalized(updates, self.scale, self.rms)
 
     # -- what a split costs and keeps ------------------------------------------------------------
     def split_cost(self):
@@ -674,27 +503,6 @@ def _adam(gradient, m_old, v_old, ok, adam):
     if ok is not None:
         m, v = tf.where(ok, m, m_old), tf.where(ok, v, v_old)
     return m, v, (m / correction_1) / (tf.sqrt(v / correction_2) + epsilon)
-
-
-def _diagonal_side(factor, held, flag):
-    """``(None, w)``: a refresh of a side split 1 (``factor`` ``[n, 1, 1]``, ``held`` its ``(Q,
-    w)`` in use): its basis stays 1 (None: nothing to write or rotate) and its eigenvalues are
-    its diagonal where the layer refreshes and the entry is finite, those in use elsewhere (what
-    a decomposition of 1×1 blocks gives: :func:`thor_tf.rules.eigenbasis_ops.eigh_blocks`)."""
-    w = factor[:, :, 0]  # [n, 1]
-    return None, tf.where(tf.logical_and(flag, tf.math.is_finite(w)), w, held[1])
-
-
-def _unchanged(q_old, q_new):
-    """``[nb]`` bool: the blocks whose basis is bit for bit the one in use."""
-    return tf.reduce_all(tf.equal(q_old, q_new), axis=[1, 2])
-
-
-def _identity_where(same, r):
-    """``r`` (``[nb, d, d]``, or a stack ``[L, nb, d, d]`` with ``same`` ``[L, nb]``) with the
-    ``same`` blocks replaced by the identity."""
-    mask = lean.per_block(same, 3) if same.shape.rank == 1 else same[..., None, None]
-    return tf.where(mask, lean.eye(r.shape[-1], r.dtype), r)
 
 
 def _clip(gradient, clip_norm):
