@@ -34,26 +34,26 @@ from experiments.workloads import WORKLOADS  # noqa: E402  (the suite's, in its 
 def buckets_of(workload_name):
     """``[[blocks, rows, cols], ...]``: what the rule's orthogonalization gets in one step."""
     import keras
-    from thor_tf.rules import eigenbasis as eigenbasis_module
+    from thor_tf.rules import orthogonal_step
     from experiments import suite, workloads
 
     workload = workloads.WORKLOADS[workload_name]
     data = workload.load(False)
     keras.utils.set_random_seed(0)
     model = suite.compiled_model("thor", 0.0, workload, data, False, 100, {})
-    seen, real = [], eigenbasis_module.newton_schulz_many
+    seen, real = [], orthogonal_step.newton_schulz_many
 
     def recording(xs, *args, **kwargs):
         # A bucket of one matrix is passed as that matrix ([rows, cols]): a batch of one.
         seen.extend([1] * (3 - len(x.shape)) + [int(d) for d in x.shape] for x in xs)
         return real(xs, *args, **kwargs)
 
-    eigenbasis_module.newton_schulz_many = recording
+    orthogonal_step.newton_schulz_many = recording
     try:
         rows = np.arange(workload.batch_size) % data.num_train
         model.train_on_batch(data.x_train[rows], data.y_train[rows])
     finally:
-        eigenbasis_module.newton_schulz_many = real
+        orthogonal_step.newton_schulz_many = real
     return seen
 
 
@@ -109,7 +109,7 @@ def paired(workload_name, steps, methods=("iterate", "spectral")):
     import time
 
     import keras
-    from thor_tf.rules import eigenbasis as eigenbasis_module
+    from thor_tf.rules import orthogonal_step
     from thor_tf.rules.eigenbasis_ops import newton_schulz_many
     from experiments import suite, workloads
 
@@ -118,18 +118,18 @@ def paired(workload_name, steps, methods=("iterate", "spectral")):
     order = suite.batch_order(data.num_train, workload.batch_size, workload.epochs, 0,
                               workload.single_pass)
     models = []
-    real = eigenbasis_module.newton_schulz_many
+    real = orthogonal_step.newton_schulz_many
     try:
         for method in methods:
             keras.utils.set_random_seed(0)
             model = suite.compiled_model("thor", 0.0, workload, data, False, len(order), {})
-            eigenbasis_module.newton_schulz_many = (
+            orthogonal_step.newton_schulz_many = (
                 float32_spectral if method == "float32_spectral"
                 else functools.partial(newton_schulz_many, method=method))
             model.train_on_batch(data.x_train[order[0]], data.y_train[order[0]])  # traced here
             models.append(model)
     finally:
-        eigenbasis_module.newton_schulz_many = real
+        orthogonal_step.newton_schulz_many = real
     wall, cpu = ([], []), ([], [])
     for i in range(1, steps):
         batch = order[i % len(order)]

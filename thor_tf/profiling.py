@@ -16,24 +16,18 @@ in one ``tf.function``). Timing it there leaves the optimizer's state as it is.
 
 from __future__ import annotations
 
-import statistics
-import time
 
 import tensorflow as tf
 
 from thor_tf import fisher, loss_terms
 from thor_tf.block_diagonal import BlockDiagonal
+from thor_tf.split.timing import time_round_robin
 
 
 def _median_seconds(fn, repeats):
-    fn()  # trace + warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, out)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """Median seconds of ``fn()`` after one untimed call (its trace), by the split calibration's
+    timer (:func:`thor_tf.split.timing.time_round_robin`: each call waits for its results)."""
+    return time_round_robin([(fn, ())], repeats=repeats, warmup=0)[0]
 
 
 def _layer_functions(block, recs, gs, split_dim):
@@ -49,8 +43,8 @@ def _refresh_function(rule, block, factors, in_use, split_dim):
 
     ``factors`` / ``in_use``: ``(A, G)`` split blocks ``[nb, d, d]``, this batch's and those the
     products in use came from (a refresh may start from them). The rule's
-    :meth:`~thor_tf.rules.base.SplitCost.side_work` takes each side's dense ``[n, n]`` factor and its
-    split; the two ``refresh`` works are traced into one ``tf.function`` taking their tensors as
+    :meth:`~thor_tf.rules.base.SplitCost.side_work` takes each side's dense ``[n, n]`` factor
+    and its split; the two ``refresh`` works are traced into one ``tf.function`` taking their tensors as
     arguments (nothing folded into constants), as the split calibration times them."""
     sides = []
     for side, factor, previous, dim, other, split in (
