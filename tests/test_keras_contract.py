@@ -177,3 +177,40 @@ def test_telemetry_with_another_optimizer_says_so():
         wrapped.thor.counters()
     wrapped.compile(loss=["sparse_categorical_crossentropy", "mse"])  # THOR again
     assert wrapped.thor.counters()["cadence_points"] == 0
+
+
+def test_keras_use_ema_averages_under_thor_and_a_saved_model_resumes_it(tmp_path):
+    """Keras' ``use_ema`` passes through ``wrap``: the average follows Keras' rule on THOR's
+    weights (float64 reference: the first step's weights, then ``a = m·a + (1−m)·w``), ``fit``
+    ends with the average in the model, and a saved model holds it and resumes bit for bit."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 6)).astype("float32")
+    y = rng.integers(0, 3, 64)
+    keras.utils.set_random_seed(0)
+    model = thor_tf.wrap(keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, "tanh"),
+                                           keras.layers.Dense(3)]),
+                         verbose=False, use_ema=True, ema_momentum=0.9, learning_rate=0.01)
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    average = None
+    for _ in range(3):
+        model.train_on_batch(x, y)
+        weights = [w.astype(np.float64) for w in model.get_weights()]
+        average = weights if average is None else [0.9 * a + 0.1 * w
+                                                    for a, w in zip(average, weights)]
+    held = [v.numpy() for v in model.optimizer._model_variables_moving_average]
+    for got, ref in zip(held, average):
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+    path = str(tmp_path / "ema.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.optimizer.use_ema and loaded.optimizer.ema_momentum == 0.9
+    for a, b in zip(held, loaded.optimizer._model_variables_moving_average):
+        np.testing.assert_array_equal(a, b.numpy())
+    for _ in range(2):
+        model.train_on_batch(x, y)
+        loaded.train_on_batch(x, y)
+    for a, b in zip(model.get_weights(), loaded.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    for w, a in zip(model.get_weights(), model.optimizer._model_variables_moving_average):
+        np.testing.assert_array_equal(w, a.numpy())   # fit ends with the average
