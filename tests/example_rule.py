@@ -28,7 +28,7 @@ class KroneckerSGD(UpdateRule):
         return LayerFactors(**made)
 
     def build_slots(self, optimizer, var_list):
-        pass  # no per-variable state: no momentum
+        return {}  # no per-variable state: no momentum
 
     def refresh(self, refresher, layers, refresh, factors, damping):
         for layer, flag, (fa, fg) in zip(layers, refresh, factors):

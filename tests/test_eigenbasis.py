@@ -422,5 +422,5 @@ def test_clip_norm_clips_each_gradient_before_the_moments():
         np.testing.assert_allclose(np.linalg.norm(m), (1 - B1) * c * np.sqrt(2), rtol=1e-4)
     opt = model.thor_optimizer
     gamma = [v for v in model.trainable_variables if "gamma" in v.path][0]
-    slot = opt._momentums[opt._get_variable_index(gamma)]
+    slot = opt.slot("adam_m", gamma)
     np.testing.assert_allclose(np.linalg.norm(slot.numpy()), (1 - B1) * c, rtol=1e-4)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from thor_tf import _keras_compat
 from thor_tf.config import (REFUSED_KERAS_ARGUMENTS, RULE_OPTIONS, THOR_OPTIONS, TRACE_OPTIONS,
                             saved_options, split_options)
 from thor_tf.schedules import FitWarmupCosine
@@ -157,12 +158,17 @@ class ThorOptimizer(keras.optimizers.Optimizer):
             # state's shapes wait for the calibration at the start of fit.
             return
         super().build(var_list)
-        self.config.rule.build_slots(self, var_list)
+        #: The update rule's per-variable slots, ``{name: [one per trainable variable]}``.
+        self.slots = self.config.rule.build_slots(self, var_list) or {}
         if self.engine is None:
             raise ValueError(
                 "ThorOptimizer has no model attached: compile a model returned by thor_tf.wrap() "
                 "with it (model.compile(optimizer=thor_tf.ThorOptimizer(...))).")
         self.engine.build_state(self, var_list)
+
+    def slot(self, name, variable):
+        """The update rule's slot ``name`` of ``variable`` (:attr:`slots`)."""
+        return self.slots[name][_keras_compat.variable_index(self, variable)]
 
     def current_damping(self):
         """λ at the current step (float32 scalar tensor)."""

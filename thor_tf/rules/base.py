@@ -145,7 +145,10 @@ class UpdateRule:
         raise NotImplementedError
 
     def build_slots(self, optimizer, var_list):
-        """Create the optimizer's per-variable slots (called in ``ThorOptimizer.build``)."""
+        """The rule's per-variable slots, created with ``optimizer.add_variable_from_reference``
+        (called in ``ThorOptimizer.build``, saved with the optimizer): ``{name: [one per
+        variable of var_list]}``, which the optimizer keeps as ``optimizer.slots``
+        (:meth:`thor_tf.ThorOptimizer.slot` reads one); ``{}`` for none."""
         raise NotImplementedError
 
     # -- the step ----------------------------------------------------------------------------------

@@ -242,10 +242,10 @@ class Eigenbasis(UpdateRule):
         return EigenLayerState(**made)
 
     def build_slots(self, optimizer, var_list):
-        optimizer._momentums = [
-            optimizer.add_variable_from_reference(v, name="adam_m") for v in var_list]
-        optimizer._velocities = [
-            optimizer.add_variable_from_reference(v, name="adam_v") for v in var_list]
+        """Adam's moments of every variable (those with a block use them only when a step
+        finds no record of their layer)."""
+        return {name: [optimizer.add_variable_from_reference(v, name=name) for v in var_list]
+                for name in ("adam_m", "adam_v")}
 
     # -- refresh -----------------------------------------------------------------------------------
     def refresh(self, refresher, layers, refresh, factors, damping):
@@ -346,9 +346,8 @@ class Eigenbasis(UpdateRule):
         for members in groups.values():
             if len(members) < 2:
                 continue
-            slots = [_keras_compat.variable_index(opt, variables[k]) for k in members]
-            m_vars = [opt._momentums[i] for i in slots]
-            v_vars = [opt._velocities[i] for i in slots]
+            m_vars = [opt.slot("adam_m", variables[k]) for k in members]
+            v_vars = [opt.slot("adam_v", variables[k]) for k in members]
             g = tf.stack([grads[k] for k in members])
             m_old = tf.stack([tf.convert_to_tensor(x) for x in m_vars])
             v_old = tf.stack([tf.convert_to_tensor(x) for x in v_vars])
@@ -386,8 +385,7 @@ class Eigenbasis(UpdateRule):
             gradient = tf.convert_to_tensor(gradient)
         update = ops.cast(gradient, variable.dtype)
         if _keras_compat.variable_key(optimizer, variable) not in optimizer.preconditioned:
-            i = _keras_compat.variable_index(optimizer, variable)
-            m_var, v_var = optimizer._momentums[i], optimizer._velocities[i]
+            m_var, v_var = optimizer.slot("adam_m", variable), optimizer.slot("adam_v", variable)
             # Bias corrections, ε and the decays: once per step for all variables (graph size:
             # a Python float is a new constant at each use; same values).
             correction_1, correction_2, epsilon, (b1, b1c, b2, b2c) = optimizer.once_per_apply(

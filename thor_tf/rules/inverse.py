@@ -224,8 +224,9 @@ class Inverse(UpdateRule):
 
     # -- the optimizer's chain ---------------------------------------------------------------------
     def build_slots(self, optimizer, var_list):
-        optimizer._momentums = [
-            optimizer.add_variable_from_reference(v, name="momentum") for v in var_list]
+        """The momentum ``v`` of every variable."""
+        return {"momentum": [optimizer.add_variable_from_reference(v, name="momentum")
+                             for v in var_list]}
 
     def update_step(self, optimizer, gradient, variable, learning_rate):
         """``Δ + wd·w`` → per-tensor clip → ``v = μv + Δ``; ``w ← w − lr·v``."""
@@ -236,7 +237,7 @@ class Inverse(UpdateRule):
             update = update + ops.cast(config.weight_decay, variable.dtype) * variable
         if config.clip_norm is not None:
             update = tf.clip_by_norm(update, config.clip_norm)
-        velocity = optimizer._momentums[_keras_compat.variable_index(optimizer, variable)]
+        velocity = optimizer.slot("momentum", variable)
         new_velocity = self.momentum * velocity + update
         ok = optimizer.step_ok
         if ok is not None:
