@@ -102,7 +102,8 @@ def build(variant, workload, data):
     engine = wrapped.thor
     # Replace parts of the traced step before its first trace (the engine's own methods).
     if variant in ("thor_no_precondition", "thor_neither"):
-        engine.precondition = lambda active, rows, grads, variables, ok=True, use_grads=None: grads
+        engine.precondition = (lambda active, rows, grads, variables, ok=True, use_grads=None:
+                               (grads, ()))  # nothing preconditioned, nothing marked
     if variant in ("thor_no_curvature", "thor_neither"):
         engine.curvature_step = lambda *args, **kwargs: None
     return wrapped

@@ -45,7 +45,7 @@ class KroneckerSGD(UpdateRule):
             a_inv = BlockDiagonal(tf.convert_to_tensor(held.A_inv), b.a_dim)
             g_inv = BlockDiagonal(tf.convert_to_tensor(held.G_inv), b.g_dim)
             steps.append((b, k, g_inv.rmatmul(a_inv.matmul(m)) / rows_per_term[b.name]))
-        return block_matrices.scatter(grads, variables, steps)[0]
+        return block_matrices.scatter(grads, variables, steps)  # (gradients, marked)
 
     def update_step(self, optimizer, gradient, variable, learning_rate):
         lr = tf.cast(learning_rate, variable.dtype)

@@ -44,8 +44,8 @@ this is the one module to adapt.
 
 * :func:`variable_key`, :func:`variable_index`, :func:`uses_weight_decay` - the base
   ``Optimizer``'s ``_var_key``, ``_get_variable_index`` and ``_use_weight_decay``: the key Keras
-  gives a variable (the update rules mark the preconditioned ones with it: ``update_step`` sees
-  the backend variable), the position of its slots in the lists built by ``build``, and whether
+  gives a variable (``ThorOptimizer.marked`` keys the variables a rule marked with it:
+  ``update_step`` sees the backend variable), the position of its slots in the lists built by ``build``, and whether
   ``exclude_from_weight_decay`` spares it. The update rules' optimizer chain
   (:mod:`thor_tf.rules`) calls them.
 

@@ -421,10 +421,10 @@ class ThorEngine(Introspection):
         self.curvature_step(active, records, ok,
                             sampled_output_grads if sampled_fn is not None else output_grads,
                             batch_size, rows_per_term, masks)
-        pre = self.precondition(active, rows_per_term, grads, variables, ok, use_grads)
+        pre, marked = self.precondition(active, rows_per_term, grads, variables, ok, use_grads)
         state = self.state
         state.nonfinite_steps.assign_add(tf.cast(tf.logical_not(ok), tf.int64))
-        opt.apply_masked(pre, variables, ok)
+        opt.apply_masked(pre, variables, ok, [variables[k] for k in marked])
         return ok
 
     def curvature_step(self, active, records, ok, output_grads_fn, batch_size, rows_per_term,
@@ -499,9 +499,9 @@ class ThorEngine(Introspection):
         return layers, examples
 
     def precondition(self, active, rows_per_term, grads, variables, ok=True, use_grads=None):
-        """The blocks' steps from their gradients: the update rule's business
-        (:meth:`thor_tf.rules.UpdateRule.precondition`; ``rows_per_term``: ``{block name: c}``;
-        ``ok`` False: a skipped step, the rule's state stays as it is)."""
+        """``(gradients, marked)``: the blocks' steps from their gradients, the update rule's
+        business (:meth:`thor_tf.rules.UpdateRule.precondition`; ``rows_per_term``: ``{block
+        name: c}``; ``ok`` False: a skipped step, the rule's state stays as it is)."""
         ok = tf.convert_to_tensor(ok)
         return self.config.rule.precondition(self, active, rows_per_term, grads, variables, ok,
                                              use_grads)

@@ -121,10 +121,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         self._gradients_reduced = False
         self._step_ok = None
         self._per_apply = None  # see once_per_apply
-        #: Keys (``_var_key``) of the variables whose gradient in the step being traced is a
-        #: block's step (set by the update rule's ``precondition``; the eigenbasis rule applies
-        #: those as they are).
-        self.preconditioned = frozenset()
+        self._marked = frozenset()  # see marked
 
     #: The :class:`thor_tf.rules.UpdateRule` in use.
     update_rule = property(lambda self: self.config.rule)
@@ -180,8 +177,16 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         return tf.cast(damping, tf.float32)
 
     # -- the update chain ----------------------------------------------------------------------------
-    def apply_masked(self, grads, variables, ok):
-        """``apply`` of already unscaled gradients, every change masked by the boolean ``ok``.
+    def marked(self, variable):
+        """Whether the update rule's ``precondition`` marked ``variable`` in the step being
+        applied (:meth:`thor_tf.rules.UpdateRule.precondition`; the eigenbasis rule: its
+        gradient is already a step). Keyed as Keras keys variables: ``update_step`` gets the
+        backend variable."""
+        return _keras_compat.variable_key(self, variable) in self._marked
+
+    def apply_masked(self, grads, variables, ok, marked=()):
+        """``apply`` of already unscaled gradients, every change masked by the boolean ``ok``;
+        ``marked``: the variables the update rule marked (:meth:`marked`).
 
         The engine divides the gradients by the loss scale before preconditioning (the KL clip
         must see true gradients), so Keras' own unscaling by ``loss_scale_factor`` is switched off
@@ -195,6 +200,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         preconditioned gradients would multiply the step by R.
         """
         self._step_ok = ok
+        self._marked = frozenset(_keras_compat.variable_key(self, v) for v in marked)
         self._per_apply = {}
         if isinstance(self._learning_rate, FitWarmupCosine):
             self._learning_rate.note_step_outside_fit()
@@ -207,7 +213,7 @@ class ThorOptimizer(keras.optimizers.Optimizer):
         finally:
             self._step_ok = None
             self._per_apply = None
-            self.preconditioned = frozenset()
+            self._marked = frozenset()
             self._gradients_reduced = False
             self.loss_scale_factor = loss_scale_factor
         self.iterations.assign_sub(tf.cast(tf.logical_not(ok), self.iterations.dtype))

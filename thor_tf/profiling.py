@@ -131,6 +131,7 @@ def profile_step(model, x, y, repeats=5):
 
     active = [b for b in engine.blocks if records.get(b.name)]
     precondition = tf.function(lambda: [
-        g for g in engine.precondition(active, rows_per_term, grads, variables) if g is not None])
+        g for g in engine.precondition(active, rows_per_term, grads, variables)[0]
+        if g is not None])
     result["precondition"] = _median_seconds(precondition, repeats)
     return result

@@ -159,13 +159,16 @@ class UpdateRule:
         raise NotImplementedError
 
     def precondition(self, engine, active, rows_per_term, grads, variables, ok, use_grads):
-        """The gradients list with each active block's kernel/bias gradients replaced by its
-        step; ``ok`` (bool scalar) False means the step is skipped: no state may change."""
+        """``(gradients, marked)``: the gradients list with each active block's kernel/bias
+        gradients replaced by its step, and the positions (in ``variables``) the rule marks for
+        its own :meth:`update_step` (``optimizer.marked(variable)``: e.g. "already a step");
+        ``ok`` (bool scalar) False means the step is skipped: no state may change."""
         raise NotImplementedError
 
     def update_step(self, optimizer, gradient, variable, learning_rate):
         """Apply one variable's (preconditioned or raw) gradient (``ThorOptimizer.update_step``);
-        ``optimizer.step_ok`` masks every change of a skipped step."""
+        ``optimizer.step_ok`` masks every change of a skipped step, ``optimizer.marked(variable)``
+        says whether :meth:`precondition` marked it in this step."""
         raise NotImplementedError
 
     # -- what a split costs and keeps (the split calibration) -----------------------------------

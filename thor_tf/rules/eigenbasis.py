@@ -316,10 +316,7 @@ class Eigenbasis(UpdateRule):
                                                    adam).items():
             out[k] = direction
             written.add(k)
-        # Keyed as Keras keys the optimizer's variables: update_step gets the backend variable.
-        opt.preconditioned = frozenset(_keras_compat.variable_key(opt, variables[k])
-                                       for k in written)
-        return out
+        return out, written  # marked: already a step (update_step adds decay and the rate)
 
     @staticmethod
     def _first_order_adam(opt, grads, variables, skip, ok, adam):
@@ -384,7 +381,7 @@ class Eigenbasis(UpdateRule):
         if isinstance(gradient, tf.IndexedSlices):
             gradient = tf.convert_to_tensor(gradient)
         update = ops.cast(gradient, variable.dtype)
-        if _keras_compat.variable_key(optimizer, variable) not in optimizer.preconditioned:
+        if not optimizer.marked(variable):
             m_var, v_var = optimizer.slot("adam_m", variable), optimizer.slot("adam_v", variable)
             # Bias corrections, ε and the decays: once per step for all variables (graph size:
             # a Python float is a new constant at each use; same values).

@@ -214,7 +214,7 @@ class Inverse(UpdateRule):
             learning_rate=engine.optimizer.learning_rate, use_grads=use_grads)
         if nu is not None:
             s.kl_scale.assign(tf.where(ok, nu, s.kl_scale))
-        return out
+        return out, ()  # every variable takes the same chain: nothing to mark
 
     # -- what a split costs and keeps -------------------------------------------------------------
     def split_cost(self):
