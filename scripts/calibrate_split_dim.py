@@ -373,8 +373,8 @@ def calibrate_rule_main(args, argv):
     rate = sum(r["refreshes"] for r in stats) / max(1, len(stats) * steps)
     options = {} if args.max_split is None else {"max_split": args.max_split}
     plan, report = calibrate.auto_split(wrapped, [take(steps), take(steps + 1)],
-                                                refresh_rate=rate, repeats=args.repeats,
-                                                verbose=True, **options)
+                                        refresh_rate=rate, repeats=args.repeats, verbose=True,
+                                        **options)
     result = {
         "rule": args.rule,
         "split_plan": plan.get_config(),
