@@ -64,47 +64,10 @@ NUMERICS = (
 # replicas on it test_replicas_with_a_refresh_at_every_step_...'s).
 
 
-# The longest tests (15-60 s each on 2 cores), started first: pytest-xdist hands the tests out in
-# collection order, so a long one collected last keeps one worker busy after the other is done
-# (the tail of a run). Measured order; a name here that no longer exists is ignored.
-LONGEST_FIRST = (
-    "tests/test_distribute.py::test_two_worker_processes_match_one_process_and_a_dead_worker",
-    "tests/test_batch_scaling.py::test_quick_run_is_reproducible_and_writes_the_record",
-    "tests/test_horizon.py::test_quick_run_writes_the_record_and_resumes_from_its_cache",
-    "tests/test_finetune.py::test_quick_run_outputs",
-    "tests/test_distribute.py::test_checkpoint_of_a_two_replica_run_resumes_exactly",
-    "tests/test_distribute.py::test_replicas_take_the_single_device_step",
-    "tests/test_suite.py::test_quick_suite_end_to_end",
-    "tests/test_experiments.py::test_transformer_quick",
-    "tests/test_distribute.py::test_mirrored_skipped_batches_keep_moving_statistics",
-    "tests/test_experiments.py::test_resnet_quick",
-    "tests/test_calibration.py::test_calibration_script",
-    "tests/test_experiments.py::test_mnist_quick",
-    "tests/test_keras_hub.py::test_the_tasks_preprocessor_runs_in_the_wrapped_fit",
-    "tests/test_lm_fisher.py::test_two_replicas_take_the_one_device_step",
-    "tests/test_project_scale.py::test_bytes_equal_bench_distributed_recorded",
-    "tests/test_fit_schedule.py::test_a_custom_loop_gets_the_peak",
-    "tests/test_distribute.py::test_replicas_with_a_refresh_at_every_step",
-    "tests/test_lm_experiment.py::test_quick_run_on_a_text_file",
-    "tests/test_interleave.py::test_interleaved_pairs_seeds_and_trains_as_the_suite",
-    "tests/test_lora.py::test_lora_blocks_on_two_replicas",
-    "tests/test_distribute.py::test_mirrored_strategy_trains_and_keeps_replicas_in_step",
-    "tests/test_anatomy.py::test_quick_run_writes_the_record",
-)
-
-
-def _start_rank(item):
-    for rank, prefix in enumerate(LONGEST_FIRST):
-        if item.nodeid.startswith(prefix):
-            return rank
-    return len(LONGEST_FIRST)
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in NUMERICS or item.nodeid.split("[")[0] in NUMERICS:
             item.add_marker(pytest.mark.numerics)
-    items.sort(key=_start_rank)  # stable: the rest keep their order
 
 
 @pytest.fixture(autouse=True)
