@@ -131,10 +131,6 @@ class Workload:
     #: "acc" (a percentage), "loss" / "loss1" (3 or 4 decimals), "num" (4 significant digits).
     label: str = ""
     metric_format: str = "num"
-    #: ``random(n, rng)``: ``n`` rows of random arrays of the workload's shapes (a :class:`Data`
-    #: whose test split is 8 of them), for the benchmarks that time steps without the data set
-    #: (``scripts/bench_step_parts.py``); None where no benchmark needs it.
-    random: Optional[Callable[[int, object], Data]] = None
 
     def sized(self, quick: bool) -> "Workload":
         """This workload at the ``--quick`` sizes (or itself)."""
@@ -210,33 +206,6 @@ def _gpt_data(quick):
     return Data(x, y, xv, yv, f"{corpus.name}: {corpus.num_chars:,} characters, vocabulary "
                               f"{corpus.vocab_size}, {size['steps']} batches of {size['batch']} x "
                               f"{size['block']}", vocab_size=corpus.vocab_size)
-
-
-def _random_images(shape, classes=10):
-    def random(n, rng):
-        x = rng.random((n,) + shape).astype("float32")
-        y = rng.integers(0, classes, n)
-        return Data(x, y, x[:8], y[:8], "random")
-    return random
-
-
-def _random_pixels(n, rng):
-    x = rng.random((n, 784)).astype("float32")
-    return Data(x, x, x[:8], x[:8], "random")
-
-
-def _random_regression(n, rng):
-    x = rng.standard_normal((n, 10)).astype("float32")
-    y = rng.standard_normal((n, 1)).astype("float32")
-    return Data(x, y, x[:8], y[:8], "random")
-
-
-def _random_tokens(n, rng, vocab_size=65):
-    """Windows of random characters (Shakespeare's vocabulary size) and their next characters."""
-    import numpy as np
-
-    x = rng.integers(0, vocab_size, (n, GPT_SIZES[False]["block"]))
-    return Data(x, np.roll(x, -1, axis=1), x[:8], x[:8], "random", vocab_size=vocab_size)
 
 
 # --------------------------------------------------------------------------------------------
@@ -324,41 +293,41 @@ WORKLOADS = {
         _image_loader("digits", None, None, None, None), _zoo("cnn"), _sparse_ce,
         "accuracy", True, batch_size=64, epochs=10, metrics=("accuracy",),
         baselines={"sgd": SGD_GRID, "adam": (1e-2, 3e-2, 0.1), "muon": MUON_GRID},
-        random=_random_images((8, 8, 1)), label="digits CNN", metric_format="acc",
+        label="digits CNN", metric_format="acc",
         quick=dict(epochs=3, baselines={"adam": (1e-2,), "muon": (3e-2,)})),
     "fashion_cnn": Workload(
         "fashion_cnn", "CNN on Fashion-MNIST (12,000 train)",
         _image_loader("fashion_mnist", 12000, 2000, 1024, 512), _zoo("cnn"), _sparse_ce,
         "accuracy", True, batch_size=128, epochs=3, metrics=("accuracy",),
         baselines={"adam": (3e-3, 1e-2, 3e-2), "muon": MUON_GRID},
-        random=_random_images((28, 28, 1)), label="Fashion-MNIST CNN", metric_format="acc",
+        label="Fashion-MNIST CNN", metric_format="acc",
         quick=dict(epochs=1, batch_size=64, baselines={"adam": (3e-3,)})),
     "resnet20": Workload(
         "resnet20", "ResNet-20 on Fashion-MNIST (4,000 train)",
         _image_loader("fashion_mnist", 4000, 1000, 512, 256), _zoo("resnet20"), _sparse_ce,
         "accuracy", True, batch_size=64, epochs=3, metrics=("accuracy",),
         baselines={"sgd": (0.01, 0.03, 0.1), "adam": ADAM_GRID},
-        random=_random_images((28, 28, 1)), label="ResNet-20", metric_format="acc",
+        label="ResNet-20", metric_format="acc",
         quick=dict(epochs=1, batch_size=64, baselines={"adam": (3e-3,)})),
     "vit": Workload(
         "vit", "ViT on Fashion-MNIST (8,000 train)",
         _image_loader("fashion_mnist", 8000, 2000, 512, 256), _zoo("vit"), _sparse_ce,
         "accuracy", True, batch_size=128, epochs=3, metrics=("accuracy",),
         baselines={"adamw": ADAM_GRID, "muon": (1e-3, 3e-3, 1e-2)},
-        random=_random_images((28, 28, 1)), label="ViT", metric_format="acc",
+        label="ViT", metric_format="acc",
         quick=dict(epochs=1, batch_size=64, baselines={"adamw": (3e-3,)})),
     "autoencoder": Workload(
         "autoencoder", "deep autoencoder 784-1000-500-250-30 (8,000 train)",
         _autoencoder_data, _autoencoder, _pixel_bce, "loss", False, batch_size=128, epochs=3,
         baselines={"adam": (3e-4, 1e-3, 3e-3), "muon": (1e-2, 3e-2, 0.1)},
-        random=_random_pixels, label="deep autoencoder (loss)", metric_format="loss1",
+        label="deep autoencoder (loss)", metric_format="loss1",
         quick=dict(epochs=2, batch_size=64, baselines={"adam": (3e-3,)})),
     "tabular_mlp": Workload(
         "tabular_mlp", "MLP on diabetes regression (353 train; training MSE)",
         _tabular_data, _tabular_mlp, _mse, "loss", False, batch_size=32, epochs=20,
         eval_split="train",
         baselines={"sgd": (0.03, 0.1, 0.3), "adam": (1e-2, 3e-2, 0.1), "muon": (1e-2, 3e-2, 0.1)},
-        random=_random_regression, label="tabular MLP (train MSE)", metric_format="loss",
+        label="tabular MLP (train MSE)", metric_format="loss",
         quick=dict(epochs=5, baselines={"adam": (1e-2,)})),
     "char_gpt": Workload(
         "char_gpt", "char GPT on Shakespeare (2 blocks, width 64)",
@@ -366,7 +335,7 @@ WORKLOADS = {
         baselines={"adamw": (3e-3, 1e-2, 3e-2), "muon": (1e-3, 3e-3, 1e-2)}, weight_decay=0.1,
         betas=(0.9, 0.99),
         clipnorm=1.0, floor_fraction=0.1, head="lm_head",
-        random=_random_tokens, label="char GPT (val loss)", metric_format="loss",
+        label="char GPT (val loss)", metric_format="loss",
         quick=dict(batch_size=8, baselines={"adamw": (1e-2,)})),
 }
 

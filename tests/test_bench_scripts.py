@@ -67,27 +67,6 @@ def test_bench_first_fit_medians_and_ratios():
     assert rows["thor"]["nodes_vs_sgd"] == pytest.approx(4.0)
 
 
-def test_bench_ns_spectral_reads_the_rules_buckets_and_compares_both_methods(tmp_path):
-    """The spectral-vs-iterate benchmark: the buckets are the rule's own (the tabular MLP's three
-    layers), both methods land within float32 round-off of the float64 iteration (singular values
-    from 1e-3: the iteration's own float32 error is ~1e-5 of the largest entry there), and the
-    JSON's per-step sums are the buckets' sums."""
-    import json
-
-    bench = _load("bench_ns_spectral")
-    out = tmp_path / "ns.json"
-    bench.main(["--workloads", "tabular_mlp", "--repeats", "1", "--out", str(out)])
-    (entry,) = json.loads(out.read_text())["workloads"]
-    # Each of the three a bucket of one, unpadded and in its own orientation: [11, 64] (10
-    # features and the bias, 64 units), the tall [65, 64] and the head's [65, 1].
-    assert sorted(b["dims"] for b in entry["buckets"]) == [[1, 11, 64], [1, 65, 1], [1, 65, 64]]
-    for method in ("iterate", "spectral"):
-        for bucket in entry["buckets"]:
-            assert bucket[method]["max_difference"] < 1e-4
-        assert entry[method + "_cpu_ms_per_step"] == pytest.approx(
-            sum(b[method]["cpu_ms"] for b in entry["buckets"]), abs=2e-3)
-
-
 def test_bench_resnet50_step_ratios_and_quick_run(tmp_path):
     """The ResNet-50 step benchmark: medians over repeats and ratios to each reference from
     known numbers; its quick mode (a small CNN, SGD and both THOR variants) writes them."""
