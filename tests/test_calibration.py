@@ -204,11 +204,11 @@ def test_wrap_reads_split_dim_from_calibration_json(tmp_path):
     path = tmp_path / "cal.json"
     path.write_text(json.dumps({"split_dim": 32, "candidates": [1, 16, 32]}))
     model = thor_tf.wrap(_tiny_model(), split_dim=str(path), verbose=False)
-    assert model._thor_config.split_dim == 32
+    assert model.thor.options.split_dim == 32
     model.compile(loss="sparse_categorical_crossentropy")
     assert model.optimizer.split_dim == 32
     model = thor_tf.wrap(_tiny_model(), split_dim=path, verbose=False)  # os.PathLike too
-    assert model._thor_config.split_dim == 32
+    assert model.thor.options.split_dim == 32
 
     for bad in (tmp_path / "missing.json", tmp_path / "nokey.json", tmp_path / "garbage.json"):
         if bad.name == "nokey.json":
@@ -252,7 +252,7 @@ def test_calibration_script_quick_end_to_end(tmp_path, capsys, monkeypatch):
     assert "split_dim =" in stdout
     # The file it wrote is what wrap accepts.
     model = thor_tf.wrap(_tiny_model(), split_dim=str(out), verbose=False)
-    assert model._thor_config.split_dim == result["split_dim"]
+    assert model.thor.options.split_dim == result["split_dim"]
 
 
 @pytest.mark.update_rule("eigenbasis")
@@ -275,7 +275,7 @@ def test_calibration_script_for_the_eigenbasis_rule_end_to_end(tmp_path, capsys,
     png = out.with_suffix(".png")
     assert png.stat().st_size > 1000
     model = thor_tf.wrap(_tiny_model(), split_dim=str(out), verbose=False)
-    assert model._thor_config.split_dim == plan
+    assert model.thor.options.split_dim == plan
     png.unlink()
     _calibrate(capsys, monkeypatch, tmp_path, "--replot", str(out))
     assert png.stat().st_size > 1000

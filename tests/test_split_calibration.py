@@ -356,6 +356,31 @@ def test_auto_trains_as_its_plan_does(capsys):
     assert auto.get_config()["thor_options"]["split_dim"] == plan.get_config()
 
 
+def test_auto_in_a_custom_loop_takes_the_rules_default_once_said():
+    """A custom loop's first ``apply`` before any calibration builds THOR's state: with the
+    rule's default split and a warning saying so; the model's options still say "auto" (nothing
+    was calibrated) and the split can no longer be calibrated."""
+    x, y = _data(32)
+    wrapped = thor_tf.wrap(_bn_model(), split_dim="auto", verbose=False, learning_rate=0.01)
+    wrapped.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    optimizer = wrapped.optimizer
+    assert optimizer.split_pending and wrapped.thor.split_dim == AUTO
+    with tf.GradientTape() as tape:
+        loss = wrapped.compute_loss(x=x, y=y, y_pred=wrapped(x, training=True))
+    grads = tape.gradient(loss, wrapped.trainable_variables)
+    with pytest.warns(UserWarning, match="default split_dim=") as said:
+        optimizer.apply_gradients(zip(grads, wrapped.trainable_variables))
+    assert len([w for w in said if "split_dim='auto'" in str(w.message)]) == 1
+    default = Eigenbasis().default_split
+    assert not optimizer.split_pending and optimizer.config.split_dim == default
+    assert wrapped.thor.split_dim == default  # read from the built optimizer
+    assert wrapped.thor.options.split_dim == AUTO
+    with pytest.raises(ValueError, match="only before the first step"):
+        wrapped.calibrate_split(_probe_batches(x, y, 16))
+    with pytest.raises(ValueError, match="built with split_dim"):
+        optimizer.resolve_split(64)
+
+
 def test_auto_in_fit_calibrates_before_the_first_step():
     x, y = _data()
     wrapped = thor_tf.wrap(_bn_model(), split_dim="auto", verbose=False, learning_rate=0.01)
@@ -411,4 +436,4 @@ def test_the_default_split_is_the_rules():
     saved = thor_tf.wrap(model(), split_dim=128, verbose=False)
     assert saved.get_config()["thor_options"]["split_dim"] == 128
     restored = thor_tf.ThorModel.from_config(saved.get_config())
-    assert restored._thor_config.split_dim == 128
+    assert restored.thor.options.split_dim == 128

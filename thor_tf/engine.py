@@ -32,7 +32,6 @@ code (:meth:`ThorEngine.apply_gradients`, from ``ThorOptimizer.apply``). Either 
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from typing import NamedTuple
 
@@ -43,7 +42,6 @@ from thor_tf import (_keras_compat, capture, discovery, distributed, fisher, los
 from thor_tf.blocks import TiedLookupBlock
 from thor_tf.introspection import Introspection
 from thor_tf.refresh import Refresher
-from thor_tf.split.plan import AUTO
 from thor_tf.state import DecisionLog, ThorState
 
 def _values(gradient):
@@ -92,7 +90,7 @@ class ThorEngine(Introspection):
       exclude: layer names that should stay first order even if supported.
     """
 
-    def __init__(self, model, exclude=(), split_dim=None):
+    def __init__(self, model, exclude=(), options=None):
         # A model whose sub-models are built is enough (keras-io's GAN never calls itself).
         if not model.trainable_variables:
             raise ValueError(
@@ -107,11 +105,9 @@ class ThorEngine(Introspection):
         #: The ``LossScaleOptimizer`` around THOR (set by ``ThorModel.compile``), or None: the
         #: layer hooks' ``dL/dz`` carry its dynamic scale when the user's code applies gradients.
         self.loss_scaler = None
-        #: ``split_dim`` given to ``wrap`` (reported before an optimizer is attached).
-        self.split_dim = split_dim
-        #: True while Keras builds the model's state for evaluate/predict (ThorModel's
-        #: _symbolic_build): a split_dim="auto" optimizer is not built then.
-        self.defer_auto_build = False
+        #: The options ``wrap`` was given (:class:`thor_tf.config.ThorConfig`; the model's
+        #: default optimizer is made from them); the optimizer's own from ``build_state`` on.
+        self.options = options
         #: Print the registration table when the blocks change (set by ``wrap``'s ``verbose``).
         self.verbose = False
         self._exclude = list(exclude or ())
@@ -181,10 +177,18 @@ class ThorEngine(Introspection):
         return changed
 
     # -- registration ----------------------------------------------------------------------------
-    def registration_table(self, split_dim):
-        """The one table ``wrap`` prints: layers, block kinds, factor sizes, splits, fallbacks."""
+    @property
+    def split_dim(self):
+        """The split in force (read, not held): the built optimizer's, else the options ``wrap``
+        was given (None: the update rule's default; ``"auto"``: not chosen yet)."""
+        config = self.config if self.config is not None else self.options
+        return config.split_dim if config is not None else None
+
+    def registration_table(self, split_dim=None):
+        """The one table ``wrap`` prints: layers, block kinds, factor sizes, splits (``split_dim``,
+        default the split in force), fallbacks."""
         return discovery.registration_table(self.blocks, self.first_order, self.frozen_layers,
-                                            split_dim)
+                                            self.split_dim if split_dim is None else split_dim)
 
     def detach(self):
         """Take the layer hooks off: every layer's own ``call`` alone again."""
@@ -195,15 +199,6 @@ class ThorEngine(Introspection):
     def build_state(self, optimizer, var_list):
         """Create the curvature state on ``optimizer`` (called from its ``build``)."""
         self.optimizer = optimizer
-        if optimizer.config.split_dim == AUTO:
-            # "auto" is calibrated at the start of fit (ThorModel.calibrate_split): built
-            # before that (a custom loop, a restore), the optimizer takes the default split.
-            default = optimizer.config.rule.default_split
-            warnings.warn(
-                f"split_dim='auto' is calibrated at the start of fit (or by "
-                f"model.calibrate_split(batches) before the first step); this optimizer was built "
-                f"before either and uses the rule's default split_dim={default}.", stacklevel=2)
-            optimizer.config = dataclasses.replace(optimizer.config, split_dim=default)
         #: The optimizer's validated options (:class:`thor_tf.config.ThorConfig`).
         self.config = optimizer.config
         if self.select_blocks(var_list) and self.verbose:

@@ -24,7 +24,7 @@ class Introspection:
         eigenbasis side left unrotated), read from THOR's state once it is built, else what
         ``split_dim`` gives; None where ``split_dim="auto"`` has not chosen yet. The model's
         ``split_dim`` itself (an int or a plan) is an option: ``model.thor_optimizer.config``."""
-        split = self.config.split_dim if self.optimizer is not None else self.split_dim
+        split = self.split_dim
         stats = []
         state = self._state
         for i, b in enumerate(self.blocks):

@@ -34,7 +34,6 @@ from thor_tf.config import is_schedule, split_options
 from thor_tf.optimizer import ThorOptimizer
 from thor_tf.schedules import EXPLICIT_SCHEDULE, FitWarmupCosine
 from thor_tf.split.calibrate import auto_split
-from thor_tf.split.plan import AUTO
 
 #: G's mean eigenvalue below this fraction of the per-factor damping in every refreshed layer:
 #: the damping swamps the curvature and THOR's step is SGD's divided by √λ (docs/internals.md).
@@ -196,8 +195,7 @@ class ThorModel(keras.Model):
         super().__init__(**kwargs)
         self._graph_optimization = graph_options.check_graph_optimization(graph_optimization)
         # Every option is validated here, once (ValueError naming the option and allowed values).
-        self._thor_config, self._learning_rate, self._keras_options = split_options(
-            dict(thor_options or {}))
+        config, self._learning_rate, self._keras_options = split_options(dict(thor_options or {}))
         self.model = model
         self._exclude = list(exclude or [])
         # A model with its own train_step / compile / compute_loss trains with its own code:
@@ -205,12 +203,14 @@ class ThorModel(keras.Model):
         self._delegated = frozenset(_overridden_training_methods(model))
         if getattr(model, "output_names", None):
             self.output_names = list(model.output_names)  # losses/metrics by output name
-        engine = ThorEngine(model, exclude=self._exclude, split_dim=self._thor_config.split_dim)
+        # The options live on the engine (``self.thor.options``): the split in force is read
+        # from there or from the built optimizer, never copied.
+        engine = ThorEngine(model, exclude=self._exclude, options=config)
         engine.verbose = bool(verbose)
         object.__setattr__(self, "thor", engine)
         self.built = True  # the wrapped model is built (ThorEngine checks it)
         if verbose:
-            print(engine.registration_table(self._thor_config.split_dim))
+            print(engine.registration_table())
 
     def call(self, inputs, training=None):
         return self.model(inputs, training=training)
@@ -300,7 +300,7 @@ class ThorModel(keras.Model):
 
     def _new_thor_optimizer(self):
         """A ``ThorOptimizer`` with the options given to ``wrap``."""
-        return ThorOptimizer(learning_rate=self._learning_rate, **self._thor_config.options(),
+        return ThorOptimizer(learning_rate=self._learning_rate, **self.thor.options.options(),
                              **self._keras_options)
 
     def _compile_delegated(self, kwargs):
@@ -348,9 +348,7 @@ class ThorModel(keras.Model):
         # it to the first trace, and the engine needs it before the optimizer's own ``apply``.
         # Under split_dim="auto" the state's shapes wait for the calibration at fit's start.
         thor = self.thor_optimizer
-        if thor is not None and thor.config.split_dim == AUTO:
-            return
-        if thor is not None and not self.optimizer.built:
+        if thor is not None and not thor.split_pending and not self.optimizer.built:
             with self.distribute_strategy.scope():
                 self.optimizer.build(self.trainable_variables)
 
@@ -380,13 +378,17 @@ class ThorModel(keras.Model):
             _keras_compat.symbolic_build(self, data_batch)
 
     def _symbolic_build(self, iterator=None, data_batch=None):
-        # Keras builds the optimizer here too (evaluate or predict before fit): under
-        # split_dim="auto" its state waits for fit's calibration (ThorOptimizer.build).
-        self.thor.defer_auto_build = True
+        # Keras builds an unbuilt optimizer here too (evaluate or predict before fit): under
+        # split_dim="auto" its state waits for fit's calibration, so Keras is shown it built.
+        thor = self.thor_optimizer
+        waiting = self.optimizer if thor is not None and thor.split_pending else None
+        if waiting is not None:
+            waiting.built = True
         try:
             return super()._symbolic_build(iterator=iterator, data_batch=data_batch)
         finally:
-            self.thor.defer_auto_build = False
+            if waiting is not None:
+                waiting.built = False
 
     def _unbuilt_step_state(self):
         """Whether THOR's own train step would create variables in its first trace (compiled
@@ -414,7 +416,7 @@ class ThorModel(keras.Model):
                     *_unpack_validation(validation_data), batch_size=kwargs.get(
                         "validation_batch_size"))
         thor = self.thor_optimizer
-        if thor is not None and not thor.built and thor.config.split_dim == AUTO:
+        if thor is not None and thor.split_pending:
             self.calibrate_split(_probe_batches(x, y, batch_size))
         # First, so that the logs it corrects (and the rate it sets) are what the user's
         # callbacks see.
@@ -451,14 +453,12 @@ class ThorModel(keras.Model):
         else:
             options.setdefault("verbose", self.thor.verbose)
             plan, report = auto_split(self, batches, **options)
-        for holder in (thor, self):
-            attribute = "config" if holder is thor else "_thor_config"
-            setattr(holder, attribute, dataclasses.replace(getattr(holder, attribute),
-                                                           split_dim=plan))
-        self.thor.split_dim = plan
+        thor.resolve_split(plan)
+        # The model's options too: its saved config holds the plan the state was built with.
+        self.thor.options = dataclasses.replace(self.thor.options, split_dim=plan)
         self._build_thor_state()
         if self.thor.verbose:
-            print(self.thor.registration_table(plan))
+            print(self.thor.registration_table())
         return report
 
     def _fit_scheduled_optimizers(self):
@@ -658,7 +658,7 @@ class ThorModel(keras.Model):
         learning_rate = self._learning_rate
         if is_schedule(learning_rate) and not isinstance(learning_rate, (int, float)):
             learning_rate = keras.saving.serialize_keras_object(learning_rate)
-        return {"learning_rate": learning_rate, **self._thor_config.get_config(),
+        return {"learning_rate": learning_rate, **self.thor.options.get_config(),
                 **self._keras_options}
 
 

@@ -21,6 +21,9 @@ trace history and counters (created by :meth:`thor_tf.engine.ThorEngine.build_st
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+
 import keras
 import tensorflow as tf
 
@@ -146,14 +149,32 @@ class ThorOptimizer(keras.optimizers.Optimizer):
             raise ValueError("this ThorOptimizer is already built for another model")
         self.engine = engine
 
+    # -- the split ---------------------------------------------------------------------------------
+    @property
+    def split_pending(self):
+        """True while ``split_dim="auto"`` waits for its plan (``ThorModel.calibrate_split``, at
+        the start of ``fit``): the state's shapes depend on it, so it is not built before."""
+        return not self.built and self.config.split_dim == AUTO
+
+    def resolve_split(self, plan):
+        """Take ``plan`` (an int or a :class:`~thor_tf.split.plan.SplitPlan`) for
+        ``split_dim="auto"``: the one place the optimizer's split changes, before it is built."""
+        if self.built:
+            raise ValueError(f"this optimizer is built with split_dim={self.config.split_dim}")
+        self.config = dataclasses.replace(self.config, split_dim=plan)
+
     def build(self, var_list):
         if self.built:
             return
-        if (self.config.split_dim == AUTO and self.engine is not None
-                and self.engine.defer_auto_build):
-            # Keras builds every optimizer before evaluate/predict: under split_dim="auto" the
-            # state's shapes wait for the calibration at the start of fit.
-            return
+        if self.split_pending:
+            # Built before the calibration (a custom loop's first apply, a restore): the rule's
+            # default split, said once.
+            default = self.config.rule.default_split
+            warnings.warn(
+                f"split_dim='auto' is calibrated at the start of fit (or by "
+                f"model.calibrate_split(batches) before the first step); this optimizer was built "
+                f"before either and uses the rule's default split_dim={default}.", stacklevel=2)
+            self.resolve_split(default)
         super().build(var_list)
         #: The update rule's per-variable slots, ``{name: [one per trainable variable]}``.
         self.slots = self.config.rule.build_slots(self, var_list) or {}
