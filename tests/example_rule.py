@@ -30,18 +30,18 @@ class KroneckerSGD(UpdateRule):
     def build_slots(self, optimizer, var_list):
         return {}  # no per-variable state: no momentum
 
-    def refresh(self, refresher, layers, refresh, factors, damping):
+    def refresh(self, step, layers, refresh, factors, damping):
         for layer, flag, (fa, fg) in zip(layers, refresh, factors):
-            held = refresher.state.layers[layer.index]
+            held = step.state.layers[layer.index]
             d = tf.sqrt(damping / layer.rows_per_term)
             for inverse, factor, dim in ((held.A_inv, fa, layer.block.a_dim),
                                          (held.G_inv, fg, layer.block.g_dim)):
                 inverse.assign(tf.where(flag, invert_blocks(factor, d, dim), inverse))
 
-    def precondition(self, engine, active, rows_per_term, grads, variables, ok, use_grads):
+    def precondition(self, step, active, rows_per_term, grads, variables, use_grads):
         steps = []
         for b, k, m in block_matrices.gather(active, grads, variables, use_grads):
-            held = engine.state.layers[engine.block_position(b.name)]
+            held = step.layer(b)
             a_inv = BlockDiagonal(tf.convert_to_tensor(held.A_inv), b.a_dim)
             g_inv = BlockDiagonal(tf.convert_to_tensor(held.G_inv), b.g_dim)
             steps.append((b, k, g_inv.rmatmul(a_inv.matmul(m)) / rows_per_term[b.name]))

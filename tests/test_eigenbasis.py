@@ -229,7 +229,7 @@ class HeldBases(Eigenbasis):
     def __init__(self):
         super().__init__(relative_epsilon=0.0, step="adam")
 
-    def refresh(self, refresher, layers, refresh, factors, damping):
+    def refresh(self, step, layers, refresh, factors, damping):
         pass
 
 

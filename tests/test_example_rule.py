@@ -81,3 +81,36 @@ def test_the_example_rule_trains_a_model_with_a_first_order_variable():
     history = wrapped.fit(x, y, batch_size=32, epochs=5, verbose=0)
     assert history.history["loss"][-1] < 0.6 * before
     assert history.history["accuracy"][-1] > 0.8
+
+
+class _ReachesForTheOptimizer(KroneckerSGD):
+    """The example rule, but its step reads the optimizer's iterations through the step."""
+
+    def precondition(self, step, active, rows_per_term, grads, variables, use_grads):
+        step.optimizer.iterations  # noqa: B018
+        return super().precondition(step, active, rows_per_term, grads, variables, use_grads)
+
+
+class _ReachesForTheEngine(KroneckerSGD):
+    def refresh(self, step, layers, refresh, factors, damping):
+        step.engine.state  # noqa: B018
+        return super().refresh(step, layers, refresh, factors, damping)
+
+
+@pytest.mark.parametrize("rule,name", [(_ReachesForTheOptimizer, "optimizer"),
+                                       (_ReachesForTheEngine, "engine")])
+def test_a_rule_sees_only_its_step(rule, name):
+    """What a rule gets in ``refresh`` and ``precondition`` is its ``Step``: reaching past it
+    (the optimizer, the engine) fails at the first trace, naming the attribute, and the step
+    cannot be written to."""
+    x = np.random.default_rng(0).normal(size=(8, 5)).astype("float32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3, name="out")])
+    wrapped = thor_tf.wrap(model, update_rule=rule(), frequency=1, verbose=False)
+    wrapped.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(AttributeError, match=name):
+        wrapped.train_on_batch(x, np.zeros(8, "int64"))
+    step = wrapped.thor.rule_step()
+    assert step.layer(wrapped.thor.blocks[0]) is wrapped.thor.state.layers[0]
+    with pytest.raises(AttributeError, match="read-only"):
+        step.ok = False

@@ -42,6 +42,7 @@ from thor_tf import (_keras_compat, capture, discovery, distributed, fisher, los
 from thor_tf.blocks import TiedLookupBlock
 from thor_tf.introspection import Introspection
 from thor_tf.refresh import Refresher
+from thor_tf.rules.step import Step
 from thor_tf.state import DecisionLog, ThorState
 
 def _values(gradient):
@@ -497,9 +498,15 @@ class ThorEngine(Introspection):
         """``(gradients, marked)``: the blocks' steps from their gradients, the update rule's
         business (:meth:`thor_tf.rules.UpdateRule.precondition`; ``rows_per_term``: ``{block
         name: c}``; ``ok`` False: a skipped step, the rule's state stays as it is)."""
-        ok = tf.convert_to_tensor(ok)
-        return self.config.rule.precondition(self, active, rows_per_term, grads, variables, ok,
-                                             use_grads)
+        return self.config.rule.precondition(self.rule_step(tf.convert_to_tensor(ok)), active,
+                                             rows_per_term, grads, variables, use_grads)
+
+    def rule_step(self, ok=True):
+        """The :class:`~thor_tf.rules.step.Step` the update rule sees: all it gets of this
+        engine and its optimizer (the one place that view is made)."""
+        opt = self.optimizer
+        return Step(self.state, self._block_index, opt.iterations, lambda: opt.learning_rate,
+                    opt.slot, clip_norm=self.config.clip_norm, ok=ok)
 
     def block_position(self, name):
         """Index of block ``name`` in :attr:`blocks` and in the state's per-block vectors."""

@@ -48,7 +48,7 @@ class Refresher:
         if distributed.replica_context() is None:
             local = self._local_factors_where(layers, refresh)
             factors = self._refreshed_factors(layers, refresh, local)
-            rule.refresh(self, layers, refresh, factors, damping)
+            rule.refresh(self.engine.rule_step(), layers, refresh, factors, damping)
             self._install(layers, refresh, factors)
             return
 
@@ -59,7 +59,7 @@ class Refresher:
             combined = distributed.weighted_mean([f for pair in local for f in pair], weights)
             factors = self._refreshed_factors(
                 layers, refresh, [(combined[2 * k], combined[2 * k + 1]) for k in range(len(layers))])
-            rule.refresh(self, layers, refresh, factors, damping)
+            rule.refresh(self.engine.rule_step(), layers, refresh, factors, damping)
             self._install(layers, refresh, factors)
 
         distributed.run_if(tf.reduce_any(tf.stack(refresh)), exchange)

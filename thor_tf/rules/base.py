@@ -152,17 +152,21 @@ class UpdateRule:
         raise NotImplementedError
 
     # -- the step ----------------------------------------------------------------------------------
-    def refresh(self, refresher, layers, refresh, factors, damping):
+    def refresh(self, step, layers, refresh, factors, damping):
         """Write the refreshing layers' products from their new ``factors`` (``[(A, G)]``
         aligned with ``layers``; the factors in use for the layers whose ``refresh`` flag is
-        False). Called inside the cadence branch, on every replica with identical inputs."""
+        False) into their state (``step.state.layers[layer.index]``; ``step``: the
+        :class:`~thor_tf.rules.step.Step`, all the rule sees of the engine). Called inside the
+        cadence branch, on every replica with identical inputs."""
         raise NotImplementedError
 
-    def precondition(self, engine, active, rows_per_term, grads, variables, ok, use_grads):
+    def precondition(self, step, active, rows_per_term, grads, variables, use_grads):
         """``(gradients, marked)``: the gradients list with each active block's kernel/bias
         gradients replaced by its step, and the positions (in ``variables``) the rule marks for
-        its own :meth:`update_step` (``optimizer.marked(variable)``: e.g. "already a step");
-        ``ok`` (bool scalar) False means the step is skipped: no state may change."""
+        its own :meth:`update_step` (``optimizer.marked(variable)``: e.g. "already a step").
+        ``step`` (:class:`~thor_tf.rules.step.Step`): each block's state (``step.layer(b)``),
+        the step count, rate and clip, and ``step.ok`` (bool scalar): False means the step is
+        skipped, no state may change."""
         raise NotImplementedError
 
     def update_step(self, optimizer, gradient, variable, learning_rate):

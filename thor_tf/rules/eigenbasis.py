@@ -248,27 +248,27 @@ class Eigenbasis(UpdateRule):
                 for name in ("adam_m", "adam_v")}
 
     # -- refresh -----------------------------------------------------------------------------------
-    def refresh(self, refresher, layers, refresh, factors, damping):
+    def refresh(self, step, layers, refresh, factors, damping):
         """New bases for the refreshing layers, their moments carried into them where a basis
         changed (:func:`thor_tf.rules.eigenbasis_refresh.refresh_bases`)."""
         del damping  # eigenvectors do not move with it
-        refresh_bases(self, refresher, layers, refresh, factors)
+        refresh_bases(self, step, layers, refresh, factors)
 
     # -- precondition ------------------------------------------------------------------------------
-    def precondition(self, engine, active, rows_per_term, grads, variables, ok, use_grads):
-        config, opt, s = engine.config, engine.optimizer, engine.state
+    def precondition(self, step, active, rows_per_term, grads, variables, use_grads):
+        ok, clip_norm = step.ok, step.clip_norm
         use_grads = dict(use_grads or {})
-        if config.clip_norm is not None:
-            grads = [None if g is None else _clip(g, config.clip_norm) for g in grads]
-            use_grads = {k: _clip(g, config.clip_norm) for k, g in use_grads.items()}
-        t = tf.cast(opt.iterations + 1, tf.float32)
+        if clip_norm is not None:
+            grads = [None if g is None else _clip(g, clip_norm) for g in grads]
+            use_grads = {k: _clip(g, clip_norm) for k, g in use_grads.items()}
+        t = tf.cast(step.iterations + 1, tf.float32)
         correction_1 = 1.0 - tf.pow(self.beta_1, t)
         correction_2 = 1.0 - tf.pow(self.beta_2, t)
         # Each Python float is a new graph constant at each use: made once here (same values).
         b1, b1c, b2, b2c, epsilon, relative_epsilon = (tf.constant(value, tf.float32) for value in (
             self.beta_1, 1.0 - self.beta_1, self.beta_2, 1.0 - self.beta_2, self.epsilon,
             self.relative_epsilon))
-        blocks = [(b, k, matrix, s.layers[engine.block_position(b.name)])
+        blocks = [(b, k, matrix, step.layer(b))
                   for b, k, matrix in block_matrices.gather(active, grads, variables, use_grads)]
         # Blocks of one shape (moments and both bases) are rotated and updated as one stack: a
         # Transformer's query/key/value/output or a ResNet stage's repeated convolutions then
@@ -302,9 +302,9 @@ class Eigenbasis(UpdateRule):
             floor = epsilon + relative_epsilon * tf.sqrt(
                 tf.reduce_mean(v_hat, axis=[-2, -1], keepdims=True) if stacked
                 else tf.reduce_mean(v_hat))
-            step = (m / correction_1) / (tf.sqrt(v_hat) + floor)
-            step = rotate_out(step, q_a, q_g)  # Q_A Δ' Q_Gᵀ
-            for n, u in zip(members, tf.unstack(step) if stacked else [step]):
+            delta = (m / correction_1) / (tf.sqrt(v_hat) + floor)
+            delta = rotate_out(delta, q_a, q_g)  # Q_A Δ' Q_Gᵀ
+            for n, u in zip(members, tf.unstack(delta) if stacked else [delta]):
                 steps[n] = (blocks[n][0], blocks[n][1], u)
         if self.step == "orthogonal":
             chosen = [n for n, (b, _, _) in enumerate(steps) if b.kind not in self.adam_kinds]
@@ -312,14 +312,14 @@ class Eigenbasis(UpdateRule):
                 steps[n] = steps[n][:2] + (u,)
         out, written = block_matrices.scatter(grads, variables, steps)
         adam = (correction_1, correction_2, epsilon, b1, b1c, b2, b2c)
-        for k, direction in self._first_order_adam(opt, grads, variables, written, ok,
+        for k, direction in self._first_order_adam(step, grads, variables, written, ok,
                                                    adam).items():
             out[k] = direction
             written.add(k)
         return out, written  # marked: already a step (update_step adds decay and the rate)
 
     @staticmethod
-    def _first_order_adam(opt, grads, variables, skip, ok, adam):
+    def _first_order_adam(step, grads, variables, skip, ok, adam):
         """Adam's direction ``m̂ / (√v̂ + ε)`` for the variables without a block whose dense
         float32 gradients share a shape with another's (a network's normalization scales and
         offsets), each such group as one stack: ``{position in variables: direction}``. The
@@ -343,8 +343,8 @@ class Eigenbasis(UpdateRule):
         for members in groups.values():
             if len(members) < 2:
                 continue
-            m_vars = [opt.slot("adam_m", variables[k]) for k in members]
-            v_vars = [opt.slot("adam_v", variables[k]) for k in members]
+            m_vars = [step.slot("adam_m", variables[k]) for k in members]
+            v_vars = [step.slot("adam_v", variables[k]) for k in members]
             g = tf.stack([grads[k] for k in members])
             m_old = tf.stack([tf.convert_to_tensor(x) for x in m_vars])
             v_old = tf.stack([tf.convert_to_tensor(x) for x in v_vars])

@@ -21,11 +21,12 @@ from thor_tf.rules.eigenbasis_ops import (basis_change, refresh_selected, rotate
 __all__ = ["carried_alone", "carried_stacked", "refresh_bases"]
 
 
-def refresh_bases(rule, refresher, layers, refresh, factors):
+def refresh_bases(rule, step, layers, refresh, factors):
     """Write the refreshing ``layers``' new bases and eigenvalues, and their moments carried into
     them, into the layers' state (``rule``: the :class:`~thor_tf.rules.Eigenbasis` with its
-    options; ``refresh``: per layer a bool; ``factors``: per layer ``(A, G)`` blocks)."""
-    s = refresher.state
+    options; ``step``: the :class:`~thor_tf.rules.step.Step`; ``refresh``: per layer a bool;
+    ``factors``: per layer ``(A, G)`` blocks)."""
+    s = step.state
     factors_flat, dims, held = [], [], []  # per factor: A, G, A, G, ...
     for layer, (fa, fg) in zip(layers, factors):
         state = s.layers[layer.index]
@@ -55,7 +56,7 @@ def refresh_bases(rule, refresher, layers, refresh, factors):
     new = [(out[2 * k], out[2 * k + 1]) for k in range(len(layers))]
     # Before the first step the moments are their initial zeros, which every rotation keeps:
     # the first refresh (every layer's, from the identity) carries nothing.
-    started = refresher.engine.optimizer.iterations > 0
+    started = step.iterations > 0
     groups = {}
     for n, layer in enumerate(layers):
         groups.setdefault(rule._stack_key(s.layers[layer.index]), []).append(n)

@@ -114,19 +114,19 @@ class Inverse(UpdateRule):
         return LayerFactors(**made)
 
     # -- refresh -----------------------------------------------------------------------------------
-    def refresh(self, refresher, layers, refresh, factors, damping):
+    def refresh(self, step, layers, refresh, factors, damping):
         if (distributed.replica_context() is not None
                 and self.inverse_assignment == "balanced"):
-            inverses = self._shared_inverses(refresher, layers, refresh, factors, damping)
+            inverses = self._shared_inverses(step, layers, refresh, factors, damping)
         else:
-            inverses = self._batched_inverses(refresher, layers, refresh, factors, damping)
-        state = refresher.state
+            inverses = self._batched_inverses(step, layers, refresh, factors, damping)
+        state = step.state
         for layer, (ia, ig) in zip(layers, inverses):
             held = state.layers[layer.index]
             held.A_inv.assign(ia)
             held.G_inv.assign(ig)
 
-    def _batched_inverses(self, refresher, layers, refresh, factors, damping):
+    def _batched_inverses(self, step, layers, refresh, factors, damping):
         """Split inverses of the refreshing layers' damped factors, one batched inversion per
         bucket of block sizes (:func:`thor_tf.buckets.size_buckets`: sizes within 0.75× of a
         larger one are padded to it, identity on the padding).
@@ -145,7 +145,7 @@ class Inverse(UpdateRule):
         Returns ``[(A_inv, G_inv)]`` aligned with ``layers``: the new inverses of refreshing
         layers, the ones in use for the others.
         """
-        s = refresher.state
+        s = step.state
         factors_flat, dims, held, per_factor = [], [], [], []  # per factor: A, G, A, G, ...
         for layer, (fa, fg) in zip(layers, factors):
             state = s.layers[layer.index]
@@ -170,14 +170,14 @@ class Inverse(UpdateRule):
         return factor_dampings(damping / layer.rows_per_term, factor_a, factor_g,
                                layer.block.a_dim, layer.block.g_dim, self.damping_split)
 
-    def _shared_inverses(self, refresher, layers, refresh, factors, damping):
+    def _shared_inverses(self, step, layers, refresh, factors, damping):
         """``inverse_assignment="balanced"``: every diagonal block of every layer is inverted on
         one replica (longest-processing-time over all blocks, cost ``d³``:
         :func:`thor_tf.distributed.balanced_block_owners`; a layer is not the unit, so one large
         layer cannot hold the cut), zeros elsewhere; one packed SUM shares the inverses. Only
         refreshing layers' blocks are inverted. Returns ``[(A_inv, G_inv)]``: the new inverses of
         refreshing layers, those in use for the others."""
-        state = refresher.state
+        state = step.state
         shapes = [state.layers[layer.index].shapes() for layer in layers]
         owners = distributed.balanced_block_owners(
             [[int(sh[1]) ** 3] * int(sh[0]) for pair in shapes for sh in pair],
@@ -201,19 +201,19 @@ class Inverse(UpdateRule):
         return out
 
     # -- precondition ------------------------------------------------------------------------------
-    def precondition(self, engine, active, rows_per_term, grads, variables, ok, use_grads):
+    def precondition(self, step, active, rows_per_term, grads, variables, use_grads):
         """``(1/c)·A_inv·M·G_inv`` per block and the KL clip (:mod:`thor_tf.rules.inverse_ops`); the
         clip scale ν of a finite step is kept in ``counters()["kl_scale"]``."""
-        s = engine.state
+        s = step.state
         inverses = {}
         for b in active:
-            layer = s.layers[engine.block_position(b.name)]
+            layer = step.layer(b)
             inverses[b.name] = (layer.A_inv, layer.G_inv)
         out, nu = precondition_gradients(
             active, rows_per_term, inverses, grads, variables, kl_clip=self.kl_clip,
-            learning_rate=engine.optimizer.learning_rate, use_grads=use_grads)
+            learning_rate=step.learning_rate, use_grads=use_grads)
         if nu is not None:
-            s.kl_scale.assign(tf.where(ok, nu, s.kl_scale))
+            s.kl_scale.assign(tf.where(step.ok, nu, s.kl_scale))
         return out, ()  # every variable takes the same chain: nothing to mark
 
     # -- what a split costs and keeps -------------------------------------------------------------
