@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import thor_tf
 from reference import conv_patches, homogeneous, mean_outer
-from thor_tf import capture, engine, refresh
+from thor_tf import cadence_point, capture, refresh
 
 # THOR's inverse rule (K-FAC step, KL clip, damping, momentum) is what these tests check.
 pytestmark = pytest.mark.update_rule("inverse")
@@ -85,7 +85,7 @@ def test_group_computes_only_refreshing_members(flags):
         block = eng.blocks[i]
         record = capture.Record(tf.constant(x), None)
         grad = tf.constant(rng.normal(size=(4, 6, 5, 3)).astype("float32"))
-        members.append(engine._CadenceLayer(i, block, [record], [grad], tf.constant(30.0), None))
+        members.append(cadence_point.CadenceLayer(i, block, [record], [grad], tf.constant(30.0), None))
         split = eng.config.split_dim
         expected.append((block.factor_a([record], split).numpy(),
                           block.factor_g([grad], split).numpy()))

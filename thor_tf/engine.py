@@ -33,17 +33,18 @@ code (:meth:`ThorEngine.apply_gradients`, from ``ThorOptimizer.apply``). Either 
 from __future__ import annotations
 
 import warnings
-from typing import NamedTuple
 
 import tensorflow as tf
 
-from thor_tf import (_keras_compat, capture, discovery, distributed, fisher, loss_terms,
-                     trace_rule)
+from thor_tf import _keras_compat, capture, discovery, distributed, fisher, loss_terms
 from thor_tf.blocks import TiedLookupBlock
+from thor_tf.cadence_point import CadencePoint, _valid_rows
 from thor_tf.introspection import Introspection
+from thor_tf.selection import BlockSelection
 from thor_tf.refresh import Refresher
 from thor_tf.rules.step import Step
 from thor_tf.state import DecisionLog, ThorState
+
 
 def _values(gradient):
     """The dense values of a gradient (``IndexedSlices`` from an embedding lookup: its rows)."""
@@ -72,18 +73,7 @@ def _unscale(gradient, loss_scale):
     return gradient / tf.cast(loss_scale, gradient.dtype)
 
 
-class _CadenceLayer(NamedTuple):
-    """What one active block brings to a cadence point (this replica's batch)."""
-
-    index: int  # position in the engine's blocks (and state vectors)
-    block: object  # the KroneckerBlock
-    records: list  # [capture.Record] (first ``factor_examples`` examples when set)
-    grads: list  # per-term dℓ/dz tensors aligned with ``records``
-    rows_per_term: tf.Tensor  # c = R/D: rows per data point of the loss (KFC's P; float32 scalar)
-    masks: object  # None, or per record None / [R_call] 0/1 row weights (valid terms)
-
-
-class ThorEngine(Introspection):
+class ThorEngine(BlockSelection, CadencePoint, Introspection):
     """Registry and per-step work for one model.
 
     Args:
@@ -135,66 +125,9 @@ class ThorEngine(Introspection):
         self.other_optimizer = None
         self.select_blocks(model.trainable_variables)
 
-        unsupported = [
-            f"{layer.name} ({type(layer).__name__}: {reason})"
-            for layer, reason in self.first_order
-            if not isinstance(layer, discovery.EXPECTED_FIRST_ORDER) and reason != "excluded"
-        ]
-        if unsupported:
-            warnings.warn(
-                "thor_tf: no Kronecker block for " + ", ".join(unsupported)
-                + "; these layers get the update rule's first-order step (AdamW under the "
-                "default eigenbasis rule, momentum SGD under the inverse rule).",
-                stacklevel=3)
-        by_layer = {}
-        for block in self.candidates:
-            by_layer.setdefault(id(block.layer), []).append(block)
-        for blocks in by_layer.values():
-            capture.install(blocks, self.store)
+        self.warn_unsupported()
+        self.install_hooks()
 
-    def select_blocks(self, trainable_variables):
-        """Choose the blocks for the variables an optimizer trains: the candidates whose kernel is
-        among ``trainable_variables`` (ordered as they are). Called at wrap, at every ``compile``
-        and when the optimizer is built, so that freezing or unfreezing layers between compiles
-        (transfer learning) changes which layers have blocks.
-
-        Returns True when the selection differs from the last one shown (the table is due again).
-        """
-        if self._state is not None:
-            raise ValueError("the THOR state exists already: blocks are chosen before the optimizer "
-                             "is built (compile again after changing `trainable`)")
-        index = {id(v): i for i, v in enumerate(trainable_variables)}
-        blocks = sorted((b for b in self.candidates if id(b.kernel) in index),
-                        key=lambda b: index[id(b.kernel)])
-        chosen = {id(b) for b in blocks}
-        self.blocks = blocks
-        self.first_order = discovery.first_order_layers(
-            self.model, self.candidates, self._structural_first_order, trainable_variables)
-        self.frozen_layers = [b.layer for b in self.candidates if id(b) not in chosen]
-        self._block_index = {b.name: i for i, b in enumerate(blocks)}
-        selection = tuple(b.name for b in blocks)
-        changed = selection != self._shown_selection
-        self._shown_selection = selection
-        return changed
-
-    # -- registration ----------------------------------------------------------------------------
-    @property
-    def split_dim(self):
-        """The split in force (read, not held): the built optimizer's, else the options ``wrap``
-        was given (None: the update rule's default; ``"auto"``: not chosen yet)."""
-        config = self.config if self.config is not None else self.options
-        return config.split_dim if config is not None else None
-
-    def registration_table(self, split_dim=None):
-        """The one table ``wrap`` prints: layers, block kinds, factor sizes, splits (``split_dim``,
-        default the split in force), fallbacks."""
-        return discovery.registration_table(self.blocks, self.first_order, self.frozen_layers,
-                                            self.split_dim if split_dim is None else split_dim)
-
-    def detach(self):
-        """Take the layer hooks off: every layer's own ``call`` alone again."""
-        for block in self.candidates:
-            capture.uninstall(block.layer)
 
     # -- state -----------------------------------------------------------------------------------
     def build_state(self, optimizer, var_list):
@@ -423,76 +356,6 @@ class ThorEngine(Introspection):
         opt.apply_masked(pre, variables, ok, [variables[k] for k in marked])
         return ok
 
-    def curvature_step(self, active, records, ok, output_grads_fn, batch_size, rows_per_term,
-                       masks):
-        """At a due cadence point, apply the trace rule per layer and refresh where it says so.
-
-        ``output_grads_fn()`` returns ``{block name: [per-term dℓ/dz, ...]}`` (empirical or
-        sampled) of this replica's batch; it is called only inside the cadence branch.
-        ``rows_per_term``: ``{block name: R/D}``; ``masks``: ``{block name: row masks or None}``
-        (:mod:`thor_tf.loss_terms`). The stages
-        (each identical on every replica; collectives only under a strategy, see
-        :mod:`thor_tf.distributed`): traces of the live layers → combined over replicas →
-        decisions → factors of the refreshing layers → combined → inverses → recorded.
-        """
-        opt = self.optimizer
-        s = self.state
-        step = tf.cast(opt.iterations, tf.int64)
-        due = tf.logical_and(ok, step >= s.next_cadence)
-
-        def cadence():
-            layers, weight = self._cadence_inputs(active, records, output_grads_fn(), batch_size,
-                                                  rows_per_term, masks)
-            refreshed_any = tf.constant(False)
-            if layers:
-                damping = opt.current_damping()
-                local = trace_rule.local_traces(s, layers)  # [n, 2]
-                traces, = distributed.weighted_mean(
-                    [local], [tf.stack(weight)[:, None]] if isinstance(weight, list) else weight)
-                decisions = trace_rule.judge(s, self.config, layers, traces, damping, step)
-                self.refresher.refresh(layers, tf.unstack(decisions.refresh, num=len(layers)), damping,
-                              weight)
-                refreshed_any = trace_rule.record_decisions(s, self.decision_log, len(self.blocks),
-                                                            layers, decisions, step)
-            if self.config.cadence.adaptive is not None:
-                s.interval.assign(trace_rule.adapt_interval(
-                    s.interval, refreshed_any, self.config.cadence.adaptive.base,
-                    self.config.cadence.adaptive.max_interval))
-            interval = self.config.cadence.interval(step, s.epoch, s.interval)
-            s.interval.assign(interval)
-            s.next_cadence.assign(step + interval)
-            s.cadence_points.assign_add(1)
-
-        distributed.run_if(due, cadence)
-
-    def _cadence_inputs(self, active, records, output_grads, batch_size, rows_per_term, masks):
-        """``([_CadenceLayer per active block], weight)`` with ``factor_examples`` applied;
-        ``weight`` is this replica's weight when the statistics are combined over replicas: the
-        number of examples behind them (float32 scalar), or under a masked loss a list with each
-        layer's valid rows (per layer: its traces' and then its factors')."""
-        k = self.config.factor_examples
-        examples = tf.cast(batch_size, tf.float32)
-        if k is not None:
-            # Statistics from the first examples of the batch only (K-FAC's sub-batch): the
-            # batch order is random, and im2col + factor matmuls shrink in proportion.
-            examples = tf.minimum(examples, float(k))
-        layers = []
-        for b in active:
-            recs, gs, layer_masks = records[b.name], output_grads[b.name], masks[b.name]
-            if k is not None:
-                if layer_masks is not None:
-                    layer_masks = [None if m is None else m[:k * _rows_per_example(b, r)]
-                                   for m, r in zip(layer_masks, recs)]
-                recs = [capture.Record(r.inputs[:k], r.z[:k]) for r in recs]
-                gs = [g[:k] for g in gs]
-            layers.append(_CadenceLayer(self._block_index[b.name], b, recs, gs,
-                                        rows_per_term[b.name], layer_masks))
-        if any(layer.masks is not None for layer in layers):
-            rows = [examples if layer.masks is None else _valid_rows(layer.block, layer.records,
-                                                                    layer.masks)
-                    for layer in layers]
-            return layers, rows
-        return layers, examples
 
     def precondition(self, active, rows_per_term, grads, variables, ok=True, use_grads=None):
         """``(gradients, marked)``: the blocks' steps from their gradients, the update rule's
@@ -513,26 +376,11 @@ class ThorEngine(Introspection):
         return self._block_index[name]
 
 
-def _rows_per_example(block, record):
-    """Static mask rows per example of one call (``z``'s size past the batch over the block's
-    ``mask_width``: ``g_dim`` but for a LoRA A side)."""
-    return record.z.shape[1:].num_elements() // block.mask_width
-
-
 def _row_masks(block, records, terms):
     """Per record of ``block`` its row mask (:func:`thor_tf.loss_terms.row_mask`), or None when
     no record has one (every row counts: the unmasked code path)."""
     masks = [loss_terms.row_mask(terms, r.z, block.mask_width) for r in records]
     return None if all(m is None for m in masks) else masks
-
-
-def _valid_rows(block, records, masks):
-    """float32 number of valid rows of ``block``'s calls: Σ mask (times ``mask_repeats``: a LoRA
-    B side's rows are positions × heads), or all rows of a call without one."""
-    return float(block.mask_repeats) * tf.add_n(
-        [tf.reduce_sum(m) if m is not None
-         else tf.cast(tf.size(r.z), tf.float32) / float(block.mask_width)
-         for m, r in zip(masks, records)])
 
 
 def _tied_pairs(active):

@@ -8,7 +8,7 @@ hands them to the update rule (:mod:`thor_tf.rules`: split inverses, or eigenbas
 refreshing layers' blocks, batched by block size) and writes factors and used traces.
 
 Every method works on the engine's state (:class:`thor_tf.state.ThorState`) and config, over a
-list of ``_CadenceLayer`` (one per active block: index, block, records, output gradients, P).
+list of ``CadenceLayer`` (one per active block: index, block, records, output gradients, P).
 """
 
 from __future__ import annotations

@@ -522,7 +522,7 @@ def local_traces(state, layers):
     at run time than a ``tf.cond`` per layer is to trace and optimize.
 
     ``state``: the engine's :class:`~thor_tf.state.ThorState`; ``layers``: the active layers'
-    ``_CadenceLayer`` (:mod:`thor_tf.engine`: index, block, records, output gradients, masks).
+    ``CadenceLayer`` (:mod:`thor_tf.cadence_point`: index, block, records, output gradients, masks).
     """
     traces = tf.stack([tf.stack(layer_traces(layer)) for layer in layers])
     frozen = per_block_rows(state.frozen, [layer.index for layer in layers]) > 0
@@ -536,7 +536,7 @@ def judge(state, config, layers, traces, damping, step):
       state: the engine's :class:`~thor_tf.state.ThorState` (read only).
       config: the :class:`~thor_tf.config.ThorConfig` (its ``trace_rule``: ``omegas``,
         ``trace_filter``, ``max_block_age``; and ``factor_decay``).
-      layers: the active layers' ``_CadenceLayer``.
+      layers: the active layers' ``CadenceLayer``.
       traces: ``[n_active, 2]`` float32, ``[tr A, tr G]`` per layer.
       damping: λ (float32 scalar).
       step: the optimizer step (int64 scalar), for ``max_block_age``.
