@@ -14,37 +14,6 @@ def _load(name):
     return importlib.import_module(f"scripts.{name}")
 
 
-def test_bench_lm_step_amortized_step_and_ratios():
-    bench = _load("bench_lm_step")
-    # 9 plain steps of 100 ms and one cadence step of 300 ms per interval of 10.
-    assert bench.amortized(100.0, 300.0, 10) == pytest.approx(120.0)
-    rounds = {
-        "adamw": [{"median_ms": 50.0, "mean_ms": 51.0}, {"median_ms": 60.0, "mean_ms": 61.0},
-                  {"median_ms": 55.0, "mean_ms": 56.0}],
-        "muon": [{"median_ms": 80.0, "mean_ms": 80.0}] * 3,
-        "thor": [{"median_ms": 100.0, "mean_ms": 120.0, "plain_ms": 100.0, "cadence_ms": 300.0},
-                 {"median_ms": 110.0, "mean_ms": 130.0, "plain_ms": 110.0, "cadence_ms": None},
-                 {"median_ms": 90.0, "mean_ms": 110.0, "plain_ms": 90.0, "cadence_ms": 500.0}],
-        "thor_refresh_all": [{"median_ms": 400.0, "mean_ms": 400.0}] * 3,
-    }
-    summary, ratios = bench.summarize(rounds, frequency=10)
-    thor = summary["thor"]
-    # Medians over rounds (a round without a cadence point does not count for cadence_ms).
-    assert thor["plain_ms"] == 100.0 and thor["cadence_ms"] == 400.0 and thor["mean_ms"] == 120.0
-    assert thor["amortized_ms"] == pytest.approx(130.0)                # 100 + 300 / 10
-    assert thor["refresh_all_amortized_ms"] == pytest.approx(130.0)    # 100 + (400 − 100) / 10
-    assert summary["adamw"]["median_ms"] == 55.0
-    assert ratios["thor_vs_adamw"]["amortized_ms"] == pytest.approx(130.0 / 55.0)
-    assert ratios["thor_vs_muon"]["plain_ms"] == pytest.approx(100.0 / 80.0)
-    assert ratios["thor_vs_muon"]["refresh_all_ms"] == pytest.approx(5.0)
-    # Round by round: THOR plain 100/50, 110/60, 90/55 -> median 1.833...
-    assert ratios["thor_vs_adamw"]["paired"]["plain_ms"] == pytest.approx(110.0 / 60.0)
-    assert ratios["thor_vs_adamw"]["paired"]["refresh_all_ms"] == pytest.approx(400.0 / 55.0)
-    # An adaptive cadence has no fixed f: no amortized formula, the measured mean stays.
-    summary, _ = bench.summarize(rounds, frequency="adaptive")
-    assert summary["thor"]["amortized_ms"] is None and summary["thor"]["mean_ms"] == 120.0
-
-
 def test_bench_first_fit_medians_and_ratios():
     bf = _load("bench_first_fit")
     runs = []
