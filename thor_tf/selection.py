@@ -38,7 +38,7 @@ class BlockSelection:
                 "thor_tf: no Kronecker block for " + ", ".join(unsupported)
                 + "; these layers get the update rule's first-order step (AdamW under the "
                 "default eigenbasis rule, momentum SGD under the inverse rule).",
-                stacklevel=4)
+                stacklevel=5)  # the user's thor_tf.wrap(...) line
 
     def select_blocks(self, trainable_variables):
         """Choose the blocks for the variables an optimizer trains: the candidates whose kernel is
