@@ -91,6 +91,11 @@ LEVERS = {
               "floor_fraction)", lambda name: {"floor_fraction": 0.1}),
     "beta2": ("the eigenbasis moments' beta_2 0.95 -> 0.99",
               lambda name: {"rule": {"beta_2": 0.99}}),
+    "beta2_long": ("the eigenbasis moments' beta_2 0.95 -> 0.999 (Adam's): the step shrinks as "
+                   "the gradients do late in a run, as Adam's does (at 16x on the Fashion CNN, "
+                   "with the training loss at 0, THOR's steps were 30-110x Adam's: "
+                   "docs/anatomy.md)",
+                   lambda name: {"rule": {"beta_2": 0.999}}),
     "releps": ("the eigenbasis rule's relative epsilon 1e-2 -> 1e-3",
                lambda name: {"rule": {"relative_epsilon": 1e-3}}),
     "ema": ("the weights' moving average (Keras' use_ema, momentum 0.99: ~100 steps) is the "
