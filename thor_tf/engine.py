@@ -40,9 +40,9 @@ from thor_tf import _keras_compat, capture, discovery, distributed, fisher, loss
 from thor_tf.blocks import TiedLookupBlock
 from thor_tf.cadence_point import CadencePoint, _valid_rows
 from thor_tf.introspection import Introspection
-from thor_tf.selection import BlockSelection
 from thor_tf.refresh import Refresher
 from thor_tf.rules.step import Step
+from thor_tf.selection import BlockSelection
 from thor_tf.state import DecisionLog, ThorState
 
 
@@ -127,7 +127,6 @@ class ThorEngine(BlockSelection, CadencePoint, Introspection):
 
         self.warn_unsupported()
         self.install_hooks()
-
 
     # -- state -----------------------------------------------------------------------------------
     def build_state(self, optimizer, var_list):
@@ -355,7 +354,6 @@ class ThorEngine(BlockSelection, CadencePoint, Introspection):
         state.nonfinite_steps.assign_add(tf.cast(tf.logical_not(ok), tf.int64))
         opt.apply_masked(pre, variables, ok, [variables[k] for k in marked])
         return ok
-
 
     def precondition(self, active, rows_per_term, grads, variables, ok=True, use_grads=None):
         """``(gradients, marked)``: the blocks' steps from their gradients, the update rule's

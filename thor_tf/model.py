@@ -91,7 +91,6 @@ class ThorModel(ThorCompile, TaskData, keras.Model):
         which Keras' ``compile`` wraps around it under the ``mixed_float16`` policy), or None."""
         return find_thor_optimizer(getattr(self, "optimizer", None))
 
-
     def fit(self, x=None, y=None, batch_size=None, *args, callbacks=None, sample_weight=None,
             validation_data=None, **kwargs):
         self._build_thor_state()
@@ -164,7 +163,6 @@ class ThorModel(ThorCompile, TaskData, keras.Model):
                     and all(thor is not f for f in found)):
                 found.append(thor)
         return found
-
 
     def _forward_state_variables(self):
         """Non-trainable variables the forward pass may change (moving statistics, RNG states).
