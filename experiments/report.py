@@ -410,9 +410,17 @@ def horizon_line(record):
             cells.append(f"{m}× {steps}" + (f" ({'; '.join(notes)})" if notes else ""))
         parts.append(f"{label}: " + ", ".join(cells))
     lengths = sorted({int(m) for w in record["workloads"].values() for m in w["lengths"]})
-    named = [f"{m}×" for m in lengths]
-    named = ", ".join(named[:-1]) + " and " + named[-1] if len(named) > 1 else named[0]
-    return (f"On longer runs ({named} the suite's steps, the "
+    everywhere = [m for m in lengths
+                  if all(str(m) in w["lengths"] for w in record["workloads"].values())]
+    named = [f"{m}×" for m in everywhere]
+    named = (", ".join(named[:-1]) + " and " + named[-1] if len(named) > 1 else
+             (named[0] if named else ""))
+    named = [f"{named} the suite's steps"] if named else []
+    for m in (m for m in lengths if m not in everywhere):   # the study has not run it on all
+        on = [workload_format(n)[0] for n, w in record["workloads"].items()
+              if str(m) in w["lengths"]]
+        named.append(f"{m}× on the {' and the '.join(on)} so far")
+    return (f"On longer runs ({', '.join(named)}; the "
             "baselines re-tuned at each length; [docs/horizon.md](docs/horizon.md)), THOR's steps "
             "to the best baseline's final over the baseline's (seconds: interleaved pairs in one "
             "process, but beside other jobs, so indicative only): " + "; ".join(parts) + ".")
