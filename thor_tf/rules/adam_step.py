@@ -21,12 +21,12 @@ def adam_moments(gradient, m_old, v_old, ok, adam):
     return m, v, (m / correction_1) / (tf.sqrt(v / correction_2) + epsilon)
 
 
-def stacked_adam_directions(step, grads, variables, skip, ok, adam):
+def stacked_adam_directions(step, grads, variables, skip, adam):
     """Adam's direction ``m̂ / (√v̂ + ε)`` for the variables without a block whose dense
     float32 gradients share a shape with another's (a network's normalization scales and
     offsets), each such group as one stack: ``{position in variables: direction}``. The
     moments are the optimizer's own slots, those ``update_step``'s AdamW path keeps, updated
-    here as it would (``ok`` False: unchanged); ``update_step`` then adds the weight decay and
+    here as it would (``step.ok`` False: unchanged); ``update_step`` then adds the weight decay and
     the rate. The same values as per variable, with one set of elementwise ops per group
     instead of per variable (ResNet-50's 106 BatchNormalization vectors: ~14 ops each fewer
     to trace and run). A variable alone of its shape is left to ``update_step``.
@@ -51,7 +51,7 @@ def stacked_adam_directions(step, grads, variables, skip, ok, adam):
         g = tf.stack([grads[k] for k in members])
         m_old = tf.stack([tf.convert_to_tensor(x) for x in m_vars])
         v_old = tf.stack([tf.convert_to_tensor(x) for x in v_vars])
-        m, v, direction = adam_moments(g, m_old, v_old, ok, adam)
+        m, v, direction = adam_moments(g, m_old, v_old, step.ok, adam)
         for var, value in zip(m_vars, tf.unstack(m)):
             var.assign(value)
         for var, value in zip(v_vars, tf.unstack(v)):

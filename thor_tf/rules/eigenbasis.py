@@ -313,7 +313,7 @@ class Eigenbasis(UpdateRule):
                 steps[n] = steps[n][:2] + (u,)
         out, written = block_matrices.scatter(grads, variables, steps)
         adam = (correction_1, correction_2, epsilon, b1, b1c, b2, b2c)
-        for k, direction in self._first_order_adam(step, grads, variables, written, ok,
+        for k, direction in self._first_order_adam(step, grads, variables, written,
                                                    adam).items():
             out[k] = direction
             written.add(k)
