@@ -61,8 +61,8 @@ def block_diag(blocks):
 class NumpyEigenbasis:
     """Adam in the eigenbasis of ⊕A_i and ⊕G_j, float64 (DESIGN.md §9)."""
 
-    def __init__(self, a_dim, g_dim, rel_eps=REL_EPS):
-        self.rel_eps = rel_eps
+    def __init__(self, a_dim, g_dim, rel_eps=REL_EPS, b2=B2, growth=None):
+        self.rel_eps, self.b2, self.growth = rel_eps, b2, growth
         self.qa, self.qg = np.eye(a_dim), np.eye(g_dim)
         self.m, self.v = np.zeros((a_dim, g_dim)), np.zeros((a_dim, g_dim))
         self.t = 0
@@ -78,9 +78,12 @@ class NumpyEigenbasis:
     def step(self, grad):
         self.t += 1
         rotated = self.qa.T @ grad @ self.qg
+        b2 = self.b2 if self.growth is None else min(self.b2, 1.0 - self.t ** -self.growth)
         self.m = B1 * self.m + (1 - B1) * rotated
-        self.v = B2 * self.v + (1 - B2) * rotated ** 2
-        m_hat, v_hat = self.m / (1 - B1 ** self.t), self.v / (1 - B2 ** self.t)
+        self.v = b2 * self.v + (1 - b2) * rotated ** 2
+        # Under growth β2 at t = 1 is 0: v is already an average whose weights sum to one.
+        correction_2 = 1 - self.b2 ** self.t if self.growth is None else 1.0
+        m_hat, v_hat = self.m / (1 - B1 ** self.t), self.v / correction_2
         floor = EPS + self.rel_eps * np.sqrt(v_hat.mean())
         return self.qa @ (m_hat / (np.sqrt(v_hat) + floor)) @ self.qg.T
 
@@ -152,6 +155,41 @@ def test_dense_steps_match_float64_first_principles(split_dim, split_a, split_g)
         np.testing.assert_allclose(got, weights, atol=2e-5, rtol=0)
     assert np.abs(stale_weights - weights).max() > 100 * 2e-5
     assert [s["refreshes"] for s in wrapped.thor.layer_stats()] == [3]
+
+
+def test_growing_beta_2_matches_float64_first_principles():
+    """``beta_2_growth=0.8`` with ``beta_2=0.6``: β2_t = min(0.6, 1 − t^−0.8) is 0, 0.426, 0.585,
+    then 0.6 from step 4 (both the growth and the cap are met), v̂ = v. 6 steps of batch 16,
+    refreshes at steps 0, 2, 4: weights within 2e-5 of the float64 rule after every step. The
+    constant-β2 rule with its bias correction is 100x farther: the test sees the schedule."""
+    x, _ = _softmax_data(n=96)
+    y = _linear_targets(x)
+    model = _softmax_model()
+    kernel0, bias0 = (v.numpy().astype(np.float64) for v in model.layers[0].weights)
+    rule = Eigenbasis(step="adam", beta_2=0.6, beta_2_growth=0.8)
+    wrapped = thor_tf.wrap(model, learning_rate=LR, split_dim=3, update_rule=rule,
+                           verbose=False, **EVERY_2)
+    wrapped.compile(loss="mse")
+    weights = np.concatenate([kernel0, bias0[None]], axis=0)  # [a_dim, g_dim]
+    ref = NumpyEigenbasis(7, 5, b2=0.6, growth=0.8)
+    constant = NumpyEigenbasis(7, 5, b2=0.6)
+    constant_weights = weights.copy()
+    for step in range(6):
+        xb, yb = x[16 * step:16 * (step + 1)].astype(np.float64), y[16 * step:16 * (step + 1)]
+        a_rows = homogeneous(xb, True)
+        g_rows = 2.0 * (a_rows @ weights - yb) / 5
+        grad = a_rows.T @ g_rows / len(xb)
+        constant_grad = a_rows.T @ (2.0 * (a_rows @ constant_weights - yb) / 5) / len(xb)
+        if step % 2 == 0:
+            for r in (ref, constant):
+                r.refresh(mean_outer(a_rows), mean_outer(g_rows), 3, 3)
+        weights = weights - LR * ref.step(grad)
+        constant_weights = constant_weights - LR * constant.step(constant_grad)
+        wrapped.train_on_batch(x[16 * step:16 * (step + 1)], y[16 * step:16 * (step + 1)])
+        got = np.concatenate([model.layers[0].kernel.numpy(),
+                              model.layers[0].bias.numpy()[None]], axis=0)
+        np.testing.assert_allclose(got, weights, atol=2e-5, rtol=0)
+    assert np.abs(constant_weights - weights).max() > 100 * 2e-5
 
 
 # -- other block kinds, replayed ----------------------------------------------------------------
@@ -226,8 +264,8 @@ class HeldBases(Eigenbasis):
     """The eigenbasis rule with its bases held at the identity (refresh does nothing) and Adam's
     absolute ε alone (``relative_epsilon=0``)."""
 
-    def __init__(self):
-        super().__init__(relative_epsilon=0.0, step="adam")
+    def __init__(self, **options):
+        super().__init__(relative_epsilon=0.0, step="adam", **options)
 
     def refresh(self, step, layers, refresh, factors, damping):
         pass
@@ -276,6 +314,41 @@ def test_bases_held_at_identity_are_keras_adamw(monkeypatch):
                for a, b in zip(plain.trainable_variables, wrapped.trainable_variables))
     assert moved > 0.03 and diff < 1e-5 * max(moved, 1.0), (moved, diff)
     assert stacked == [2], stacked  # traced once: gamma and beta as one stack
+
+
+def test_growing_beta_2_is_adafactors_decay_on_every_variable():
+    """Bases at the identity under ``beta_2_growth=0.8`` (β2 capped at 0.95): 6 steps are Adam
+    with β2_t = min(0.95, 1 − t^−0.8) and no bias correction of v, replayed in float64 from the
+    gradients of an unwrapped clone at the reference's weights, on blocks and on the
+    LayerNormalization's scale and offset (the first-order path) alike."""
+    x, y = _regression()
+    wrapped = thor_tf.wrap(_mlp(), learning_rate=LR, update_rule=HeldBases(beta_2_growth=0.8),
+                           verbose=False)
+    wrapped.compile(loss="mse")
+    clone = _mlp()
+    weights = [v.numpy().astype(np.float64) for v in clone.trainable_variables]
+    m = [np.zeros_like(w) for w in weights]
+    v = [np.zeros_like(w) for w in weights]
+    mse = keras.losses.MeanSquaredError()
+    for step in range(6):
+        xb, yb = x[16 * step:16 * (step + 1)], y[16 * step:16 * (step + 1)]
+        for var, w in zip(clone.trainable_variables, weights):
+            var.assign(w.astype(np.float32))
+        with tf.GradientTape() as tape:
+            loss = mse(yb, clone(xb))
+        grads = [g.numpy().astype(np.float64)
+                 for g in tape.gradient(loss, clone.trainable_variables)]
+        t = step + 1
+        b2 = min(B2, 1.0 - t ** -0.8)
+        for k, g in enumerate(grads):
+            m[k] = B1 * m[k] + (1 - B1) * g
+            v[k] = b2 * v[k] + (1 - b2) * g ** 2
+            weights[k] = weights[k] - LR * (m[k] / (1 - B1 ** t)) / (np.sqrt(v[k]) + EPS)
+        wrapped.train_on_batch(xb, yb)
+        for got, want in zip(wrapped.trainable_variables, weights):
+            np.testing.assert_allclose(got.numpy(), want, atol=2e-5, rtol=0, err_msg=got.name)
+    moved = max(np.abs(w - w0.numpy()).max() for w, w0 in zip(weights, _mlp().trainable_variables))
+    assert moved > 0.03, moved
 
 
 def _rotation_run(rule, rotate, steps=6):
@@ -362,12 +435,13 @@ def test_non_finite_batch_changes_no_moment_and_no_basis():
     assert model.thor.counters()["nonfinite_steps"] == 1
 
 
-def test_save_and_load_resume_the_same_run(tmp_path):
+@pytest.mark.parametrize("growth", [None, 0.8])
+def test_save_and_load_resume_the_same_run(tmp_path, growth):
     """model.save after 4 steps, load, 4 more steps = 8 uninterrupted steps (bases, eigenvalues,
-    moments and Adam slots are optimizer state); the loaded optimizer is the eigenbasis rule with
-    its options."""
+    moments and Adam slots are optimizer state; a growing β2 is a function of the step count);
+    the loaded optimizer is the eigenbasis rule with its options."""
     x, y = _regression()
-    rule = Eigenbasis(beta_2=0.99, step="adam")
+    rule = Eigenbasis(beta_2=0.99, step="adam", beta_2_growth=growth)
 
     def fresh():
         model = thor_tf.wrap(_mlp(), learning_rate=LR, update_rule=rule, verbose=False,
@@ -398,6 +472,9 @@ def test_options_name_the_allowed_values():
         thor_tf.wrap(_mlp(), update_rule="adam")
     with pytest.raises(ValueError, match="beta_2"):
         Eigenbasis(beta_2=1.0)
+    for bad in (0, 1.5, "0.8", True):
+        with pytest.raises(ValueError, match=r"beta_2_growth.*None or a float in \(0, 1\]"):
+            Eigenbasis(beta_2_growth=bad)
     model = thor_tf.wrap(_mlp(), update_rule="inverse", verbose=False)
     model.compile(loss="mse")
     assert isinstance(model.thor_optimizer.update_rule, Inverse)

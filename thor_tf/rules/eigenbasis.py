@@ -14,7 +14,9 @@ Per block with gradient matrix ``M`` (``[a_dim, g_dim]``, bias row folded in; se
   digits CNN (DESIGN.md §9).
 * every step: ``M' = Q_Aᵀ M Q_G``; ``m ← β1 m + (1−β1) M'``, ``v ← β2 v + (1−β2) M'²``;
   ``Δ' = m̂ / (√v̂ + ε + ε_r·√mean(v̂))`` (bias-corrected with the optimizer's step ``t``; the
-  mean over the block); ``Δ = Q_A Δ' Q_Gᵀ``.
+  mean over the block); ``Δ = Q_A Δ' Q_Gᵀ``. ``beta_2_growth=c``: ``β2_t = min(β2, 1 − t^−c)``
+  (Adafactor's schedule, capped), ``v̂ = v`` (``β2_1 = 0``: the average's weights sum to one from
+  the first step): a short memory early, Adam's long one late, where the gradients shrink.
 * ``step="orthogonal"`` (the default; SOAP-Muon): ``Δ ← NS(Δ)·‖Δ‖_F/‖NS(Δ)‖_F``, the Newton–Schulz
   orthogonal factor of the whole ``[a_dim, g_dim]`` step (:mod:`thor_tf.rules.orthogonal_step`,
   one batched evaluation per bucket of shapes, through ``eigh`` of the step's Gram matrix) at the
@@ -86,7 +88,15 @@ class Eigenbasis(UpdateRule):
 
     Args:
       beta_1: first-moment decay, in [0, 1).
-      beta_2: second-moment decay, in [0, 1) (0.95: SOAP's and the measured default).
+      beta_2: second-moment decay, in [0, 1) (0.95: SOAP's and the measured default); with
+        ``beta_2_growth`` the value it grows to.
+      beta_2_growth: None (a constant ``beta_2``, bias-corrected as Adam's) or ``c`` in (0, 1]:
+        at step ``t`` (from 1) the decay is ``min(beta_2, 1 − t^−c)`` (Adafactor's 0.8 grows it
+        to 0.99 at t ≈ 316, 0.999 at t ≈ 5,600) and no bias correction is needed (``β2_1 = 0``).
+        Late in a long run the gradients vanish; a short memory then keeps the step's size as
+        if they had not (docs/anatomy.md), a growing one lets it shrink as Adam's does. The
+        same decay for the variables without a block. Steps skipped as non-finite still count
+        in ``t``.
       epsilon: added to ``√v̂``, > 0.
       relative_epsilon: also added to ``√v̂``, times the block's RMS ``√mean(v̂)`` (>= 0): a
         rotated direction whose gradient is far below the block's RMS is round-off, not a
@@ -166,7 +176,13 @@ class Eigenbasis(UpdateRule):
     def __init__(self, beta_1=0.9, beta_2=0.95, epsilon=1e-8, relative_epsilon=None,
                  tie_break=TIE_BREAK, step="orthogonal", scale="graft", rms=0.2, adam_kinds=(),
                  refresh="power_qr", refresh_tolerance=0.5, drift_tolerance=0.01,
-                 refresh_min_size=96):
+                 refresh_min_size=96, beta_2_growth=None):
+        if beta_2_growth is not None and (
+                isinstance(beta_2_growth, bool) or not isinstance(beta_2_growth, (int, float))
+                or not 0 < beta_2_growth <= 1):
+            raise ValueError("`beta_2_growth` must be None or a float in (0, 1]; got "
+                             f"{beta_2_growth!r}.")
+        self.beta_2_growth = None if beta_2_growth is None else float(beta_2_growth)
         if refresh not in self.REFRESHES:
             raise ValueError(f"`refresh` must be one of {self.REFRESHES}; got {refresh!r}.")
         for name, value in (("refresh_tolerance", refresh_tolerance),
@@ -217,7 +233,7 @@ class Eigenbasis(UpdateRule):
                 "adam_kinds": list(self.adam_kinds), "refresh": self.refresh_method,
                 "refresh_tolerance": self.refresh_tolerance,
                 "drift_tolerance": self.drift_tolerance,
-                "refresh_min_size": self.refresh_min_size}
+                "refresh_min_size": self.refresh_min_size, "beta_2_growth": self.beta_2_growth}
 
     @classmethod
     def from_config(cls, config):
@@ -264,11 +280,10 @@ class Eigenbasis(UpdateRule):
             use_grads = {k: _clip(g, clip_norm) for k, g in use_grads.items()}
         t = tf.cast(step.iterations + 1, tf.float32)
         correction_1 = 1.0 - tf.pow(self.beta_1, t)
-        correction_2 = 1.0 - tf.pow(self.beta_2, t)
         # Each Python float is a new graph constant at each use: made once here (same values).
-        b1, b1c, b2, b2c, epsilon, relative_epsilon = (tf.constant(value, tf.float32) for value in (
-            self.beta_1, 1.0 - self.beta_1, self.beta_2, 1.0 - self.beta_2, self.epsilon,
-            self.relative_epsilon))
+        b1, b1c, epsilon, relative_epsilon = (tf.constant(value, tf.float32) for value in (
+            self.beta_1, 1.0 - self.beta_1, self.epsilon, self.relative_epsilon))
+        b2, b2c, correction_2 = self._second_moment_decay(t)
         blocks = [(b, k, matrix, step.layer(b))
                   for b, k, matrix in block_matrices.gather(active, grads, variables, use_grads)]
         # Blocks of one shape (moments and both bases) are rotated and updated as one stack: a
@@ -377,11 +392,22 @@ class Eigenbasis(UpdateRule):
         """``(1 − β1ᵗ, 1 − β2ᵗ, ε, (β1, 1 − β1, β2, 1 − β2))`` in ``dtype`` at this step
         (``t`` = iterations + 1)."""
         t = ops.cast(optimizer.iterations + 1, dtype)
-        decays = tuple(tf.constant(value, dtype) for value in (
-            self.beta_1, 1.0 - self.beta_1, self.beta_2, 1.0 - self.beta_2))
-        return (1.0 - tf.pow(ops.cast(self.beta_1, dtype), t),
-                1.0 - tf.pow(ops.cast(self.beta_2, dtype), t), ops.cast(self.epsilon, dtype),
-                decays)
+        b2, b2c, correction_2 = self._second_moment_decay(t)
+        decays = tuple(tf.constant(value, dtype) for value in (self.beta_1, 1.0 - self.beta_1))
+        return (1.0 - tf.pow(ops.cast(self.beta_1, dtype), t), correction_2,
+                ops.cast(self.epsilon, dtype), decays + (b2, b2c))
+
+    def _second_moment_decay(self, t):
+        """``(β2_t, 1 − β2_t, bias correction 1 − Π β2)`` at step ``t`` (a float tensor, from 1):
+        ``(β2, 1 − β2, 1 − β2ᵗ)``, or under ``beta_2_growth`` ``c``: ``β2_t = min(β2, 1 − t^−c)``
+        and a correction of 1 (``β2_1 = 0`` zeroes the product)."""
+        dtype = t.dtype
+        if self.beta_2_growth is None:
+            b2 = tf.constant(self.beta_2, dtype)
+            return b2, tf.constant(1.0 - self.beta_2, dtype), 1.0 - tf.pow(b2, t)
+        b2 = tf.minimum(tf.constant(self.beta_2, dtype),
+                        1.0 - tf.pow(t, tf.constant(-self.beta_2_growth, dtype)))
+        return b2, 1.0 - b2, tf.ones([], dtype)
 
 
 class EigenbasisSplitCost(SplitCost):
