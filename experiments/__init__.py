@@ -18,6 +18,6 @@ scikit-learn for the embedded digits and matplotlib for plots); the library itse
   summaries, CSV and plots; :mod:`.cli`, :mod:`.runner` - the main job's command line and runs.
 
 The drivers over it (``python experiments/<name>.py``): ``mnist.py`` (the main job),
-``resnet.py``, ``transformer.py``, ``lm.py``, ``finetune.py``, ``suite.py``, ``batch_scaling.py``,
+``lm.py``, ``finetune.py``, ``suite.py``, ``batch_scaling.py``,
 ``horizon.py``, ``levers.py``, ``anatomy.py``, ``distributed.py``.
 """

@@ -193,8 +193,8 @@ def parse_frequency(text):
 
 def add_common_arguments(parser, *, out, epochs, batch_size, thor_lr, thor_damping, frequency,
                          kfac_frequency, lr_schedule, lr_grid_text, max_train=None, max_test=None,
-                         optimizers=("thor",), update_rule="eigenbasis", seeds_text="0"):
-    """The flags both scripts share (script-specific defaults passed in)."""
+                         optimizers=("thor",), seeds_text="0"):
+    """The main job's flags (``mnist.py``; its defaults passed in)."""
     g = parser.add_argument_group("comparison")
     g.add_argument("--optimizers", type=parse_optimizers, default=list(optimizers),
                    help=f"comma list from {','.join(OPTIMIZERS)} (default: {','.join(optimizers)})")
@@ -239,8 +239,8 @@ def add_common_arguments(parser, *, out, epochs, batch_size, thor_lr, thor_dampi
                    help="Keras progress bars and the THOR registration table of every model")
 
     t = parser.add_argument_group("THOR / K-FAC")
-    t.add_argument("--update-rule", choices=("eigenbasis", "inverse"), default=update_rule,
-                   help=f"thor_tf's update_rule for the THOR variants (default {update_rule}; "
+    t.add_argument("--update-rule", choices=("eigenbasis", "inverse"), default="eigenbasis",
+                   help="thor_tf's update_rule for the THOR variants (default eigenbasis; "
                         f"the K-FAC variant keeps the inverse rule)")
     t.add_argument("--thor-lr", type=parse_floats, default=[thor_lr],
                    help="learning rate(s) of the THOR variants, comma list (default "
@@ -326,10 +326,9 @@ def require_positive(args, names):
 def apply_quick(parser, args, argv, **quick):
     """Re-parse with the ``--quick`` defaults (values given on the command line still win) and
     resolve ``--dataset``: digits under ``--quick``, else ``auto``. ``max_train``/``max_test`` in
-    ``quick`` apply only to datasets other than digits, unless ``subset_digits=True``."""
-    subset_digits = quick.pop("subset_digits", False)
+    ``quick`` apply only to datasets other than digits."""
     if args.quick:
-        if args.dataset in (None, "digits") and not subset_digits:
+        if args.dataset in (None, "digits"):
             quick.pop("max_train", None)
             quick.pop("max_test", None)
         parser.set_defaults(**quick)

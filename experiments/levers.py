@@ -96,6 +96,10 @@ LEVERS = {
                    "with the training loss at 0, THOR's steps were 30-110x Adam's: "
                    "docs/anatomy.md)",
                    lambda name: {"rule": {"beta_2": 0.999}}),
+    "beta2_grow": ("the eigenbasis moments' beta_2 grows as Adafactor's, min(0.999, 1 - t^-0.8): "
+                   "0.95 at step ~42, 0.99 at ~316, 0.999 at ~5,600; the short memory of the "
+                   "default early, Adam's late (beta2_long's 0.999 throughout lost the char GPT)",
+                   lambda name: {"rule": {"beta_2": 0.999, "beta_2_growth": 0.8}}),
     "releps": ("the eigenbasis rule's relative epsilon 1e-2 -> 1e-3",
                lambda name: {"rule": {"relative_epsilon": 1e-3}}),
     "ema": ("the weights' moving average (Keras' use_ema, momentum 0.99: ~100 steps) is the "

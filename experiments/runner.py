@@ -1,4 +1,4 @@
-"""Training runs of the comparison scripts (``mnist.py``, ``resnet.py``, ``transformer.py``).
+"""Training runs of the main job (``mnist.py``).
 
 One *run* trains one optimizer configuration (optimizer, learning rate, seed) for ``--epochs``
 epochs. After every epoch the test set is evaluated (not timed) and one row goes to

@@ -231,10 +231,9 @@ def ratios(results):
     return table
 
 
-#: The summaries of the README comparisons (experiments/mnist.py, experiments/resnet.py) whose
-#: wall time to the best first-order baseline's final accuracy issue 12 tracks.
-#: (ResNet-20's experiments/resnet.py summary has no current record: the suite's ResNet-20 row
-#: is in docs/results/suite.json instead.)
+#: The summary of the main job (experiments/mnist.py) whose wall time to the best first-order
+#: baseline's final accuracy issue 12 tracks (ResNet-20's row is the suite's,
+#: docs/results/suite.json).
 TIME_TO_TARGET = {"cnn": "docs/results/main_job_fashion.json"}
 #: The baselines a target comes from (the experiments' first-order optimizers).
 FIRST_ORDER = ("sgd", "adam", "adamw")

@@ -1,4 +1,4 @@
-"""Tests for the experiment scripts: time_to_target, and --quick runs of mnist.py and resnet.py.
+"""Tests for the experiment scripts: time_to_target, and --quick runs of mnist.py.
 
 The --quick runs train THOR and the baselines for real (digits, tiny) through each script's
 ``main(argv)``, what ``python experiments/<script>.py`` runs, and check the files they write (in
@@ -164,27 +164,6 @@ def _check_outputs(out, optimizers, epochs, stdout, baseline="sgd"):
         assert path.is_file() and path.stat().st_size > 1000, fname
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "target accuracy" in stdout and "optimizer" in stdout
-
-
-def test_resnet_quick(tmp_path, capsys):
-    out = tmp_path / "resnet"
-    stdout = _run_quick(capsys, "resnet", out, "thor,sgd")
-    _check_outputs(out, ["thor", "sgd"], epochs=1, stdout=stdout)
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["model"] == "resnet20"
-    assert summary["dataset"]["input_shape"][:2] == [32, 32]
-
-
-def test_transformer_quick(tmp_path, capsys):
-    """The ViT script: every layer type with a block is registered, AdamW (the only baseline of
-    the run) is the target."""
-    out = tmp_path / "transformer"
-    stdout = _run_quick(capsys, "transformer", out, "thor,adamw")
-    _check_outputs(out, ["thor", "adamw"], epochs=2, stdout=stdout, baseline="adamw")
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["model"] == "vit"
-    kinds = {s["kind"] for s in summary["optimizers"]["thor"]["layer_stats"]}
-    assert {"conv2d", "dense"} <= kinds
 
 
 def test_mnist_quick_with_sgd_and_muon(tmp_path, capsys):

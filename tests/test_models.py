@@ -149,3 +149,16 @@ def test_models_are_uncompiled_and_trainable_on_one_batch():
     y = np.array([0, 1, 2, 0])
     loss = m.train_on_batch(x, y)
     assert np.isfinite(loss)
+
+
+def test_vit_gives_every_block_kind_of_its_layers():
+    """The ViT (Conv2D patches, position Embedding, MultiHeadAttention's EinsumDense, Dense MLP and
+    head) wrapped: a block for each of those layer kinds, and one THOR step trains it."""
+    import thor_tf
+
+    model = thor_tf.wrap(zoo.build("vit", (8, 8, 1), 3), learning_rate=1e-3, verbose=False)
+    model.compile(loss="sparse_categorical_crossentropy")
+    x = np.random.default_rng(0).random((4, 8, 8, 1), dtype=np.float32)
+    assert np.isfinite(model.train_on_batch(x, np.array([0, 1, 2, 0])))
+    kinds = {s["kind"] for s in model.thor.layer_stats()}
+    assert {"conv2d", "dense", "einsum_dense"} <= kinds, kinds
