@@ -1,126 +1,211 @@
-"""THOR on the MNIST family: train, compare with SGD / Adam / K-FAC, plot.
+"""The main job: THOR at its defaults against Adam and Muon at their best rates, on the CNN.
 
-With no arguments this is thor_tf's "main job": it trains a small CNN on Fashion-MNIST for 3
-epochs with THOR, Adam and Muon, side by side from the same initial weights and data order,
-prints per-epoch loss, accuracy and time, and ends with a table of final accuracy and epochs /
-seconds to the best baseline's final accuracy, plus the plots (a few minutes on 2 CPU cores)::
+    python experiments/mnist.py                         # Fashion-MNIST, seed 0 (~5 min, 2 cores)
+    python experiments/mnist.py --seeds 0,1,2           # the README's row
+    python experiments/mnist.py --quick                 # digits, tiny: a smoke run (CI)
+    python experiments/mnist.py --optimizers thor,sgd,adam --lr-grid sgd=0.03,0.1,0.3
 
-    python experiments/mnist.py
+The suite's harness (``experiments/suite.py``) on one workload: the suite's Fashion-MNIST CNN
+(``workloads.fashion_cnn``'s model, loss and baselines' recipe) on the whole data set (60,000
+training and 10,000 test images) for 3 epochs of batch 128 (1,404 steps), or, where Fashion-MNIST
+is not on the machine and cannot be downloaded, the suite's digits CNN for 10 epochs of batch 64
+on 3 seeds (one test image is 0.28 points there, so one seed's verdict is luck).
 
 Fashion-MNIST comes from a local copy first (Debian's ``dataset-fashion-mnist`` in
 /usr/share/datasets/fashion-mnist, Keras' cache ~/.keras/datasets/fashion-mnist), else from a
 download through ``keras.datasets.fashion_mnist`` when the network allows (tried for a few
-seconds at most; ``--no-download`` skips it); else the main job runs scikit-learn's digits, one
-line saying so and how to get Fashion-MNIST: 10 epochs of batch 64 and 3 seeds (one test image is
-0.28 points there, so one seed's verdict is luck), reporting medians over the seeds.
+seconds at most; ``--no-download`` skips it); else digits, with one line saying so and how to get
+Fashion-MNIST.
 
-Seconds are measured honestly (``experiments/timing.py``, docs/timing.md): the optimizers of a
-seed run back to back in this process, THOR first on the 1st and 3rd seed and last on the 2nd;
-each run's first epoch (tracing) and steady seconds per step are apart, and the load other
-processes put on the machine is recorded per run. THOR's seconds are compared with the best
-baseline's only when those loads leave both about the same CPU (else "not comparable", and why).
-
-THOR is what a user gets: ``thor_tf.wrap(model, learning_rate=
+What runs is the suite's: THOR is what a user gets, ``thor_tf.wrap(model, learning_rate=
 thor_tf.schedules.WarmupCosine(total_steps))`` with every other option at thor_tf's default
-(the default update rule at its peak rate, a cadence point every 10 steps;
-``--update-rule inverse --thor-lr 0.05`` for THOR's inverse rule). Adam and Muon run with
-their standard schedule (linear warmup over 5 % of the steps, then cosine to 0) at their best
-rates: the main job runs 3e-3 and 1e-2 for each on Fashion-MNIST, 1e-2 and 3e-2 on digits
-(``--lr-grid`` to change; the summary reports the better; the suite, ``experiments/suite.py``,
-brackets them with a third rate: docs/suite.md).
+(``--thor-option NAME=VALUE`` changes one, ``peak=X`` its peak rate); the baselines run their
+standard schedule (linear warmup over 5 % of the steps, then cosine to 0) over ``--lr-grid``
+(Adam and Muon at 3e-3 and 1e-2 on Fashion-MNIST, 1e-2 and 3e-2 on digits: the rates that hold
+each one's best there, docs/suite.md). For a seed every run starts from the same weights and
+sees the same batches; the runs of a seed train back to back, THOR first on every other seed;
+the test accuracy is measured at step 0 and ``--evals`` evenly spaced steps (untimed); seconds
+are training seconds, the first tracing included, with the load other processes put on the
+machine, so that THOR's seconds are compared with the best baseline's only when both had about
+the same CPU (docs/timing.md).
 
-A comparison (medians over seeds)::
-
-    python experiments/mnist.py --optimizers thor,thor_stop,kfac,sgd,adam --seeds 0,1,2 --epochs 10
-
-Muon (``keras.optimizers.Muon``, Keras >= 3.10) and AdamW are baselines too, e.g.
-``--optimizers thor,adam,muon``.
-
-Outputs in ``--out`` (default ``runs/mnist``): ``metrics.csv`` (one row per epoch x optimizer x
-seed x lr), ``summary.json`` (best configuration per optimizer, time-to-target, run metadata),
-``accuracy_vs_epoch.png``, ``accuracy_vs_time.png``, ``loss_vs_epoch.png``, ``loss_vs_time.png``
-and ``curves.png`` (all four). See ``experiments/runner.py`` for the rules of the comparison.
-``--lr-schedule poly`` gives THOR MindSpore's polynomial decay sized to the run instead (the main
-job's default before issue 24: lr0 0.02; it lost badly on digits).
+Printed: where the data came from, THOR's registration table, a line per evaluation of each run,
+and the table: each optimizer's median final accuracy at its best rate, and steps and seconds to
+the **target**, the best baseline's median final accuracy. Outputs in ``--out`` (default
+``runs/mnist``): ``metrics.csv`` (every evaluation of every run), ``main_job.json`` (the summary,
+the record README's rows are made from), ``main_job.md`` (the table) and ``main_job.png`` (the
+median curves).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import csv
+import dataclasses
+import json
 import os
+import time
+from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from experiments import cli, runner  # noqa: E402
+from experiments import cli, suite, workloads as wl  # noqa: E402
 
 DATASETS = ("auto", "fashion_mnist", "mnist", "digits")
 MODELS = ("mlp", "mlp_wide", "cnn")
-#: The main job compares THOR with Adam and Muon under warmup + cosine at 3e-3 and 1e-2, the
-#: rates that hold the best of each on the Fashion-MNIST and digits CNNs (docs/suite.md).
-LR_GRID = {"sgd": (0.03, 0.1, 0.3), "adam": (3e-3, 1e-2), "muon": (3e-3, 1e-2)}
-#: On digits the best rates sit higher (the suite's digits CNN: Adam 3e-2 over 1e-2, Muon 1e-2).
-DIGITS_LR_GRID = {"sgd": (0.03, 0.1, 0.3), "adam": (1e-2, 3e-2), "muon": (1e-2, 3e-2)}
-#: The digits fallback trains longer than Fashion-MNIST's 3 epochs: 3 epochs of digits are 36
-#: steps of 128, too few to compare optimizers by.
+#: The baselines' rates on Fashion-MNIST (the suite's best of Adam and Muon sit here) and on digits.
+LR_GRID = {"sgd": (0.03, 0.1, 0.3), "adam": (3e-3, 1e-2), "adamw": (3e-3, 1e-2),
+           "muon": (3e-3, 1e-2)}
+DIGITS_LR_GRID = {"sgd": (0.03, 0.1, 0.3), "adam": (1e-2, 3e-2), "adamw": (1e-2, 3e-2),
+                  "muon": (1e-2, 3e-2)}
+QUICK_LR_GRID = {"sgd": (0.1,), "adam": (1e-2,), "adamw": (1e-2,), "muon": (1e-2,)}
+#: Fashion-MNIST / MNIST: 3 epochs of 128; digits: 3 epochs of 128 would be 33 steps, too few to
+#: compare optimizers by: 10 of 64, on 3 seeds.
+EPOCHS, BATCH = 3, 128
 DIGITS_EPOCHS, DIGITS_BATCH = 10, 64
-#: On digits one test image is 0.28 points: the main job runs 3 seeds there and reports medians.
 DIGITS_SEEDS = (0, 1, 2)
-
-
 #: Muon joins when this Keras has it (3.10 and later).
 MAIN_JOB_OPTIMIZERS = ("thor", "adam", "muon") if cli.muon_available() else ("thor", "adam")
+OPTIMIZERS = ("thor", "sgd", "adam", "adamw", "muon")
+
+
+def _optimizers(text):
+    names = [n for n in str(text).replace(" ", "").split(",") if n]
+    bad = [n for n in names if n not in OPTIMIZERS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(
+            f"--optimizers takes a comma list from {', '.join(OPTIMIZERS)}; got {text!r}")
+    return names
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description="THOR vs SGD / Adam / K-FAC on MNIST-family datasets.",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--dataset", choices=DATASETS, default=None,
-                        help="default auto: fashion_mnist when installed, else digits "
-                             "(--quick: digits)")
+                        help="default auto: fashion_mnist when installed or downloadable, else "
+                             "digits (--quick: digits)")
     parser.add_argument("--model", choices=MODELS, default="cnn", help="default cnn")
     parser.add_argument("--no-download", action="store_true",
                         help="never download Fashion-MNIST (auto: digits when it is not local)")
-    cli.add_common_arguments(
-        parser, out="runs/mnist", epochs=None, batch_size=None, thor_lr=None,
-        thor_damping=0.03,
-        frequency=10, kfac_frequency=2, lr_schedule="cosine", optimizers=MAIN_JOB_OPTIMIZERS,
-        lr_grid_text=cli.grid_text(LR_GRID, cli.QUICK_LR_GRID),
-        seeds_text="0,1,2 on digits, 0 on Fashion-MNIST and under --quick")
-    parser.set_defaults(seeds=None)  # the dataset's: 3 on digits, 1 on Fashion-MNIST
+    parser.add_argument("--optimizers", type=_optimizers, default=list(MAIN_JOB_OPTIMIZERS),
+                        help=f"comma list from {','.join(OPTIMIZERS)} (default "
+                             f"{','.join(MAIN_JOB_OPTIMIZERS)})")
+    parser.add_argument("--seeds", type=cli.parse_ints, default=None,
+                        help="comma list (default 0 on Fashion-MNIST and under --quick, "
+                             "0,1,2 on digits)")
+    parser.add_argument("--epochs", type=int, default=None,
+                        help=f"default {EPOCHS} ({DIGITS_EPOCHS} on digits, 2 under --quick)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help=f"default {BATCH} ({DIGITS_BATCH} on digits and under --quick)")
+    parser.add_argument("--max-train", type=int, default=None,
+                        help="a training subset of this size, the same for every seed "
+                             "(default all; --quick 1024 on datasets other than digits)")
+    parser.add_argument("--max-test", type=int, default=None,
+                        help="a test subset of this size (default all; --quick 512 likewise)")
+    parser.add_argument("--evals", type=int, default=None,
+                        help="evaluations per run after step 0 (default 10; --quick 4)")
+    parser.add_argument("--lr-grid", action="append", default=[], metavar="NAME=LR,...",
+                        help="a baseline's rates, e.g. adam=3e-3,1e-2 (repeatable; default "
+                             + ", ".join(f"{k}={','.join(f'{v:g}' for v in g)}"
+                                         for k, g in LR_GRID.items())
+                             + " on Fashion-MNIST; digits: higher)")
+    parser.add_argument("--thor-option", type=cli.parse_thor_option, action="append",
+                        default=[], metavar="NAME=VALUE",
+                        help="a thor_tf.wrap option other than its default, e.g. "
+                             "update_rule=inverse or peak=0.01 (repeatable)")
+    parser.add_argument("--out", default="runs/mnist", help="output directory (runs/mnist)")
+    parser.add_argument("--quick", action="store_true",
+                        help="digits, 2 epochs of 64, one rate per baseline, seed 0 (CI)")
     args = parser.parse_args(argv)
-    # --quick: digits (1437 train / 360 test, 8x8), 2 epochs of 23 steps, small grid.
-    args = cli.apply_quick(parser, args, argv, epochs=2, batch_size=64, max_train=1024,
-                           max_test=512)
+    missing = [n for n in args.optimizers if n == "muon" and not cli.muon_available()]
+    if missing:
+        cli.require_muon()
     from experiments import datasets
 
-    if args.dataset == "auto":  # local Fashion-MNIST, else a Keras download, else digits
+    if args.quick and args.dataset is None:
+        args.dataset = "digits"
+    if args.dataset in (None, "auto"):  # local Fashion-MNIST, else a Keras download, else digits
         args.dataset = datasets.resolve_auto(download=not args.no_download)
     digits = args.dataset == "digits"
-    # --epochs / --batch-size / --seeds / --lr-grid not given: the dataset's.
-    args.epochs = args.epochs or (DIGITS_EPOCHS if digits else 3)
-    args.batch_size = args.batch_size or (DIGITS_BATCH if digits else 128)
+    if args.quick and not digits:
+        args.max_train = args.max_train or 1024
+        args.max_test = args.max_test or 512
+    args.epochs = args.epochs or (2 if args.quick else DIGITS_EPOCHS if digits else EPOCHS)
+    args.batch_size = args.batch_size or (DIGITS_BATCH if digits or args.quick else BATCH)
     if args.seeds is None:
         args.seeds = list(DIGITS_SEEDS) if digits and not args.quick else [0]
-    return cli.finish_args(args, DIGITS_LR_GRID if digits else LR_GRID)
+    args.evals = args.evals or (4 if args.quick else 10)
+    cli.require_positive(args, ("epochs", "batch_size", "evals"))
+    default = QUICK_LR_GRID if args.quick else DIGITS_LR_GRID if digits else LR_GRID
+    try:
+        args.lr_grid = {**default, **cli.parse_lr_grid(args.lr_grid, {})}
+    except argparse.ArgumentTypeError as err:
+        raise SystemExit(f"error: {err}")
+    args.thor_option = dict(args.thor_option)
+    args.argv = argv
+    return args
+
+
+def main_job_workload(args, ds):
+    """The suite's CNN workload (digits' or Fashion-MNIST's: model, loss, metric, baselines'
+    recipe) on ``ds`` at this run's epochs, batch, model and grids."""
+    from experiments import models
+
+    base = wl.WORKLOADS["digits_cnn" if ds.name == "digits" else "fashion_cnn"]
+    data = wl.Data(ds.x_train, ds.y_train, ds.x_test, ds.y_test,
+                   f"{ds.name}: {ds.num_train} train / {ds.num_test} test ({ds.source})")
+    grids = {b: args.lr_grid[b] for b in args.optimizers if b != "thor"}
+    return dataclasses.replace(
+        base, name="main_job", title=f"{args.model} on {ds.name}", load=lambda quick: data,
+        build=lambda data, quick: models.build(args.model, ds.input_shape, ds.num_classes),
+        epochs=args.epochs, batch_size=args.batch_size, baselines=grids, quick={}), data
+
+
+def write_outputs(summary, rows, args, ds, out):
+    """``main_job.json`` (the record), ``main_job.md`` and ``main_job.png``; the table printed."""
+    from experiments.record import stamp
+    from experiments.reports import environment_info
+
+    text = suite.markdown([summary], args.thor_option)
+    (out / "main_job.md").write_text(text)
+    dataset = {"name": ds.name, "source": ds.source, "num_train": int(ds.num_train),
+               "num_test": int(ds.num_test), "input_shape": list(ds.input_shape)}
+    (out / "main_job.json").write_text(json.dumps({
+        **stamp(args.argv, "experiments/mnist.py"), "quick": args.quick, "seeds": args.seeds,
+        "evals": args.evals, "epochs": args.epochs, "batch_size": args.batch_size,
+        "model": args.model, "dataset": dataset, "thor_options": args.thor_option,
+        "environment": environment_info(), "workload": summary}, indent=1, default=float))
+    suite.plot([summary], {summary["workload"]: rows}, out / "main_job.png")
+    print("\n" + text)
+    print(f"wrote metrics.csv, main_job.json, main_job.md and main_job.png in {out}")
 
 
 def main(argv=None):
     args = parse_args(argv)
-    from experiments import datasets as data, models as zoo
+    from experiments import datasets
 
-    ds = data.load_dataset(args.dataset, max_train=args.max_train, max_test=args.max_test,
-                           verbose=True, seed=0, download=not args.no_download)
+    ds = datasets.load_dataset(args.dataset, max_train=args.max_train, max_test=args.max_test,
+                               verbose=True, seed=0, download=not args.no_download)
+    workload, data = main_job_workload(args, ds)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started, rows = time.perf_counter(), []
+    with open(out / "metrics.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=suite.FIELDS)
+        writer.writeheader()
 
-    def build_model():
-        return zoo.build(args.model, ds.input_shape, ds.num_classes)
+        def log(row):
+            writer.writerow(row)
+            fh.flush()
+            rows.append(row)
 
-    if args.thor_lr == [None]:  # --thor-lr not given: what wrap gives a run of this length
-        total_steps = args.epochs * math.ceil(ds.num_train / args.batch_size)
-        args.thor_lr = [cli.default_thor_peak(total_steps)]
-    title = f"{args.model} on {ds.name} ({ds.num_train} train / {ds.num_test} test)"
-    runner.run_experiment(args, ds, build_model, args.model, title)
+        plan = suite.run_configs(workload.baselines, args.optimizers)
+        suite.run_plan(workload, data, plan, args, log, progress=True)
+    print(f"main job: {time.perf_counter() - started:.0f} s", flush=True)
+    summary = suite.summarize_workload(workload, rows)
+    write_outputs(summary, rows, args, ds, out)
+    return summary
 
 
 if __name__ == "__main__":

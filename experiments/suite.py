@@ -91,8 +91,10 @@ def baseline_optimizer(name, lr, total_steps, workload, model):
                                  workload.head)
 
 
-def compiled_model(optimizer, lr, workload, data, quick, total_steps, thor_options):
-    """Build (the caller has seeded) and compile the model for ``optimizer``."""
+def compiled_model(optimizer, lr, workload, data, quick, total_steps, thor_options,
+                   verbose=False):
+    """Build (the caller has seeded) and compile the model for ``optimizer`` (``verbose``: THOR's
+    registration table)."""
     import thor_tf
 
     model = workload.build(data, quick)
@@ -109,7 +111,7 @@ def compiled_model(optimizer, lr, workload, data, quick, total_steps, thor_optio
             rule = thor_tf.rules.resolve(options.get("update_rule") or thor_tf.rules.DEFAULT_RULE)
             floor = fraction * (rule.default_learning_rate if peak is None else peak)
         model = thor_tf.wrap(model, learning_rate=thor_tf.schedules.WarmupCosine(
-            total_steps, peak, floor=floor), verbose=False, **options)
+            total_steps, peak, floor=floor), verbose=verbose, **options)
         model.compile(loss=workload.loss(), metrics=list(workload.metrics))
         return model
     model.compile(optimizer=baseline_optimizer(optimizer, lr, total_steps, workload, model),
@@ -154,14 +156,16 @@ class SegmentedRun:
     timed by ``timing.fit_segment``); :meth:`evaluate` appends one row (``FIELDS``) to ``rows``,
     untimed. ``log(row)`` receives each row; ``on_evaluate(model, row)`` and ``callbacks`` (Keras
     callbacks given to every segment, their work inside the timed segments) are hooks for
-    diagnostics (``anatomy.py``)."""
+    diagnostics (``anatomy.py``). ``show_table``: THOR's registration table; ``progress``: a
+    line per evaluation (:meth:`progress_line`)."""
 
     def __init__(self, workload, data, optimizer, lr, seed, quick, total, thor_options=(),
-                 log=None, callbacks=(), on_evaluate=None):
+                 log=None, callbacks=(), on_evaluate=None, show_table=False, progress=False):
         self.workload, self.data, self.optimizer = workload, data, optimizer
         self.lr, self.seed, self.total = float(lr), int(seed), total
         self.model = compiled_model(optimizer, lr, workload, data, quick, total,
-                                    thor_options if optimizer == "thor" else ())
+                                    thor_options if optimizer == "thor" else (), show_table)
+        self.progress = progress
         if getattr(self.model.optimizer, "use_ema", False):
             # One run in segments, as one fit: Keras' fit ends by overwriting the weights with
             # their moving average (``finalize_variable_values``), which after every segment
@@ -181,6 +185,8 @@ class SegmentedRun:
                "metric": float(result[w.metric]), "train_loss": train_loss,
                **self.clock.fields()}
         self.rows.append(row)
+        if self.progress:
+            print(self.progress_line(row), flush=True)
         if self.log is not None:
             self.log(row)
         if self.on_evaluate is not None:
@@ -194,17 +200,38 @@ class SegmentedRun:
                                      callbacks=self.callbacks)
         return loss
 
-    def summary_line(self):
-        """``[workload optimizer lr seed] steps  metric  seconds (first, load)  refreshes``."""
+    def tag(self):
         lr = "" if self.optimizer == "thor" else f" lr={self.lr:g}"
+        return f"[{self.workload.name} {self.optimizer}{lr} seed={self.seed}]"
+
+    def progress_line(self, row):
+        """``[workload optimizer lr seed] step s/total  metric  train_loss  seconds``, and THOR's
+        refreshes (and skipped steps, if any) so far."""
+        loss = row["train_loss"]
         extra = ""
         if self.optimizer == "thor":
-            counters = self.model.thor.counters()
-            extra = f"  refreshes {sum(s['refreshes'] for s in self.model.thor.layer_stats())}"
-            if counters["nonfinite_steps"]:
-                extra += f"  NON-FINITE STEPS SKIPPED {counters['nonfinite_steps']}"
+            refreshes, skipped = self._thor_counts()
+            extra = f"  refreshes {refreshes}" + (
+                f"  NON-FINITE STEPS SKIPPED {skipped}" if skipped else "")
+        return (f"{self.tag()} step {row['step']}/{self.total}  {self.workload.metric} "
+                f"{row['metric']:.4f}  train_loss "
+                f"{'–' if loss is None else format(loss, '.4f')}  {row['seconds']:.1f}s{extra}")
+
+    def _thor_counts(self):
+        """THOR's block refreshes so far (summed over layers) and its skipped steps."""
+        thor = self.model.thor
+        return (sum(s["refreshes"] for s in thor.layer_stats()),
+                thor.counters()["nonfinite_steps"])
+
+    def summary_line(self):
+        """``[workload optimizer lr seed] steps  metric  seconds (first, load)  refreshes``."""
+        extra = ""
+        if self.optimizer == "thor":
+            refreshes, skipped = self._thor_counts()
+            extra = f"  refreshes {refreshes}" + (
+                f"  NON-FINITE STEPS SKIPPED {skipped}" if skipped else "")
         load, clock = self.clock.load, self.clock
-        return (f"[{self.workload.name} {self.optimizer}{lr} seed={self.seed}] {self.total} steps  "
+        return (f"{self.tag()} {self.total} steps  "
                 f"{self.workload.metric} {self.rows[-1]['metric']:.4f}  {clock.seconds:.1f}s "
                 f"(first {clock.first_seconds:.1f}s, load {'?' if load is None else f'{load:.0%}'})"
                 f"{extra}")
@@ -243,7 +270,8 @@ def segment_plan(workload, data, seed, evals):
     return order, plan
 
 
-def train_run(workload, data, optimizer, lr, seed, args, log, callbacks=(), on_evaluate=None):
+def train_run(workload, data, optimizer, lr, seed, args, log, callbacks=(), on_evaluate=None,
+              show_table=False, progress=False):
     """Train one (workload, optimizer, lr, seed) through the suite's segments
     (:class:`SegmentedRun`); one row per evaluation to ``log``; the rows."""
     from experiments import train
@@ -251,12 +279,40 @@ def train_run(workload, data, optimizer, lr, seed, args, log, callbacks=(), on_e
     train.fresh_session(seed)
     order, plan = segment_plan(workload, data, seed, args.evals)
     run = SegmentedRun(workload, data, optimizer, lr, seed, args.quick, len(order),
-                       args.thor_option, log, on_evaluate=on_evaluate)
+                       args.thor_option, log, on_evaluate=on_evaluate, show_table=show_table,
+                       progress=progress)
     segments = ((stop, data.x_train[idx], data.y_train[idx]) for _, stop, idx in plan)
     train.train_in_segments(run.model, run.clock, segments, workload.batch_size,
                             lambda step, loss, _: run.evaluate(step, loss), callbacks=callbacks)
     print(run.summary_line(), flush=True)
     return run.rows
+
+
+def run_configs(grids, optimizers=None):
+    """``[("thor", 0.0), (baseline, rate), ...]`` from the baselines' ``grids``, restricted to
+    ``optimizers`` when given."""
+    plan = [("thor", 0.0)] + [(b, lr) for b, grid in grids.items() for lr in grid]
+    return [(n, lr) for n, lr in plan if not optimizers or n in optimizers]
+
+
+def run_plan(workload, data, plan, args, log, progress=False):
+    """Every ``(optimizer, rate)`` of ``plan`` on every seed of ``args.seeds``, the runs of a
+    seed back to back with THOR first on every other seed (``timing.run_order``); with
+    ``progress`` a line per evaluation and THOR's registration table on its first run."""
+    steps = (data.num_train // workload.batch_size) * (
+        1 if workload.single_pass else workload.epochs)
+    print(f"[{workload.name}] {workload.title}: {data.source}; {steps} steps of batch "
+          f"{workload.batch_size}; {len(plan)} configuration(s) x {len(args.seeds)} seed(s)",
+          flush=True)
+    shown = False
+    for index, seed in enumerate(args.seeds):
+        if len(args.seeds) > 1 and len(plan) > 1:
+            print(f"[{workload.name}] seed {seed}: {timing.order_text(index)}", flush=True)
+        for optimizer, lr in timing.run_order(plan, index):
+            show = progress and optimizer == "thor" and not shown
+            shown = shown or show
+            train_run(workload, data, optimizer, lr, seed, args, log, show_table=show,
+                      progress=progress)
 
 
 # --------------------------------------------------------------------------------------------
@@ -590,19 +646,7 @@ def main(argv=None):
                 continue
             sources[name] = data.source
             grids = {b: args.lr_grid.get(b, grid) for b, grid in workload.baselines.items()}
-            plan = [("thor", 0.0)] + [(b, lr) for b, grid in grids.items() for lr in grid]
-            if args.optimizers:
-                plan = [(n, lr) for n, lr in plan if n in args.optimizers]
-            steps = (data.num_train // workload.batch_size) * (
-                1 if workload.single_pass else workload.epochs)
-            print(f"[{name}] {workload.title}: {data.source}; {steps} steps of batch "
-                  f"{workload.batch_size}; {len(plan)} configuration(s) x {len(args.seeds)} "
-                  f"seed(s)", flush=True)
-            for index, seed in enumerate(args.seeds):
-                if len(args.seeds) > 1 and len(plan) > 1:
-                    print(f"[{name}] seed {seed}: {timing.order_text(index)}", flush=True)
-                for optimizer, lr in timing.run_order(plan, index):
-                    train_run(workload, data, optimizer, lr, seed, args, log)
+            run_plan(workload, data, run_configs(grids, args.optimizers), args, log)
     print(f"suite: {time.perf_counter() - started:.0f} s", flush=True)
     return write_outputs(args.workloads, rows, args, sources, out)
 
