@@ -15,7 +15,7 @@ scikit-learn for the embedded digits and matplotlib for plots); the library itse
 * :mod:`.interleave` - two runs in turn on one host (seconds that can be compared);
 * :mod:`.record`, :mod:`.worker` - the record stamp and writer, the fresh-process worker;
 * :mod:`.report`, :mod:`.reports` - README's table and the docs tables from ``docs/results/``,
-  summaries, CSV and plots; :mod:`.cli`, :mod:`.runner` - the main job's command line and runs.
+  summaries, CSV and plots; :mod:`.cli` - the command-line parsing the drivers share.
 
 The drivers over it (``python experiments/<name>.py``): ``mnist.py`` (the main job),
 ``lm.py``, ``finetune.py``, ``suite.py``, ``batch_scaling.py``,

@@ -254,10 +254,9 @@ def thor_options(args, lr):
     """The options ``thor_tf.wrap`` gets (everything else: thor_tf's defaults)."""
     import thor_tf
 
-    from experiments import runner
-
     if args.thor_schedule == "poly":  # THOR's decay sized to the run: one "epoch" per step
-        lr_value = runner.lr_schedule("poly", lr, args.steps, steps_per_epoch=1)
+        # MindSpore's ResNet-50 THOR: lr0·(1 − epoch/end)^4.9687 with end = 1.25 × the run.
+        lr_value = thor_tf.schedules.ThorPolynomialDecay(float(lr), 1.25 * args.steps, 4.9687, 1)
     elif args.thor_schedule == "cosine":
         lr_value = warmup_cosine(lr, args.steps, args.warmup)
     elif args.thor_schedule == "default":  # thor_tf's own: parse_args set lr to its peak

@@ -131,11 +131,13 @@ def parse_args(argv=None):
     if args.quick and not digits:
         args.max_train = args.max_train or 1024
         args.max_test = args.max_test or 512
-    args.epochs = args.epochs or (2 if args.quick else DIGITS_EPOCHS if digits else EPOCHS)
-    args.batch_size = args.batch_size or (DIGITS_BATCH if digits or args.quick else BATCH)
-    if args.seeds is None:
-        args.seeds = list(DIGITS_SEEDS) if digits and not args.quick else [0]
-    args.evals = args.evals or (4 if args.quick else 10)
+    defaults = dict(epochs=2 if args.quick else DIGITS_EPOCHS if digits else EPOCHS,
+                    batch_size=DIGITS_BATCH if digits or args.quick else BATCH,
+                    seeds=[0] if args.quick or not digits else list(DIGITS_SEEDS),
+                    evals=4 if args.quick else 10)
+    for name, value in defaults.items():  # what the command line left unsaid: the dataset's
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     cli.require_positive(args, ("epochs", "batch_size", "evals"))
     default = QUICK_LR_GRID if args.quick else DIGITS_LR_GRID if digits else LR_GRID
     try:

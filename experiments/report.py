@@ -38,9 +38,9 @@ RECORDS = {
     "suite": (RESULTS / "suite.json",
               "python scripts/bench_interleaved.py --out docs/results/suite.json"),
     "main_job_fashion": (RESULTS / "main_job_fashion.json",
-                         "python experiments/mnist.py --seeds 0,1,2 (its summary.json)"),
+                         "python experiments/mnist.py --seeds 0,1,2 (its main_job.json)"),
     "main_job_digits": (RESULTS / "main_job_digits.json",
-                        "python experiments/mnist.py --dataset digits (its summary.json)"),
+                        "python experiments/mnist.py --dataset digits (its main_job.json)"),
     "lm": (RESULTS / "lm.json", "python experiments/lm.py --steps 2000 --thor-schedule default "
            "(seed 0 every rate, seeds 1-2 THOR and the best; --combine: its summary.json)"),
     "lora": (RESULTS / "lora.json", "python experiments/finetune.py (its summary; THOR's rows "
@@ -158,16 +158,19 @@ def suite_rows(record):
 
 
 def main_job_row(record, label):
-    thor = record["optimizers"]["thor"]
-    best = record["thor_vs_best"]
-    base = record["optimizers"][best["baseline"]]
-    steps = thor.get("steps_per_epoch", 0) * record["args"]["epochs"]
-    seconds = best["ratios"]["to_target"] if best.get("comparable") else None
-    return {"workload": label, "steps": steps, "seeds": len(record["args"]["seeds"]),
-            "thor": _metric(thor["final_acc"], "acc"),
-            "baseline": f"{_opt(best['baseline'], best['lr'])}: {_metric(base['final_acc'], 'acc')}",
-            "steps_ratio": _ratio(best.get("epochs_ratio")),
-            "seconds_ratio": _ratio(seconds) if best.get("comparable") else "not comparable",
+    """The main job's record (``experiments/mnist.py``'s ``main_job.json``: the suite's summary
+    of one workload) as a row."""
+    summary = record["workload"]
+    thor = summary["optimizers"]["thor"]
+    leader = summary["best_baseline"]
+    comparable = (summary.get("timing") or {}).get("comparable", False)
+    return {"workload": label, "steps": thor["total_steps"], "seeds": len(record["seeds"]),
+            "thor": _metric(thor["final"], "acc"),
+            "baseline": f"{_opt(leader, summary['optimizers'][leader]['lr'])}: "
+                        f"{_metric(summary['target'], 'acc')}",
+            "steps_ratio": _ratio(summary.get("steps_ratio")),
+            "seconds_ratio": _ratio(summary.get("seconds_ratio")) if comparable
+            else "not comparable",
             "record": record["_path"]}
 
 
@@ -537,19 +540,23 @@ def results_page(records, root=ROOT):
             "## The main job, per seed", ""]
     for key, label in (("main_job_fashion", "Fashion-MNIST"), ("main_job_digits", "digits")):
         rec = records[key]
-        thor = rec["optimizers"]["thor"]
-        best = rec["thor_vs_best"]
-        per = ", ".join(f"{100 * s['final_acc']:.2f}" for s in thor["per_seed"])
-        epochs = ", ".join("never" if s["epochs_to_target"] is None else str(s["epochs_to_target"])
-                           for s in thor["per_seed"])
-        ratios = best["ratios"]
-        out.append(f"- **{label}** ({rec['args']['epochs']} epochs of batch "
-                   f"{rec['args']['batch_size']}, seeds {', '.join(map(str, rec['args']['seeds']))}; "
-                   f"THOR's peak {thor['lr']:.3g}): THOR per seed {per} %; epoch at the target per "
-                   f"seed {epochs}; against {_opt(best['baseline'], best['lr'])}: first epoch "
-                   f"{_ratio(ratios.get('first_epoch'))}, steady step "
+        summary = rec["workload"]
+        thor, leader = summary["optimizers"]["thor"], summary["best_baseline"]
+        base = summary["optimizers"][leader]
+        per = ", ".join(f"{100 * v:.2f}" for v in thor["finals"])
+        steps = ", ".join("never" if v is None else str(v) for v in thor["steps_to_target"])
+        base_steps = ", ".join("never" if v is None else str(v) for v in base["steps_to_target"])
+        timed = summary.get("timing") or {}
+        ratios = timed.get("ratios") or {}
+        seconds = (f"first segment {_ratio(ratios.get('first'))}, steady step "
                    f"{_ratio(ratios.get('steady_step'))}, seconds to the target "
-                   f"{_ratio(ratios.get('to_target'))}.")
+                   f"{_ratio(ratios.get('to_target'))}" if timed.get("comparable")
+                   else f"seconds not comparable ({timed.get('reason', 'no timing')})")
+        out.append(f"- **{label}** ({rec['epochs']} epochs of batch {rec['batch_size']}, "
+                   f"{thor['total_steps']:,} steps, {rec['evals']} evaluations; seeds "
+                   f"{', '.join(map(str, rec['seeds']))}): THOR per seed {per} %, at the target "
+                   f"at step {steps}; {_opt(leader, base['lr'])} at step {base_steps}; "
+                   f"{seconds}.")
     out += ["", "`python experiments/mnist.py` runs the Fashion-MNIST job on one seed "
             "(`--seeds 0,1,2` for the row above); without Fashion-MNIST it runs digits on 3 seeds.",
             "", "## Outside the suite", "",

@@ -1,5 +1,5 @@
-"""Honest seconds: the timing harness of the comparison scripts (``suite.py``, ``mnist.py``
-through ``runner.py``, ``lm.py``, ``finetune.py``).
+"""Honest seconds: the timing harness of the comparison scripts (``suite.py`` and the
+main job over it, ``lm.py``, ``finetune.py``).
 
 The rules (docs/timing.md):
 

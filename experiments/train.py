@@ -3,8 +3,8 @@ between two evaluations, the segments timed (:func:`experiments.timing.fit_segme
 :class:`~experiments.timing.RunClock`) and the evaluations not.
 
 Every driver runs its models through it: the suite and the studies over it
-(``suite.SegmentedRun``, two of them in turn in ``interleave.py``), the main job
-(``runner.train_run``), the LM (``lm.train_run``) and the fine-tune (``finetune.train_run``).
+(``suite.SegmentedRun``, two of them in turn in ``interleave.py``; the main job is the suite's
+harness on one workload), the LM (``lm.train_run``) and the fine-tune (``finetune.train_run``).
 What differs between them is what a segment holds and what an evaluation records.
 """
 

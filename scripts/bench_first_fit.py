@@ -68,31 +68,26 @@ def graph_size(model):
 
 
 def worker_digits(optimizer):
-    """The main job's digits run for ``optimizer``, first epoch only."""
-    import keras
-    import numpy as np
+    """The main job's digits run for ``optimizer`` (``experiments/mnist.py --dataset digits``:
+    the suite's recipe, THOR at its defaults, a baseline at the first rate of its grid), first
+    epoch only."""
+    from experiments import datasets, mnist, suite, timing, train
 
-    from experiments import cli, datasets, mnist, models, runner, timing
-
-    args = mnist.parse_args(["--dataset", "digits", "--no-download"])
+    name = "thor" if optimizer.startswith("thor") else optimizer
+    args = mnist.parse_args(["--dataset", "digits", "--no-download", "--optimizers", name])
     ds = datasets.load_dataset("digits", verbose=False, seed=0, download=False)
-    n = ds.x_train.shape[0]
-    steps = -(-n // args.batch_size)
-    lr = args.thor_lr if optimizer == "thor" else mnist.DIGITS_LR_GRID[optimizer][0]
-    lr = lr[0] if isinstance(lr, (list, tuple)) else lr  # a grid: its first rate
-    if lr is None:  # --thor-lr not given: the main job's peak for its length (as mnist.main)
-        lr = cli.default_thor_peak(args.epochs * steps)
-    keras.backend.clear_session()
-    keras.utils.set_random_seed(0)
-    model = runner.make_model(optimizer, lr, lambda: models.build(args.model, ds.input_shape,
-                                                                  ds.num_classes),
-                              args, steps, show_table=False)
+    workload, data = mnist.main_job_workload(args, ds)
+    lr = 0.0 if name == "thor" else args.lr_grid[name][0]
+    train.fresh_session(0)
+    order, _ = suite.segment_plan(workload, data, 0, 1)
+    model = suite.compiled_model(name, lr, workload, data, False, len(order), args.thor_option)
     calls = train_step_seconds(model)
-    perm = np.random.default_rng([0, 2024]).permutation(n)
+    steps = data.num_train // workload.batch_size  # one epoch of the run's batch order
+    rows = order[:steps].reshape(-1)
     clock = timing.RunClock()
-    seconds, _ = timing.fit_segment(model, clock, 0, ds.x_train[perm], ds.y_train[perm],
-                                    args.batch_size)
-    return {"first_epoch_s": seconds, "steps": steps, "batch": args.batch_size,
+    seconds, _ = timing.fit_segment(model, clock, 0, data.x_train[rows], data.y_train[rows],
+                                    workload.batch_size)
+    return {"first_epoch_s": seconds, "steps": steps, "batch": workload.batch_size,
             "train_step_traces": len(calls), "trace_python_s": sum(calls),
             **(graph_size(model) or {})}
 

@@ -18,8 +18,8 @@ compiling included, peak memory per optimizer), all in one run of this script on
 * ``refresh_over_step``: (cadence − steady) / steady: what a refresh of all blocks costs in steps;
 * ``peak_rss_mb``: the worker's peak resident memory;
 * ``time_to_target``: THOR's wall time to the best first-order baseline's final accuracy over the
-  baseline's, from the README comparisons' summaries (``docs/fashion_*_summary.json``: whole
-  training runs of the experiment scripts, not re-run here); ``goals``: issue 12's table, each
+  baseline's, from the main job's record (``docs/results/main_job_fashion.json``: whole
+  training runs, not re-run here); ``goals``: issue 12's table, each
   row with the measured figure and whether it meets its goal.
 
 Ratios against SGD and Adam come from the same run. Inputs are random (timing does not depend on
@@ -235,14 +235,13 @@ def ratios(results):
 #: baseline's final accuracy issue 12 tracks (ResNet-20's row is the suite's,
 #: docs/results/suite.json).
 TIME_TO_TARGET = {"cnn": "docs/results/main_job_fashion.json"}
-#: The baselines a target comes from (the experiments' first-order optimizers).
-FIRST_ORDER = ("sgd", "adam", "adamw")
 
 
 def time_to_target(paths):
-    """Per model: THOR's seconds to the target (the best first-order baseline's final accuracy)
-    over that baseline's own seconds to it, read from an experiment summary (these are whole
-    training runs, minutes each: measured by the experiment scripts, reported here)."""
+    """Per model: THOR's seconds to the target (the best first-order baseline's median final
+    accuracy) over that baseline's own, from the main job's record (``main_job.json``: whole
+    training runs, minutes each, measured by ``experiments/mnist.py``, reported here; None when
+    their loads made the seconds not comparable)."""
     import json
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -252,17 +251,14 @@ def time_to_target(paths):
         if not os.path.exists(path):
             continue
         with open(path) as f:
-            summary = json.load(f)
-        runs = summary["optimizers"]
-        baseline = max((name for name in runs if name in FIRST_ORDER),
-                       key=lambda name: runs[name]["final_acc"])
-        thor_s, base_s = runs["thor"].get("seconds_to_target"), runs[baseline]["seconds_to_target"]
+            record = json.load(f)
+        summary = record["workload"]
+        runs, baseline = summary["optimizers"], summary["best_baseline"]
         out[model_name] = {
-            "source": os.path.relpath(path, root), "date": summary.get("date"),
-            "target": summary["target"],
-            "seeds": len(runs["thor"].get("per_seed", [])) or 1, "baseline": baseline,
-            "thor_s": thor_s, "baseline_s": base_s,
-            "ratio": thor_s / base_s if thor_s is not None and base_s else None,
+            "source": os.path.relpath(path, root), "date": record.get("date"),
+            "target": summary["target"], "seeds": len(record["seeds"]), "baseline": baseline,
+            "thor_s": runs["thor"]["median_seconds"], "baseline_s": runs[baseline]["median_seconds"],
+            "ratio": summary.get("seconds_ratio"),
         }
     return out
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from experiments import reports, timing
+from experiments import timing
 
 
 # --------------------------------------------------------------------------------- order
@@ -148,34 +148,3 @@ def test_missing_loads_and_seeds_are_not_comparable():
 
 def test_median_of_known_values():
     assert timing.median([3.0, None, 1.0]) == 2.0 and timing.median([None]) is None
-
-
-# --------------------------------------------------------------------------------- runner's summary
-
-def _entry(seeds, loads, to_target, first=2.0, steady=0.01, epochs=2):
-    return {"lr": 1e-2, "seconds_to_target": to_target, "first_epoch_seconds": first,
-            "steady_seconds_per_step": steady, "epochs_to_target": epochs,
-            "per_seed": [{"seed": s, "load": l} for s, l in zip(seeds, loads)]}
-
-
-def test_main_job_summary_compares_thor_with_the_best_baseline_or_says_why_not():
-    optimizers = {"thor": _entry([0, 1, 2], [0.05, 0.06, 0.04], 6.0, first=5.0, epochs=1),
-                  "muon": _entry([0, 1, 2], [0.05, 0.05, 0.05], 8.0, first=2.0)}
-    versus = reports.thor_vs_baseline(optimizers, "muon")
-    assert versus["comparable"] and versus["baseline"] == "muon"
-    assert versus["ratios"]["to_target"] == pytest.approx(0.75)
-    assert versus["ratios"]["first_epoch"] == pytest.approx(2.5)
-    assert versus["epochs_ratio"] == pytest.approx(0.5)
-    summary = {"target": 0.9, "target_source": "muon", "args": {"seeds": [0, 1, 2]},
-               "optimizers": {k: {**v, "final_acc": 0.9, "total_seconds": 9.0, "refreshes": 0,
-                                  "load": 0.05} for k, v in optimizers.items()},
-               "thor_vs_best": versus}
-    table = reports.summary_table(summary)
-    assert "medians over 3 seeds" in table and "seconds to the target 0.75x" in table
-    optimizers["thor"]["per_seed"][1]["load"] = 0.4
-    versus = reports.thor_vs_baseline(optimizers, "muon")
-    assert not versus["comparable"] and versus["ratios"]["to_target"] is None
-    summary["thor_vs_best"] = versus
-    table = reports.summary_table(summary)
-    assert "seconds to the target not comparable" in table and "seed 1:" in table
-    assert reports.thor_vs_baseline({"muon": optimizers["muon"]}, "muon") is None
