@@ -234,9 +234,10 @@ def main(argv=None):
     record.write(args.out, out, argv=argv, script=__file__)
     for model_name, entry in out["summary"].items():
         for opt, row in entry["optimizers"].items():
+            ratio = lambda key: "–" if row.get(key) is None else f"{row[key]:.2f}"  # noqa: E731
             print(f"{model_name:9s} {opt:5s} median {row['first_epoch_s']:.2f} s  "
-                  f"x{row.get('vs_sgd', float('nan')):.2f} SGD  "
-                  f"x{row.get('vs_best_baseline', float('nan')):.2f} best ({entry['best_baseline']})"
+                  f"x{ratio('vs_sgd')} SGD  x{ratio('vs_best_baseline')} best "
+                  f"({entry['best_baseline']})"
                   f"  trace {row['trace_python_s']:.2f} s  nodes {row.get('total_nodes')}")
     print(f"wrote {args.out}")
 

@@ -36,6 +36,26 @@ def test_bench_first_fit_medians_and_ratios():
     assert rows["thor"]["nodes_vs_sgd"] == pytest.approx(4.0)
 
 
+def test_bench_first_fit_runs_the_main_jobs_first_epoch_in_fresh_processes(tmp_path):
+    """Its smallest run: one fresh process each for THOR and Adam on the main job's digits run.
+    The record holds both, with THOR's first epoch over Adam's (the run's best baseline), one
+    trace of THOR's step, and the command that made it."""
+    import json
+
+    bf = _load("bench_first_fit")
+    out = tmp_path / "first_fit.json"
+    bf.main(["--models", "digits", "--optimizers", "thor,adam", "--repeats", "1",
+             "--out", str(out)])
+    record = json.loads(out.read_text())
+    entry = record["summary"]["digits"]
+    rows = entry["optimizers"]
+    assert set(rows) == {"thor", "adam"} and entry["best_baseline"] == "adam"
+    assert rows["thor"]["first_epoch_s"] > 0 and rows["thor"]["train_step_traces"] == 1
+    assert rows["thor"]["vs_best_baseline"] == pytest.approx(
+        rows["thor"]["first_epoch_s"] / rows["adam"]["first_epoch_s"])
+    assert "bench_first_fit.py" in record["command"] and record["commit"]
+
+
 def test_bench_resnet50_step_ratios_and_quick_run(tmp_path):
     """The ResNet-50 step benchmark: medians over repeats and ratios to each reference from
     known numbers; its quick mode (a small CNN, SGD and both THOR variants) writes them."""
