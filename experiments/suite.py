@@ -208,33 +208,29 @@ class SegmentedRun:
         """``[workload optimizer lr seed] step s/total  metric  train_loss  seconds``, and THOR's
         refreshes (and skipped steps, if any) so far."""
         loss = row["train_loss"]
-        extra = ""
-        if self.optimizer == "thor":
-            refreshes, skipped = self._thor_counts()
-            extra = f"  refreshes {refreshes}" + (
-                f"  NON-FINITE STEPS SKIPPED {skipped}" if skipped else "")
         return (f"{self.tag()} step {row['step']}/{self.total}  {self.workload.metric} "
                 f"{row['metric']:.4f}  train_loss "
-                f"{'–' if loss is None else format(loss, '.4f')}  {row['seconds']:.1f}s{extra}")
+                f"{'–' if loss is None else format(loss, '.4f')}  {row['seconds']:.1f}s"
+                f"{self._thor_counts()}")
 
     def _thor_counts(self):
-        """THOR's block refreshes so far (summed over layers) and its skipped steps."""
+        """THOR's block refreshes so far (summed over layers) and its skipped steps, if any, as
+        the lines print them ("" for a baseline)."""
+        if self.optimizer != "thor":
+            return ""
         thor = self.model.thor
-        return (sum(s["refreshes"] for s in thor.layer_stats()),
-                thor.counters()["nonfinite_steps"])
+        skipped = thor.counters()["nonfinite_steps"]
+        # Many skipped steps mean the run diverged: said in capitals.
+        return (f"  refreshes {sum(s['refreshes'] for s in thor.layer_stats())}"
+                + (f"  NON-FINITE STEPS SKIPPED {skipped}" if skipped else ""))
 
     def summary_line(self):
         """``[workload optimizer lr seed] steps  metric  seconds (first, load)  refreshes``."""
-        extra = ""
-        if self.optimizer == "thor":
-            refreshes, skipped = self._thor_counts()
-            extra = f"  refreshes {refreshes}" + (
-                f"  NON-FINITE STEPS SKIPPED {skipped}" if skipped else "")
         load, clock = self.clock.load, self.clock
         return (f"{self.tag()} {self.total} steps  "
                 f"{self.workload.metric} {self.rows[-1]['metric']:.4f}  {clock.seconds:.1f}s "
                 f"(first {clock.first_seconds:.1f}s, load {'?' if load is None else f'{load:.0%}'})"
-                f"{extra}")
+                f"{self._thor_counts()}")
 
 
 @contextlib.contextmanager
