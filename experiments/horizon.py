@@ -22,12 +22,15 @@ the same initial weights and batch order for a seed; the baselines' warmup + cos
   The **best baseline** at a length: the best seed-0 final there.
 * **Seeds 0, 1, 2**: THOR at its default and the best baseline at its rate trained *interleaved*
   (``interleave.py``: one process, segment by segment in turn, both on the same host), THOR at
-  its best peak (when that is not the default) on seeds 1, 2 too.
+  its best peak (when that is not the default) on seeds 1, 2 too; with ``--every-baseline``
+  every other baseline at its best rate on seeds 1, 2 as well (``vs`` below has medians then).
 * **Target, per length**: the best baseline's median final there. Per length and optimizer: the
   final, steps, examples and seconds to the target (the first of ``--evals`` evenly spaced
   evaluations at or past it; medians over seeds; "never" when half or more seeds never get
   there); THOR's steps over the best baseline's and its seconds over the baseline's per seed
-  of an interleaved pair (their median).
+  of an interleaved pair (their median). ``vs``: against every baseline, its own median final
+  as the target: THOR's steps and the baseline's to it, and their ratio (its ``seeds``: the
+  baseline's seeds there).
 
 **Order** (the most informative results first): every workload's tuning at 1×, then at 4×, then
 the seeds at 1× and 4×; then 16×'s tuning and seeds. Workloads go cheapest first.
@@ -254,8 +257,9 @@ class Study:
     """The workloads at their lengths and their tuning, memoized: a length's grids centre on the
     previous length's best rates, so tuning at ``m`` needs the tuning before it."""
 
-    def __init__(self, cache, multiples, quick, seed):
+    def __init__(self, cache, multiples, quick, seed, every_baseline=False):
         self.cache, self.multiples, self.quick, self.seed = cache, list(multiples), quick, seed
+        self.every_baseline = every_baseline
         self._data, self._tuned, self._at = {}, {}, {}
 
     def at(self, name, multiple):
@@ -282,12 +286,17 @@ class Study:
         return self._tuned[(name, multiple)]
 
     def seeds(self, name, multiple, seeds):
-        """The interleaved pairs and THOR's best peak on the later seeds."""
+        """The interleaved pairs and THOR's best peak on the later seeds (and, under
+        ``every_baseline``, every other baseline at its best rate)."""
         workload, data = self.at(name, multiple)
         tuned = self.tuned(name, multiple)
         best, rate = bs.leader(workload, tuned)
         self.cache.interleave(workload, data, best, rate, seeds)
         bs.run_seeds(self.cache, workload, data, tuned, seeds[1:])
+        others = [b for b in tuned if b not in (bs.THOR_PEAK, best)] if self.every_baseline else []
+        for baseline in others:
+            for seed in seeds[1:]:
+                self.cache.final(workload, data, baseline, tuned[baseline]["best"], seed)
 
 
 def schedule(workloads, multiples):
@@ -322,6 +331,7 @@ def length_cell(study, name, multiple):
             # Seconds to the target are paired where they come from an interleaved pair.
             info["seconds_paired"] = optimizer in ("thor", best) and any(
                 r["phase"] == "interleaved" and r["optimizer"] == optimizer for r in rows)
+    cell["vs"] = versus_each(workload, entry, batch)
     runs, wall = study.cache.wall_seconds(name, steps)
     sign = 1 if workload.higher_is_better else -1
     cell.update({
@@ -334,6 +344,25 @@ def length_cell(study, name, multiple):
         "thor_ahead_in_final": sign * (cell["thor"]["final"] - target) > 0,
         "runs": runs, "wall_seconds": round(wall, 1)})
     return cell
+
+
+def versus_each(workload, entry, batch):
+    """``{baseline: {"target", "seeds", "thor_steps", "steps", "steps_ratio"}}``: for every
+    baseline of a :func:`batch_scaling.cell_runs` entry, THOR's (default) median steps to that
+    baseline's median final and the baseline's own."""
+    out = {}
+    for name, (rows, rate) in entry.items():
+        if name.startswith("thor") or not rows:
+            continue
+        target = bs.median_final(entry, name)
+        own = bs.optimizer_summary(workload, batch, rows, target, rate)
+        thor = bs.optimizer_summary(workload, batch, entry["thor"][0], target, None)
+        out[name] = {"target": target, "seeds": own["seeds"],
+                     "thor_steps": thor["steps_to_target"], "steps": own["steps_to_target"],
+                     "steps_ratio": (None if thor["steps_to_target"] is None
+                                     or not own["steps_to_target"]
+                                     else thor["steps_to_target"] / own["steps_to_target"])}
+    return out
 
 
 def summarize(study, names, multiples):
@@ -465,6 +494,9 @@ def parse_args(argv=None):
                         help="comma list; the first tunes the rates (default 0,1,2; --quick 0)")
     parser.add_argument("--evals", type=int, default=None,
                         help=f"evaluations per run after step 0 (default {EVALS}; --quick 4)")
+    parser.add_argument("--every-baseline", action="store_true",
+                        help="every baseline at its best rate on every seed, not only the best "
+                             "one (THOR's steps to each one's median final: the record's vs)")
     parser.add_argument("--report-only", action="store_true",
                         help="no training: rebuild the record, plots and docs from the cache")
     parser.add_argument("--out", default=None,
@@ -488,7 +520,7 @@ def main(argv=None):
     args = parse_args(argv)
     out = Path(args.out)
     cache = RunCache(out / CACHE, args.quick, args.evals, train=not args.report_only)
-    study = Study(cache, args.multiples, args.quick, args.seeds[0])
+    study = Study(cache, args.multiples, args.quick, args.seeds[0], args.every_baseline)
     started = time.perf_counter()
     unavailable = set()
     for phase, multiple, name in ([] if args.report_only
