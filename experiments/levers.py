@@ -570,9 +570,10 @@ def parse_args(argv=None):
                         help=f"comma list (default {','.join(WORKLOADS)}; --quick tabular_mlp)")
     parser.add_argument("--multiples", type=parse_ints, default=None,
                         help="lengths as multiples of the suite's (default 4; --quick 1)")
-    parser.add_argument("--check", type=parse_ints, default=None,
-                        help="lengths a lever that holds at --multiples is checked at "
-                             "(default 1; --quick none)")
+    parser.add_argument("--check", type=lambda t: [] if t == "none" else parse_ints(t),
+                        default=None,
+                        help="lengths a lever that holds at --multiples is checked at, or "
+                             "'none' (default 1; --quick none)")
     parser.add_argument("--seeds", type=parse_ints, default=None,
                         help="comma list (default 0,1,2; --quick 0)")
     parser.add_argument("--evals", type=int, default=None,
@@ -601,7 +602,8 @@ def parse_args(argv=None):
     if unknown:
         raise SystemExit(f"error: --workloads: unknown {unknown}")
     args.multiples = args.multiples or ([1] if q else [4])
-    args.check = [] if (args.check is None and q) else (args.check or [1])
+    if args.check is None:
+        args.check = [] if q else [1]
     args.seeds = args.seeds if args.seeds is not None else ([0] if q else [0, 1, 2])
     args.evals = args.evals or (4 if q else EVALS)
     if args.evals < 1:
