@@ -146,8 +146,11 @@ def suite_rows(record):
                     default=None)
         timing = r.get("timing") or {}
         seconds = r.get("seconds_ratio") if timing.get("comparable", True) else None
+        w = workloads.ALL_WORKLOADS.get(name)
+        sign = 1 if w is None or w.higher_is_better else -1
         rows.append({"workload": label, "steps": steps, "seeds": seeds,
                      "thor": _metric(r["thor_final"], kind),
+                     "ahead": sign * r["thor_final"] >= sign * r["baseline_final"],
                      "baseline": f"{_opt(r['baseline'], r['rate'])}: "
                                  f"{_metric(r['baseline_final'], kind)}",
                      "steps_ratio": _ratio(r.get("steps_ratio")),
@@ -165,7 +168,7 @@ def main_job_row(record, label):
     leader = summary["best_baseline"]
     comparable = (summary.get("timing") or {}).get("comparable", False)
     return {"workload": label, "steps": thor["total_steps"], "seeds": len(record["seeds"]),
-            "thor": _metric(thor["final"], "acc"),
+            "thor": _metric(thor["final"], "acc"), "ahead": thor["final"] >= summary["target"],
             "baseline": f"{_opt(leader, summary['optimizers'][leader]['lr'])}: "
                         f"{_metric(summary['target'], 'acc')}",
             "steps_ratio": _ratio(summary.get("steps_ratio")),
@@ -183,6 +186,7 @@ def lm_row(record):
     base = record["optimizers"].get(name, {})
     return {"workload": "char GPT, `experiments/lm.py` (val loss)", "steps": record["args"]["steps"],
             "seeds": len(record["args"]["seeds"]), "thor": _metric(thor["final_val_loss"], "loss"),
+            "ahead": thor["final_val_loss"] <= record["target_val_loss"],
             "baseline": f"{_opt(name, base.get('lr'))}: {_metric(record['target_val_loss'], 'loss')}",
             "steps_ratio": _ratio(vs.get("steps")),
             "seconds_ratio": _ratio(vs.get("seconds")) if vs.get("comparable") else "not comparable",
@@ -209,9 +213,10 @@ def lora_rows(record, root=ROOT):
             hits.append(min(reached) if reached else None)
         hit = _median(hits) if all(h is not None for h in hits) else None
         base_steps = base.get("steps_to_target") or steps_total
+        thor_median = _median([v for _, v in finals.values()])
         out.append({"workload": f"LoRA fine-tune, rank {rank['rank']} (val loss)",
                     "steps": steps_total, "seeds": len(finals),
-                    "thor": _metric(_median([v for _, v in finals.values()]), "loss"),
+                    "thor": _metric(thor_median, "loss"), "ahead": thor_median <= target,
                     "baseline": f"{_opt(name, base.get('lr'))}: {_metric(target, 'loss')}",
                     "steps_ratio": _ratio(None if hit is None else hit / base_steps),
                     "seconds_ratio": "not measured",
@@ -247,11 +252,16 @@ def outside_summary(record, root=ROOT):
 
 # -- the tables ---------------------------------------------------------------------------------
 def _table(rows, strip=""):
+    """README's table: the better final of THOR and the best baseline in bold (THOR's on a tie:
+    it reached the target)."""
+    def bold(text, on):
+        return f"**{text}**" if on else text
+
     return reports.md_table(
         ("workload", "steps", "seeds", "THOR", "best baseline (target)",
          "THOR's steps to the target", "seconds to the target", "data"),
-        [(r["workload"], f"{r['steps'] or '?':,}", str(r["seeds"]), f"**{r['thor']}**",
-          r["baseline"], r["steps_ratio"], r["seconds_ratio"],
+        [(r["workload"], f"{r['steps'] or '?':,}", str(r["seeds"]), bold(r["thor"], r["ahead"]),
+          bold(r["baseline"], not r["ahead"]), r["steps_ratio"], r["seconds_ratio"],
           f"[record]({r['record'][len(strip):]})") for r in rows])
 
 
