@@ -142,3 +142,34 @@ def test_steps_and_seconds_to_the_target_on_a_hand_made_cache(tmp_path, monkeypa
     assert "| tabular MLP (train MSE) | 1× (55) | Adam 0.01 | 0.45 | 0.3 / 0.3 / 0.45 | " \
            "41 / 55 | 0.75×, 1.50× | 0.03 (0.75) | 3, 3 |" in block
     assert report.horizon_line(None) == "" and "No runs recorded yet" in report.horizon_block(None)
+
+
+def test_every_baseline_gets_thors_steps_to_its_own_median_final():
+    """``versus_each``: per baseline its median final over its seeds is the target; THOR's median
+    steps to it over the baseline's own. A loss (lower is better), evaluations at 10, 20, 30."""
+    workload = wl.WORKLOADS["tabular_mlp"]
+
+    def rows(optimizer, per_seed):
+        return [{"workload": workload.name, "batch": 32, "phase": "sweep", "optimizer": optimizer,
+                 "lr": 0.01, "seed": seed, "step": step, "seconds": step / 10, "metric": metric,
+                 "train_loss": metric, "first_seconds": 1.0, "steady_seconds_per_step": 0.01,
+                 "load": 0.0}
+                for seed, metrics in per_seed.items()
+                for step, metric in zip((0, 10, 20, 30), (5.0,) + metrics)]
+
+    thor = rows("thor", {0: (0.6, 0.4, 0.3), 1: (0.7, 0.5, 0.35), 2: (0.9, 0.8, 0.7)})
+    entry = {"thor": (thor, 0.03), "thor_best": (thor, 0.03),
+             # adam: finals 0.5, 0.45, 0.6 -> its target 0.5; it gets there at 30, 20, never.
+             "adam": (rows("adam", {0: (0.9, 0.7, 0.5), 1: (0.8, 0.45, 0.45),
+                                    2: (0.9, 0.8, 0.6)}), 0.01),
+             # muon on seed 0 only: final 0.35, reached at 30.
+             "muon": (rows("muon", {0: (0.9, 0.6, 0.35)}), 0.02)}
+    vs = hz.versus_each(workload, entry, 32)
+    assert set(vs) == {"adam", "muon"}
+    # THOR to 0.5: step 20 (0.4), 20 (0.5), never -> median 20; adam: 30, 20, never -> 30.
+    assert vs["adam"]["target"] == pytest.approx(0.5) and vs["adam"]["seeds"] == [0, 1, 2]
+    assert (vs["adam"]["thor_steps"], vs["adam"]["steps"]) == (20, 30)
+    assert vs["adam"]["steps_ratio"] == pytest.approx(2 / 3)
+    # THOR to 0.35: 30 (0.3), 30 (0.35), never -> 30; muon: 30.
+    assert vs["muon"]["seeds"] == [0] and vs["muon"]["target"] == pytest.approx(0.35)
+    assert vs["muon"]["steps_ratio"] == pytest.approx(1.0)
