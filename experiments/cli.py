@@ -14,6 +14,8 @@ FIRST_ORDER = ("sgd", "adam", "adamw", "muon")
 #: Adam's learning rate and weight decay).
 DEFAULT_LR_GRID = {"sgd": (0.01, 0.03, 0.1, 0.3), "adam": (1e-3, 3e-3, 1e-2, 3e-2),
                    "adamw": (1e-3, 3e-3, 1e-2, 3e-2), "muon": (1e-3, 3e-3, 1e-2, 3e-2)}
+
+
 def muon_available():
     """Whether this Keras has ``keras.optimizers.Muon`` (Keras >= 3.10)."""
     import keras

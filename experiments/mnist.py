@@ -66,16 +66,6 @@ DIGITS_EPOCHS, DIGITS_BATCH = 10, 64
 DIGITS_SEEDS = (0, 1, 2)
 #: Muon joins when this Keras has it (3.10 and later).
 MAIN_JOB_OPTIMIZERS = ("thor", "adam", "muon") if cli.muon_available() else ("thor", "adam")
-OPTIMIZERS = ("thor", "sgd", "adam", "adamw", "muon")
-
-
-def _optimizers(text):
-    names = [n for n in str(text).replace(" ", "").split(",") if n]
-    bad = [n for n in names if n not in OPTIMIZERS]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(
-            f"--optimizers takes a comma list from {', '.join(OPTIMIZERS)}; got {text!r}")
-    return names
 
 
 def parse_args(argv=None):
@@ -88,8 +78,9 @@ def parse_args(argv=None):
     parser.add_argument("--model", choices=MODELS, default="cnn", help="default cnn")
     parser.add_argument("--no-download", action="store_true",
                         help="never download Fashion-MNIST (auto: digits when it is not local)")
-    parser.add_argument("--optimizers", type=_optimizers, default=list(MAIN_JOB_OPTIMIZERS),
-                        help=f"comma list from {','.join(OPTIMIZERS)} (default "
+    parser.add_argument("--optimizers", type=cli.parse_optimizers,
+                        default=list(MAIN_JOB_OPTIMIZERS),
+                        help=f"comma list from {','.join(cli.OPTIMIZERS)} (default "
                              f"{','.join(MAIN_JOB_OPTIMIZERS)})")
     parser.add_argument("--seeds", type=cli.parse_ints, default=None,
                         help="comma list (default 0 on Fashion-MNIST and under --quick, "
@@ -118,8 +109,7 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true",
                         help="digits, 2 epochs of 64, one rate per baseline, seed 0 (CI)")
     args = parser.parse_args(argv)
-    missing = [n for n in args.optimizers if n == "muon" and not cli.muon_available()]
-    if missing:
+    if "muon" in args.optimizers:
         cli.require_muon()
     from experiments import datasets
 

@@ -117,8 +117,9 @@ def test_main_job_quick_writes_the_suites_record_of_its_runs(tmp_path, capsys):
     assert summary["optimizers"]["sgd"]["lr"] == mnist.QUICK_LR_GRID["sgd"][0]
     if "muon" in names:
         assert summary["optimizers"]["muon"]["final"] > 0.5
-    for path in ("main_job.md", "main_job.png"):
-        assert (out / path).stat().st_size > 500, path
+    table = (out / "main_job.md").read_text()
+    assert f"| main_job (accuracy, target {100 * summary['target']:.2f}%) | thor |" in table
+    assert (out / "main_job.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "thor_tf: 4 layers with Kronecker blocks" in stdout
     assert "[main_job thor seed=0] step 44/44  accuracy" in stdout
     assert "[main_job sgd lr=0.1 seed=0] step 22/44" in stdout
