@@ -403,6 +403,21 @@ def batch_scaling_block(record):
     return "\n".join(out)
 
 
+def _better_median_notes(name, cell):
+    """A baseline run on as many seeds as THOR (``--every-baseline``) whose median final beats
+    the best baseline's (chosen on seed 0): THOR's steps to that median over its own, as
+    README's line says it."""
+    w = workloads.ALL_WORKLOADS.get(name)
+    sign = 1 if w is None or w.higher_is_better else -1
+    notes = []
+    for baseline, vs in (cell.get("vs") or {}).items():
+        if (baseline != cell["best_baseline"] and len(vs["seeds"]) >= len(cell["thor"]["seeds"])
+                and sign * vs["target"] > sign * cell["target"]):
+            notes.append(f"{_ratio(vs['steps_ratio'])} against {_opt(baseline)}'s better "
+                         f"median final")
+    return notes
+
+
 def horizon_line(record):
     """README's line on long runs: per workload, THOR's steps (and paired seconds) to the best
     baseline's final over the baseline's at each measured length; "" without a record."""
@@ -417,6 +432,7 @@ def horizon_line(record):
             seconds = cell.get("seconds_ratio")
             seeds = cell["thor"]["seeds"]
             notes = [f"{seconds:.2f}× the seconds"] if seconds is not None else []
+            notes += _better_median_notes(name, cell)
             if len(seeds) < len(record.get("seeds") or [0, 1, 2]):     # the study is running
                 notes.append(f"seed{'s' if len(seeds) > 1 else ''} "
                              f"{', '.join(map(str, seeds))} so far")
