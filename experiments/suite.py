@@ -211,9 +211,9 @@ class SegmentedRun:
         return (f"{self.tag()} step {row['step']}/{self.total}  {self.workload.metric} "
                 f"{row['metric']:.4f}  train_loss "
                 f"{'–' if loss is None else format(loss, '.4f')}  {row['seconds']:.1f}s"
-                f"{self._thor_counts()}")
+                f"{self._thor_status()}")
 
-    def _thor_counts(self):
+    def _thor_status(self):
         """THOR's block refreshes so far (summed over layers) and its skipped steps, if any, as
         the lines print them ("" for a baseline)."""
         if self.optimizer != "thor":
@@ -230,7 +230,7 @@ class SegmentedRun:
         return (f"{self.tag()} {self.total} steps  "
                 f"{self.workload.metric} {self.rows[-1]['metric']:.4f}  {clock.seconds:.1f}s "
                 f"(first {clock.first_seconds:.1f}s, load {'?' if load is None else f'{load:.0%}'})"
-                f"{self._thor_counts()}")
+                f"{self._thor_status()}")
 
 
 @contextlib.contextmanager
