@@ -130,7 +130,7 @@ def test_main_job_quick_writes_the_suites_record_of_its_runs(tmp_path, capsys):
 def test_main_job_runs_the_suites_cnn_recipe_at_its_own_sizes():
     """The main job is the suite's CNN workload (model, loss, metric, the baselines' recipe) at
     its own epochs, batch, data and grids: Fashion-MNIST 3 epochs of 128 with Adam and Muon at
-    3e-3 and 1e-2; digits 10 epochs of 64 at 1e-2 and 3e-2."""
+    3e-3 and 1e-2; digits 10 epochs of 64 over the suite's bracketing grids."""
     from experiments import datasets, mnist, workloads as wl
 
     args = mnist.parse_args(["--optimizers", "thor,adam,adamw", "--dataset", "fashion_mnist"])
@@ -138,7 +138,7 @@ def test_main_job_runs_the_suites_cnn_recipe_at_its_own_sizes():
     assert args.lr_grid["adam"] == mnist.LR_GRID["adam"] == (3e-3, 1e-2)
     args = mnist.parse_args(["--dataset", "digits", "--lr-grid", "adam=0.05"])
     assert (args.epochs, args.batch_size) == (mnist.DIGITS_EPOCHS, mnist.DIGITS_BATCH) == (10, 64)
-    assert args.lr_grid["adam"] == (0.05,) and args.lr_grid["muon"] == (1e-2, 3e-2)
+    assert args.lr_grid["adam"] == (0.05,) and args.lr_grid["muon"] == (3e-3, 1e-2, 3e-2)
     assert mnist.parse_args(["--dataset", "digits", "--epochs", "2"]).epochs == 2
     ds = datasets.load_dataset("digits", verbose=False, seed=0)
     workload, data = mnist.main_job_workload(
@@ -146,7 +146,7 @@ def test_main_job_runs_the_suites_cnn_recipe_at_its_own_sizes():
     base = wl.WORKLOADS["digits_cnn"]
     assert (workload.loss, workload.metric, workload.weight_decay) == (
         base.loss, base.metric, base.weight_decay)
-    assert workload.baselines == {"adam": (1e-2, 3e-2)} and data.num_train == ds.num_train
+    assert workload.baselines == {"adam": (1e-2, 3e-2, 0.1)} and data.num_train == ds.num_train
     assert (workload.epochs, workload.batch_size) == (10, 64)
     with pytest.raises(SystemExit):
         mnist.parse_args(["--optimizers", "thor,kfac"])
