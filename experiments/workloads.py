@@ -194,15 +194,15 @@ def _gpt_data(quick):
     """One pass of ``steps`` batches of random windows (the seed-0 sequence: every optimizer and
     seed trains on the same batches; the seed changes the initial weights) and 256 fixed val
     windows."""
-    from experiments import lm, text
+    from experiments import text
 
     size = GPT_SIZES[quick]
     try:
         corpus = text.load_text(download=ALLOW_DOWNLOAD, verbose=False)
     except text.DataUnavailable as err:
         raise Unavailable(str(err)) from None
-    x, y = lm.train_batches(corpus.train, 0, size["steps"], size["batch"], size["block"])
-    xv, yv = lm.val_windows(corpus.val, 64 if quick else 256, size["block"])
+    x, y = text.train_batches(corpus.train, 0, size["steps"], size["batch"], size["block"])
+    xv, yv = text.val_windows(corpus.val, 64 if quick else 256, size["block"])
     return Data(x, y, xv, yv, f"{corpus.name}: {corpus.num_chars:,} characters, vocabulary "
                               f"{corpus.vocab_size}, {size['steps']} batches of {size['batch']} x "
                               f"{size['block']}", vocab_size=corpus.vocab_size)
@@ -251,10 +251,10 @@ def _tabular_mlp(data, quick):
 
 
 def _gpt(data, quick):
-    from experiments import lm
+    from experiments import models
 
     size = GPT_SIZES[quick]
-    return lm.build_gpt(data.vocab_size, block=size["block"], layers=size["layers"],
+    return models.build_gpt(data.vocab_size, block=size["block"], layers=size["layers"],
                         heads=size["heads"], width=size["width"])
 
 

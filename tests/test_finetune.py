@@ -16,6 +16,7 @@ Skipped without keras-hub or on Keras < 3.15 (KerasHub 0.32's floor), as tests/t
 
 import csv
 import json
+import math
 
 import keras
 import numpy as np
@@ -97,7 +98,17 @@ def _hand_run(finetune, name, lr, seed, losses, load):
     rows = [{"step": 10 * i, "val_loss": v, "seconds": 5.0 if i else 0.0,
              "cumulative_seconds": 5.0 * i, "refreshes": 0, "load": load if i else None}
             for i, v in enumerate(losses)]
-    return finetune.lm.Run(name, lr, seed, rows, rank=4)
+    return finetune.Run(name, lr, seed, rows, rank=4)
+
+
+def test_steps_to_target_is_the_first_evaluation_at_or_below_it(finetune):
+    steps, seconds = [0, 50, 100, 150], [0.0, 5.0, 9.5, 14.0]
+    reach = finetune.steps_to_target
+    assert reach(steps, [4.4, 2.9, 2.5, 2.4], seconds, 2.5) == (100, 9.5)  # equal counts
+    assert reach(steps, [4.4, 2.4, 2.6, 2.3], seconds, 2.5) == (50, 5.0)   # the first wins
+    assert reach(steps, [4.4, 2.9, 2.6, 2.51], seconds, 2.5) == (None, None)
+    assert reach(steps, [4.4, math.nan, math.nan, math.nan], seconds, 2.5) == (None, None)
+    assert reach(steps, [4.4, 2.9, 2.5, 2.4], seconds, None) == (None, None)
 
 
 def test_verdict_needs_comparable_seconds(finetune):

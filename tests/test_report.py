@@ -91,22 +91,22 @@ def test_the_batch_scaling_record_gives_readme_its_line_and_the_page_its_table()
     assert "only THOR reaches the target" in report.batch_scaling_line(record)
 
 
-def test_the_lm_row_compares_thor_with_the_best_baseline_whatever_the_order():
-    """``lm_row``: THOR against the baseline with the lowest final (the target's), not the first
-    one the record lists; its seconds only when the record says they are comparable."""
-    record = {"_path": "docs/results/lm.json", "target_val_loss": 1.656,
-              "args": {"steps": 2000, "seeds": [0, 1, 2]},
-              "optimizers": {"thor": {"final_val_loss": 1.631},
-                             "adamw": {"lr": 3e-3, "final_val_loss": 1.7555},
-                             "muon": {"lr": 3e-3, "final_val_loss": 1.656}},
-              "thor_vs": {"adamw": {"steps": None, "comparable": False},
-                          "muon": {"steps": 0.85, "seconds": 0.99, "comparable": False}}}
-    row = report.lm_row(record)
-    assert row["baseline"].startswith("Muon") and "1.656" in row["baseline"]
+def test_a_driver_row_of_a_loss_compares_lower_as_better():
+    """``main_job_row`` on ``lm.py``'s record (a loss: lower is better): THOR ahead when its
+    final is at or below the target; seconds only when the record says they are comparable."""
+    summary = {"target": 1.656, "best_baseline": "muon", "higher_is_better": False,
+               "steps_ratio": 0.85, "seconds_ratio": 0.99, "timing": {"comparable": False},
+               "optimizers": {"thor": {"final": 1.631, "total_steps": 2000},
+                              "muon": {"lr": 3e-3, "final": 1.656}}}
+    record = {"_path": "docs/results/lm.json", "seeds": [0, 1, 2], "workload": summary}
+    row = report.main_job_row(record, "LM", "loss")
+    assert row["ahead"] and row["baseline"].startswith("Muon") and "1.656" in row["baseline"]
     assert row["steps_ratio"] == "0.85×" and row["seconds_ratio"] == "not comparable"
-    assert row["seeds"] == 3
-    record["thor_vs"]["muon"]["comparable"] = True
-    assert report.lm_row(record)["seconds_ratio"] == "0.99×"
+    assert row["seeds"] == 3 and row["steps"] == 2000
+    summary["timing"]["comparable"] = True
+    summary["optimizers"]["thor"]["final"] = 1.7
+    row = report.main_job_row(record, "LM", "loss")
+    assert row["seconds_ratio"] == "0.99×" and not row["ahead"]
 
 
 def test_the_horizon_line_names_a_baseline_whose_median_over_seeds_beats_the_leaders():
