@@ -42,8 +42,9 @@ RECORDS = {
     "main_job_digits": (RESULTS / "main_job_digits.json",
                         "python experiments/mnist.py --dataset digits (its main_job.json)"),
     "lm": (RESULTS / "lm.json", "python experiments/lm.py (its lm.json)"),
-    "lora": (RESULTS / "lora.json", "python experiments/finetune.py (its summary; THOR's rows "
-             "at the default: --optimizers thor --seeds 0,1,2)"),
+    "lora_r4": (RESULTS / "lora_r4.json", "python experiments/finetune.py (its rank4/lora_r4.json)"),
+    "lora_r16": (RESULTS / "lora_r16.json",
+                 "python experiments/finetune.py (its rank16/lora_r16.json)"),
     "outside": (RESULTS / "outside.json", "python experiments/suite.py --workloads NAME "
                 "(docs/outside.md)"),
     "batch_scaling": (RESULTS / "batch_scaling.json",
@@ -178,37 +179,6 @@ def main_job_row(record, label, kind="acc"):
             "record": record["_path"]}
 
 
-def lora_rows(record, root=ROOT):
-    """THOR's rows at the default (``thor_rows``: its own CSV) against the record's best baseline
-    per rank; steps to the target per seed from the CSV, their median over the baseline's."""
-    thor_file = RESULTS / record["thor_rows"]["file"]
-    rows = _read_csv(Path(root) / thor_file)
-    steps_total = record["args"]["steps"]
-    out = []
-    for rank in record["ranks"]:
-        target = rank["target_val_loss"]
-        name = rank["best_baseline"]
-        base = rank["optimizers"][name]
-        mine = [r for r in rows if r["optimizer"] == "thor" and int(r["rank"]) == rank["rank"]]
-        finals = _finals(mine, ("seed",), "val_loss")
-        hits = []
-        for (seed,) in finals:
-            reached = [int(r["step"]) for r in mine if r["seed"] == seed
-                       and float(r["val_loss"]) <= target]
-            hits.append(min(reached) if reached else None)
-        hit = _median(hits) if all(h is not None for h in hits) else None
-        base_steps = base.get("steps_to_target") or steps_total
-        thor_median = _median([v for _, v in finals.values()])
-        out.append({"workload": f"LoRA fine-tune, rank {rank['rank']} (val loss)",
-                    "steps": steps_total, "seeds": len(finals),
-                    "thor": _metric(thor_median, "loss"), "ahead": thor_median <= target,
-                    "baseline": f"{_opt(name, base.get('lr'))}: {_metric(target, 'loss')}",
-                    "steps_ratio": _ratio(None if hit is None else hit / base_steps),
-                    "seconds_ratio": "not measured",
-                    "record": record["_path"]})
-    return out
-
-
 def outside_summary(record, root=ROOT):
     """Per workload outside the suite: THOR's median final (the record's candidate) against the
     best baseline's (best optimizer and rate by median final over seeds)."""
@@ -255,7 +225,8 @@ def all_rows(records, root=ROOT):
             + [main_job_row(records["main_job_fashion"], "main job: Fashion-MNIST CNN"),
                main_job_row(records["main_job_digits"], "main job: digits CNN"),
                main_job_row(records["lm"], "char GPT, `experiments/lm.py` (val loss)", "loss")]
-            + lora_rows(records["lora"], root))
+            + [main_job_row(records[f"lora_r{r}"], f"LoRA fine-tune, rank {r} (val loss)", "loss")
+               for r in (4, 16)])
 
 
 def steps_and_seconds_line(suite):

@@ -195,7 +195,7 @@ class SegmentedRun:
 
     def train(self, index, idx):
         """Fit segment ``index`` on training rows ``idx`` (flat); its mean training loss."""
-        _, loss = timing.fit_segment(self.model, self.clock, index, self.data.x_train[idx],
+        _, loss = timing.fit_segment(self.model, self.clock, index, wl.take(self.data.x_train, idx),
                                      self.data.y_train[idx], self.workload.batch_size,
                                      callbacks=self.callbacks)
         return loss
@@ -277,7 +277,7 @@ def train_run(workload, data, optimizer, lr, seed, args, log, callbacks=(), on_e
     run = SegmentedRun(workload, data, optimizer, lr, seed, args.quick, len(order),
                        args.thor_option, log, on_evaluate=on_evaluate, show_table=show_table,
                        progress=progress)
-    segments = ((stop, data.x_train[idx], data.y_train[idx]) for _, stop, idx in plan)
+    segments = ((stop, wl.take(data.x_train, idx), data.y_train[idx]) for _, stop, idx in plan)
     train.train_in_segments(run.model, run.clock, segments, workload.batch_size,
                             lambda step, loss, _: run.evaluate(step, loss), callbacks=callbacks)
     print(run.summary_line(), flush=True)

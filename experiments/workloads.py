@@ -86,7 +86,8 @@ class Unavailable(Exception):
 
 @dataclasses.dataclass
 class Data:
-    """Arrays of one workload and a one-line description of where they came from."""
+    """Arrays of one workload and a one-line description of where they came from; an input may
+    be a dict of arrays (a KerasHub task's), rows indexed alike (:func:`take`)."""
 
     x_train: np.ndarray
     y_train: np.ndarray
@@ -97,7 +98,12 @@ class Data:
 
     @property
     def num_train(self) -> int:
-        return int(self.x_train.shape[0])
+        return int(len(self.y_train))
+
+
+def take(x, rows):
+    """The ``rows`` of an input: an array, or a dict of arrays (every entry's rows)."""
+    return {k: v[rows] for k, v in x.items()} if isinstance(x, dict) else x[rows]
 
 
 @dataclasses.dataclass

@@ -1,9 +1,9 @@
 """experiments/finetune.py: the LoRA fine-tuning benchmark (a small GemmaCausalLM from a config).
 
-* ``--quick`` end to end (``main(argv)``, in this process) on a small synthetic text written
-  here (no network, no corpus): every output exists and is well formed, and the pretrained
-  weights are reused.
-* The Riemannian preconditioner (Zhang & Pilanci) of ``RiemannianAdamW``: one optimizer step on a
+* ``--quick`` end to end (``main(argv)``, in this process, through the suite's harness) on a
+  small synthetic text written here (no network, no corpus): every output exists and is well
+  formed, and the pretrained weights are reused.
+* The Riemannian preconditioner (Zhang & Pilanci) of ``baselines.RiemannianAdamW``: one optimizer step on a
   float64 Dense LoRA layer against a NumPy float64 reference built from first principles (the
   layer's gradients by hand, explicit ``(b bᵀ + δI)⁻¹`` and ``(aᵀa + δI)⁻¹``, Keras' AdamW
   formulas), with negative checks (no preconditioner, the two swapped, the wrong side) that the
@@ -16,7 +16,6 @@ Skipped without keras-hub or on Keras < 3.15 (KerasHub 0.32's floor), as tests/t
 
 import csv
 import json
-import math
 
 import keras
 import numpy as np
@@ -25,6 +24,8 @@ import pytest
 if tuple(int(p) for p in keras.__version__.split(".")[:2]) < (3, 15):
     pytest.skip("KerasHub 0.32 needs Keras >= 3.15", allow_module_level=True)
 pytest.importorskip("keras_hub", reason="keras-hub is not installed (bash .ci/hub installs it)")
+
+from experiments import baselines  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -54,83 +55,43 @@ def test_quick_run_outputs(tmp_path, finetune, capsys, monkeypatch):
     stdout = _run(finetune, capsys, ["--quick", "--text", str(corpus), "--out", str(out)])
     names = ("thor", "adamw", "muon", "riemannian")
     for name in names:  # a progress line per evaluation
+        tag = f"[lora_r4 {name}" + ("" if name == "thor" else " lr=0.003")
         for step in (0, 10, 20):
-            assert f"[{name} lr=" in stdout and f"step {step}/20" in stdout
-    with open(out / "metrics.csv", newline="") as handle:
+            assert f"{tag} seed=0] step {step}/20" in stdout, (tag, step)
+    with open(out / "rank4" / "metrics.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
-    assert [r["optimizer"] for r in rows] == [n for n in names for _ in range(3)]
+    order = list(dict.fromkeys(r["optimizer"] for r in rows))
+    assert sorted(order) == sorted(names)
     assert [int(r["step"]) for r in rows] == [0, 10, 20] * 4
-    assert {r["rank"] for r in rows} == {"4"} and {r["seed"] for r in rows} == {"0"}
-    losses = np.array([float(r["val_loss"]) for r in rows])
+    assert {r["workload"] for r in rows} == {"lora_r4"} and {r["seed"] for r in rows} == {"0"}
+    losses = np.array([float(r["metric"]) for r in rows])
     assert np.all(np.isfinite(losses)) and np.all(losses > 0)
     # the same pretrained weights and adapters for every optimizer: one step-0 val loss
     assert np.ptp(losses[::3]) < 1e-6
-    seconds = np.array([float(r["cumulative_seconds"]) for r in rows]).reshape(4, 3)
+    seconds = np.array([float(r["seconds"]) for r in rows]).reshape(4, 3)
     assert np.all(seconds[:, 0] == 0) and np.all(np.diff(seconds, axis=1) > 0)
-    summary = json.loads((out / "summary.json").read_text())
-    (entry,) = summary["ranks"]
-    assert entry["rank"] == 4 and set(entry["optimizers"]) == set(names)
-    baselines = {n: entry["optimizers"][n]["final_val_loss"] for n in names[1:]}
-    assert entry["best_baseline"] == min(baselines, key=baselines.get)
-    assert entry["target_val_loss"] == pytest.approx(min(baselines.values()))
-    finals = {n: float(rows[3 * i + 2]["val_loss"]) for i, n in enumerate(names)}
+    record = json.loads((out / "rank4" / "lora_r4.json").read_text())
+    summary = record["workload"]
+    assert record["rank"] == 4 and set(summary["optimizers"]) == set(names)
+    base = {n: summary["optimizers"][n]["final"] for n in names[1:]}
+    assert summary["best_baseline"] == min(base, key=base.get)
+    assert summary["target"] == pytest.approx(min(base.values()))
+    finals = {n: float(rows[3 * order.index(n) + 2]["metric"]) for n in names}
     for name in names:
-        assert entry["optimizers"][name]["final_val_loss"] == pytest.approx(finals[name])
-    assert entry["optimizers"]["thor"]["lr"] == 0.03  # the default rule's peak
-    verdict = entry["thor_vs_best"]
-    assert verdict["best_baseline"] == entry["best_baseline"] and isinstance(verdict["met"], bool)
-    assert summary["model"]["name"] == "GemmaCausalLM" and summary["model"]["num_layers"] == 1
-    results = (out / "results.md").read_text()
-    assert "### LoRA rank 4" in results and "| thor | 0.03 (default) |" in results
-    assert (out / "val_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert summary["optimizers"][name]["final"] == pytest.approx(finals[name])
+    assert record["model"]["name"] == "GemmaCausalLM" and record["model"]["num_layers"] == 1
+    assert "| lora_r4 (loss" in (out / "rank4" / "lora_r4.md").read_text()
+    assert (out / "rank4" / "lora_r4.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (weights,) = out.glob("pretrained_*.weights.h5")
     # a second run reuses the pretrained weights and starts from the same val loss
     stdout = _run(finetune, capsys, ["--quick", "--text", str(corpus), "--out", str(out),
                                      "--optimizers", "riemannian"])
     assert f"reusing {weights}" in stdout
-    with open(out / "metrics.csv", newline="") as handle:
+    with open(out / "rank4" / "metrics.csv", newline="") as handle:
         again = list(csv.DictReader(handle))
-    assert float(again[0]["val_loss"]) == pytest.approx(losses[0], abs=1e-6)
-    np.testing.assert_allclose([float(r["val_loss"]) for r in again], losses[9:], atol=1e-5)
-
-
-def _hand_run(finetune, name, lr, seed, losses, load):
-    rows = [{"step": 10 * i, "val_loss": v, "seconds": 5.0 if i else 0.0,
-             "cumulative_seconds": 5.0 * i, "refreshes": 0, "load": load if i else None}
-            for i, v in enumerate(losses)]
-    return finetune.Run(name, lr, seed, rows, rank=4)
-
-
-def test_steps_to_target_is_the_first_evaluation_at_or_below_it(finetune):
-    steps, seconds = [0, 50, 100, 150], [0.0, 5.0, 9.5, 14.0]
-    reach = finetune.steps_to_target
-    assert reach(steps, [4.4, 2.9, 2.5, 2.4], seconds, 2.5) == (100, 9.5)  # equal counts
-    assert reach(steps, [4.4, 2.4, 2.6, 2.3], seconds, 2.5) == (50, 5.0)   # the first wins
-    assert reach(steps, [4.4, 2.9, 2.6, 2.51], seconds, 2.5) == (None, None)
-    assert reach(steps, [4.4, math.nan, math.nan, math.nan], seconds, 2.5) == (None, None)
-    assert reach(steps, [4.4, 2.9, 2.5, 2.4], seconds, None) == (None, None)
-
-
-def test_verdict_needs_comparable_seconds(finetune):
-    """THOR at the target in half the steps and seconds of the best baseline: met when the runs
-    had the same CPU; with one run's CPU a third busy elsewhere (or no load recorded, an older
-    CSV) the seconds are "not comparable" and the target is not met."""
-    def verdict(thor_load, base_load):
-        runs = [_hand_run(finetune, "thor", 0.01, 0, [3.0, 2.0, 1.9, 1.8], thor_load),
-                _hand_run(finetune, "adamw", 0.01, 0, [3.0, 2.5, 2.2, 2.0], base_load)]
-        return finetune.summarize_rank(runs, 4)["thor_vs_best"]
-
-    fair = verdict(0.05, 0.05)
-    assert fair["comparable"] and fair["met"]
-    assert fair["steps_ratio"] == pytest.approx(1 / 3)
-    assert fair["seconds_ratio"] == pytest.approx(1 / 3)
-    for unfair in (verdict(0.35, 0.05), verdict(None, None)):
-        assert not unfair["comparable"] and unfair["seconds_ratio"] is None and not unfair["met"]
-        assert unfair["steps_ratio"] == pytest.approx(1 / 3)
-    entry = {"rank": 4, "target_val_loss": 2.0, "best_baseline": "adamw", "optimizers": {},
-             "thor_vs_best": verdict(0.35, 0.05)}
-    assert "seconds not comparable (seed 0: other processes used 35%" in finetune.markdown(
-        {"ranks": [entry]})
+    first = 3 * order.index("riemannian")
+    np.testing.assert_allclose([float(r["metric"]) for r in again], losses[first:first + 3],
+                               atol=1e-5)
 
 
 def _reference_precondition(grad_a, grad_b, a, b, delta):
@@ -185,7 +146,7 @@ def test_riemannian_step_dense(finetune):
     # powers of two: Keras keeps the hyperparameters in float32; eps of the order of |g|, so
     # the step depends on the gradient's size, not only its sign
     lr, eps, wd, beta_1, beta_2 = 0.125, 0.25, 2.0 ** -6, 0.875, 1 - 2.0 ** -10
-    opt = finetune.riemannian_adamw_class()(learning_rate=lr, epsilon=eps, weight_decay=wd,
+    opt = baselines.riemannian_adamw_class()(learning_rate=lr, epsilon=eps, weight_decay=wd,
                                             beta_1=beta_1, beta_2=beta_2, delta=delta)
     opt.apply_gradients(zip(grads, variables))
     got = [v.numpy() for v in variables]
@@ -219,19 +180,19 @@ def test_riemannian_precondition_einsum_shapes(finetune):
     c, heads, rank, e, delta = 6, 2, 3, 4, 1e-3
     a, b = rng.normal(size=(c, heads, rank)), rng.normal(size=(rank, e))
     g_a, g_b = rng.normal(size=a.shape), rng.normal(size=b.shape)
-    got_a, got_b = finetune.riemannian_precondition(g_a, g_b, a, b, delta)
+    got_a, got_b = baselines.riemannian_precondition(g_a, g_b, a, b, delta)
     want_a, want_b = _reference_precondition(g_a, g_b, a, b, delta)
     assert tuple(got_a.shape) == a.shape and tuple(got_b.shape) == b.shape
     np.testing.assert_allclose(np.asarray(got_a), want_a, rtol=1e-9)
     np.testing.assert_allclose(np.asarray(got_b), want_b, rtol=1e-9)
     # aᵀa sums over every head's rows: one head alone gives another grad_b
-    _, head_b = finetune.riemannian_precondition(g_a[:, :1], g_b, a[:, :1], b, delta)
+    _, head_b = baselines.riemannian_precondition(g_a[:, :1], g_b, a[:, :1], b, delta)
     assert not np.allclose(np.asarray(head_b), want_b, rtol=1e-3)
     # lora_pairs: pairs by layer path
     paths = ["m/q/lora_kernel_a", "m/q/bias", "m/v/lora_kernel_b", "m/q/lora_kernel_b",
              "m/v/lora_kernel_a"]
     fake = [type("V", (), {"path": p})() for p in paths]
-    assert sorted(finetune.lora_pairs(fake)) == [(0, 3), (4, 2)]
+    assert sorted(baselines.lora_pairs(fake)) == [(0, 3), (4, 2)]
 
 
 def test_shakespeare_split_by_play(finetune, tmp_path):

@@ -10,7 +10,6 @@ import csv
 import io
 import json
 import math
-import sys
 import tarfile
 from pathlib import Path
 
