@@ -9,12 +9,6 @@ import argparse
 OPTIMIZERS = ("thor", "sgd", "adam", "adamw", "muon")
 #: The first-order baselines: learning-rate grids (--lr-grid), candidates for the default target.
 FIRST_ORDER = ("sgd", "adam", "adamw", "muon")
-#: Learning-rate grids of the first-order baselines where a driver has none of its own. Muon's
-#: grid starts at Keras' default lr, 1e-3 (with ``rms_rate=0.2`` Keras' Muon is meant to take
-#: Adam's learning rate and weight decay).
-DEFAULT_LR_GRID = {"sgd": (0.01, 0.03, 0.1, 0.3), "adam": (1e-3, 3e-3, 1e-2, 3e-2),
-                   "adamw": (1e-3, 3e-3, 1e-2, 3e-2), "muon": (1e-3, 3e-3, 1e-2, 3e-2)}
-
 
 def muon_available():
     """Whether this Keras has ``keras.optimizers.Muon`` (Keras >= 3.10)."""
@@ -106,52 +100,6 @@ def grid_help(grid, quick_grid):
     return f"{one(grid)}; --quick: {one(quick_grid)}"
 
 
-def _max_block_age(text):
-    """An int >= 1, or the string "none" (the trace rule alone); not given: the library's default."""
-    if str(text).lower() == "none":
-        return "none"
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1 (steps) or 'none'; got {text!r}")
-    return value
-
-
-def _kl_clip(text):
-    if str(text).lower() in ("none", "off", "0"):
-        return "none"
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--kl-clip takes a float > 0 or 'none'; got {text!r}")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"--kl-clip takes a float > 0 or 'none'; got {text!r}")
-    return value
-
-
-def parse_frequency(text):
-    """``10``, ``adaptive`` or ``0:10,2:50`` (epoch:interval pairs) -> int, str or list of pairs."""
-    text = str(text).replace(" ", "")
-    if text == "adaptive":
-        return text
-    try:
-        if ":" not in text:
-            value = int(text)
-            if value < 1:
-                raise ValueError
-            return value
-        pairs = [tuple(int(x) for x in p.split(":")) for p in text.split(",") if p]
-        if any(len(p) != 2 for p in pairs):
-            raise ValueError
-        return pairs
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"frequency must be an int >= 1, 'adaptive' or epoch:interval pairs such as 0:10,2:50; "
-            f"got {text!r}")
-
-
 # --------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------
@@ -169,22 +117,6 @@ def add_corpus_arguments(parser, text_help):
     d.add_argument("--no-download", action="store_true",
                    help="never download: use the cache or --text only")
     return d
-
-
-def add_evaluation_arguments(group, *, steps, eval_every, val_windows, eval_batch):
-    """``--seeds``, ``--steps``, ``--eval-every``, ``--val-windows``, ``--eval-batch`` (the
-    script's defaults)."""
-    group.add_argument("--seeds", type=parse_ints, default=[0, 1, 2],
-                       help="default 0,1,2; the optimizers of a seed run back to back, THOR "
-                            "first on every other seed (experiments/timing.py)")
-    group.add_argument("--steps", type=int, default=steps, help=f"training steps (default {steps})")
-    group.add_argument("--eval-every", type=int, default=eval_every,
-                       help=f"steps between evaluations (default {eval_every})")
-    group.add_argument("--val-windows", type=int, default=val_windows,
-                       help=f"validation windows, evenly spaced over the val text (default "
-                            f"{val_windows})")
-    group.add_argument("--eval-batch", type=int, default=eval_batch,
-                       help=f"evaluation batch (default {eval_batch})")
 
 
 def require_positive(args, names):

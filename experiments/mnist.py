@@ -104,6 +104,9 @@ def parse_args(argv=None):
                         default=[], metavar="NAME=VALUE",
                         help="a thor_tf.wrap option other than its default, e.g. "
                              "update_rule=inverse or peak=0.01 (repeatable)")
+    parser.add_argument("--tune-first-seed", action="store_true",
+                        help="the grids on the first seed only, then THOR and the best baseline "
+                             "at its rate on the others (as lm.py and finetune.py)")
     parser.add_argument("--out", default="runs/mnist", help="output directory (runs/mnist)")
     parser.add_argument("--quick", action="store_true",
                         help="digits, 2 epochs of 64, one rate per baseline, seed 0 (CI)")
@@ -163,7 +166,8 @@ def main(argv=None):
     dataset = {"name": ds.name, "source": ds.source, "num_train": int(ds.num_train),
                "num_test": int(ds.num_test), "input_shape": list(ds.input_shape)}
     return suite.drive(workload, data, args, args.out, "main_job", "experiments/mnist.py",
-                       epochs=args.epochs, batch_size=args.batch_size, model=args.model,
+                       tuned=args.tune_first_seed, epochs=args.epochs,
+                       batch_size=args.batch_size, model=args.model,
                        dataset=dataset)
 
 

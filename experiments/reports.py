@@ -1,5 +1,5 @@
-"""What the drivers' reports share: the CSV log and reader, time to a target, medians with
-"never", the machine's description, the number formatter and the markdown table writer."""
+"""What the reports share: the CSV reader, time to a target, the machine's description, the
+number formatter and the markdown table writer."""
 
 from __future__ import annotations
 
@@ -7,28 +7,7 @@ import csv
 import math
 import os
 import platform
-import statistics
-from pathlib import Path
 
-
-class CsvLog:
-    """``metrics.csv``: header once, one flushed row per epoch (a killed run keeps its rows);
-    ``fields``: the columns (a missing value, None, is written empty)."""
-
-    def __init__(self, path, fields):
-        self.path = Path(path)
-        self.fields = tuple(fields)
-        self._fh = open(self.path, "w", newline="")
-        self._writer = csv.DictWriter(self._fh, fieldnames=self.fields)
-        self._writer.writeheader()
-        self._fh.flush()
-
-    def write(self, row):
-        self._writer.writerow({k: row[k] for k in self.fields})
-        self._fh.flush()
-
-    def close(self):
-        self._fh.close()
 
 def read_rows(path, text=("optimizer",), ints=(), columns=None):
     """The rows of a ``metrics.csv`` as dicts of typed values: the ``text`` columns as strings,
@@ -80,22 +59,6 @@ def time_to_target(accuracies, cumulative_seconds, target):
 
 def _isnan(value):
     return isinstance(value, float) and math.isnan(value)
-
-
-def median_or_none(values):
-    """Median where ``None`` counts as "never" (+inf); ``None`` if the median is never/empty."""
-    values = [math.inf if v is None or _isnan(v) else float(v) for v in values]
-    if not values:
-        return None
-    m = statistics.median(values)
-    return None if math.isinf(m) or math.isnan(m) else m
-
-def by_config(results):
-    """``{(optimizer, lr): [results of its seeds]}`` (anything with ``optimizer`` and ``lr``)."""
-    configs = {}
-    for r in results:
-        configs.setdefault((r.optimizer, r.lr), []).append(r)
-    return configs
 
 
 def _jsonable(value):

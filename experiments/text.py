@@ -28,7 +28,6 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
