@@ -122,12 +122,13 @@ def test_main_job_quick_writes_the_suites_record_of_its_runs(tmp_path, capsys):
 def test_main_job_runs_the_suites_cnn_recipe_at_its_own_sizes():
     """The main job is the suite's CNN workload (model, loss, metric, the baselines' recipe) at
     its own epochs, batch, data and grids: Fashion-MNIST 3 epochs of 128 with Adam and Muon at
-    3e-3 and 1e-2; digits 10 epochs of 64 over the suite's bracketing grids."""
+    3e-3, 1e-2 and 3e-2; digits 10 epochs of 64 over the suite's bracketing grids."""
     from experiments import datasets, mnist, workloads as wl
 
     args = mnist.parse_args(["--optimizers", "thor,adam,adamw", "--dataset", "fashion_mnist"])
     assert (args.epochs, args.batch_size, args.seeds, args.evals) == (3, 128, [0], 10)
-    assert args.lr_grid["adam"] == mnist.LR_GRID["adam"] == (3e-3, 1e-2)
+    assert args.lr_grid["adam"] == mnist.LR_GRID["adam"] == (3e-3, 1e-2, 3e-2)
+    assert not args.tune_first_seed
     args = mnist.parse_args(["--dataset", "digits", "--lr-grid", "adam=0.05"])
     assert (args.epochs, args.batch_size) == (mnist.DIGITS_EPOCHS, mnist.DIGITS_BATCH) == (10, 64)
     assert args.lr_grid["adam"] == (0.05,) and args.lr_grid["muon"] == (3e-3, 1e-2, 3e-2)
