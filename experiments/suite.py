@@ -345,7 +345,8 @@ def drive(workload, data, args, out, name, script, tuned=False, **fields):
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    started, rows = time.perf_counter(), []
+    # The commit the run starts from (the tree may change while it trains).
+    started, rows, stamped = time.perf_counter(), [], stamp(getattr(args, "argv", None), script)
     with open(out / "metrics.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=FIELDS)
         writer.writeheader()
@@ -362,7 +363,7 @@ def drive(workload, data, args, out, name, script, tuned=False, **fields):
     text = markdown([summary], args.thor_option)
     (out / f"{name}.md").write_text(text)
     (out / f"{name}.json").write_text(json.dumps({
-        **stamp(getattr(args, "argv", None), script), "quick": args.quick, "seeds": args.seeds,
+        **stamped, "quick": args.quick, "seeds": args.seeds,
         "evals": args.evals, **fields, "thor_options": args.thor_option,
         "environment": environment_info(), "workload": summary}, indent=1, default=float))
     plot([summary], {summary["workload"]: rows}, out / f"{name}.png")
