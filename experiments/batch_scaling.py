@@ -123,11 +123,11 @@ def scaled_workload(name, multiple, quick):
 def _fresh_windows(data, quick, steps, batch):
     """The char GPT's data with ``steps`` batches of ``batch`` random windows (seed 0's
     sequence, as the suite's) in place of the suite's."""
-    from experiments import lm, text
+    from experiments import text
 
     block = wl.GPT_SIZES[quick]["block"]
     corpus = text.load_text(download=wl.ALLOW_DOWNLOAD, verbose=False)
-    x, y = lm.train_batches(corpus.train, 0, steps, batch, block)
+    x, y = text.train_batches(corpus.train, 0, steps, batch, block)
     return dataclasses.replace(data, x_train=x, y_train=y,
                                source=f"{corpus.name}: {steps} batches of {batch} x {block}")
 
