@@ -40,6 +40,26 @@ class _FakeSweep:
         return self.score(optimizer, lr)
 
 
+def test_fresh_windows_give_the_char_gpt_a_longer_single_pass(monkeypatch):
+    """A larger batch or a longer run of the char GPT reads fresh windows of the corpus (seed 0's
+    sequence, as the suite's), ``steps`` batches of ``batch``; here a synthetic corpus."""
+    import numpy as np
+
+    from experiments import text
+
+    ids = (np.arange(5000) % 23).astype("int32")
+    corpus = text.CharCorpus("hand", "hand", [chr(97 + i) for i in range(23)], ids[:4500],
+                             ids[4500:])
+    monkeypatch.setattr(text, "load_text", lambda **kwargs: corpus)
+    block = wl.GPT_SIZES[True]["block"]
+    data = wl.Data(np.zeros((4, block), "int32"), np.zeros((4, block), "int32"), None, None, "")
+    fresh = bs._fresh_windows(data, True, steps=7, batch=3)
+    assert fresh.x_train.shape == fresh.y_train.shape == (21, block)
+    x, _ = text.train_batches(ids[:4500], 0, 7, 3, block)
+    np.testing.assert_array_equal(fresh.x_train, x)
+    np.testing.assert_array_equal(fresh.y_train[:, :-1], fresh.x_train[:, 1:])
+
+
 def test_tune_widens_a_grid_at_its_end_and_flags_a_best_still_there(monkeypatch):
     import dataclasses
 
