@@ -541,7 +541,8 @@ def results_page(records, root=ROOT):
                    f"at step {steps}; {_opt(leader, base['lr'])} at step {base_steps}; "
                    f"{seconds}.")
     out += ["", "`python experiments/mnist.py` runs the Fashion-MNIST job on one seed "
-            "(`--seeds 0,1,2` for the row above); without Fashion-MNIST it runs digits on 3 seeds.",
+            "(`--seeds 0,1,2 --tune-first-seed` for the row above); without Fashion-MNIST it runs "
+            "digits on 3 seeds.",
             "", "## Outside the suite", "",
             f"Five small workloads that were not used to choose THOR's defaults "
             f"([outside.md](outside.md)); THOR: {records['outside']['thor_candidate_note']}. "
