@@ -187,9 +187,10 @@ def test_quick_run_tunes_on_the_first_seed_and_writes_its_record(tmp_path, capsy
     corpus = tmp_path / "pattern.txt"
     corpus.write_text(sentence * 200, encoding="utf-8")
     out = tmp_path / "lm"
-    summary = lm.main(["--quick", "--layers", "1", "--text", str(corpus), "--optimizers",
-                       "thor,adamw", "--lr-grid", "adamw=1e-3,1e-2", "--seeds", "0,1",
-                       "--out", str(out)])
+    summary = lm.main(["--quick", "--layers", "1", "--width", "16", "--block", "16",
+                       "--steps", "40", "--evals", "2", "--val-windows", "16", "--text",
+                       str(corpus), "--optimizers", "thor,adamw", "--lr-grid",
+                       "adamw=1e-3,3e-2", "--seeds", "0,1", "--out", str(out)])
     stdout = capsys.readouterr().out
     with open(out / "metrics.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
@@ -197,17 +198,17 @@ def test_quick_run_tunes_on_the_first_seed_and_writes_its_record(tmp_path, capsy
     for r in rows:
         runs.setdefault((r["optimizer"], float(r["lr"]), int(r["seed"])), []).append(r)
     best = summary["optimizers"]["adamw"]["lr"]
-    assert set(runs) == {("thor", 0.0, 0), ("adamw", 1e-3, 0), ("adamw", 1e-2, 0),
+    assert set(runs) == {("thor", 0.0, 0), ("adamw", 1e-3, 0), ("adamw", 3e-2, 0),
                          ("thor", 0.0, 1), ("adamw", best, 1)}
     for key, mine in runs.items():
-        assert [int(r["step"]) for r in mine] == [0, 15, 30, 45, 60], key
+        assert [int(r["step"]) for r in mine] == [0, 20, 40], key
         first, last = float(mine[0]["metric"]), float(mine[-1]["metric"])
         assert first == pytest.approx(math.log(len(set(sentence))), abs=0.3)  # ~uniform at init
         if key[1] != 1e-3:
             assert last < 0.6 * first, (key, first, last)
     record = json.loads((out / "lm.json").read_text())
     assert record["command"].startswith("python experiments/lm.py --quick")
-    assert record["steps"] == 60 and record["model"]["layers"] == 1
+    assert record["steps"] == 40 and record["model"]["layers"] == 1
     assert record["corpus"]["name"] == "pattern.txt" and record["seeds"] == [0, 1]
     workload = record["workload"]
     assert workload["best_baseline"] == "adamw"
@@ -216,5 +217,5 @@ def test_quick_run_tunes_on_the_first_seed_and_writes_its_record(tmp_path, capsy
     png = (out / "lm.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
     assert "| lm (loss" in (out / "lm.md").read_text()
-    assert "[lm thor seed=1] step 60/60" in stdout
+    assert "[lm thor seed=1] step 40/40" in stdout
     assert "the best baseline on seed 0: adamw" in stdout
