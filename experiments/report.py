@@ -222,7 +222,7 @@ def _table(rows, strip=""):
           f"[record]({r['record'][len(strip):]})") for r in rows])
 
 
-def all_rows(records, root=ROOT):
+def all_rows(records):
     return (suite_rows(records["suite"])
             + [main_job_row(records["main_job_fashion"], "main job: Fashion-MNIST CNN"),
                main_job_row(records["main_job_digits"], "main job: digits CNN"),
@@ -460,7 +460,7 @@ def horizon_block(record):
 
 
 def readme_block(records, root=ROOT):
-    rows = all_rows(records, root)
+    rows = all_rows(records)
     outside = outside_summary(records["outside"], root)
     ahead = sum(o["ahead"] for o in outside)
     lines = [BEGIN, GENERATED, ""] + _table(rows) + [
@@ -478,7 +478,7 @@ def readme_block(records, root=ROOT):
 
 def results_page(records, root=ROOT):
     suite = records["suite"]
-    rows = all_rows(records, root)
+    rows = all_rows(records)
     outside = outside_summary(records["outside"], root)
     out = [GENERATED, "", "# Results", "",
            "THOR at its defaults (`thor_tf.wrap(model)`: the eigenbasis rule with its "

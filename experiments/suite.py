@@ -335,6 +335,23 @@ def run_tuned(workload, data, plan, args, log, progress=False):
     return rows
 
 
+@contextlib.contextmanager
+def metrics_log(path):
+    """``(log, rows)``: ``log(row)`` writes a row of :data:`FIELDS` to the CSV ``path`` (header
+    first, flushed per row: a killed run keeps its rows) and appends it to ``rows``."""
+    rows = []
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=FIELDS)
+        writer.writeheader()
+
+        def log(row):
+            writer.writerow(row)
+            fh.flush()
+            rows.append(row)
+
+        yield log, rows
+
+
 def drive(workload, data, args, out, name, script, tuned=False, **fields):
     """A driver's whole run (``mnist.py``, ``lm.py``, ``finetune.py``): ``workload``'s plan (THOR
     and the baselines' grids; ``tuned``: :func:`run_tuned`) with a line per evaluation,
@@ -347,16 +364,8 @@ def drive(workload, data, args, out, name, script, tuned=False, **fields):
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     # The commit the run starts from (the tree may change while it trains).
-    started, rows, stamped = time.perf_counter(), [], stamp(getattr(args, "argv", None), script)
-    with open(out / "metrics.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=FIELDS)
-        writer.writeheader()
-
-        def log(row):
-            writer.writerow(row)
-            fh.flush()
-            rows.append(row)
-
+    started, stamped = time.perf_counter(), stamp(getattr(args, "argv", None), script)
+    with metrics_log(out / "metrics.csv") as (log, rows):
         plan = run_configs(workload.baselines, getattr(args, "optimizers", None))
         (run_tuned if tuned else run_plan)(workload, data, plan, args, log, progress=True)
     print(f"{name}: {time.perf_counter() - started:.0f} s", flush=True)
@@ -684,17 +693,8 @@ def main(argv=None):
         return write_outputs(names, rows, args, sources, out)
 
     wl.ALLOW_DOWNLOAD = not args.no_download
-    started = time.perf_counter()
-    rows, sources = [], {}
-    with open(out / "metrics.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=FIELDS)
-        writer.writeheader()
-
-        def log(row):
-            writer.writerow(row)
-            fh.flush()
-            rows.append(row)
-
+    started, sources = time.perf_counter(), {}
+    with metrics_log(out / "metrics.csv") as (log, rows):
         for name in args.workloads:
             workload = wl.ALL_WORKLOADS[name].sized(args.quick)
             try:
