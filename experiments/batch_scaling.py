@@ -39,8 +39,8 @@ built in one process on the same weights and batches and trained segment by segm
 other runs' seconds (tuning runs, THOR's best peak) are back to back in one process as in the
 suite, with the load recorded.
 
-Outputs in ``--out`` (default ``runs/batch_scaling``): ``metrics.csv`` (every evaluation; a rerun
-skips the runs it holds, so the sweep resumes), ``batch_scaling.json`` (``{"workloads": {name:
+Outputs in ``--out`` (default ``runs/batch_scaling``): ``runs.jsonl`` (every finished run, one
+line each with its evaluations: ``run_cache.RunCache``; a rerun trains only what is missing), ``batch_scaling.json`` (``{"workloads": {name:
 {"target", "batches": {b: {optimizer: {"rate", "final", "steps_to_target",
 "examples_to_target", "seconds_to_target"}}}}}}`` and the tuning detail),
 ``batch_scaling.md`` (the table) and three plots: steps to target against batch (log-log, with
@@ -54,7 +54,6 @@ median (``paired_seconds``).
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import json
 import math
@@ -69,6 +68,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from experiments import suite, workloads as wl  # noqa: E402
 from experiments.reports import fmt  # noqa: E402
+from experiments.run_cache import THOR_PEAK, RunCache, total_steps  # noqa: E402
 
 WORKLOADS = ("fashion_cnn", "resnet20", "char_gpt")
 MULTIPLES = (1, 4, 16)
@@ -76,8 +76,8 @@ MULTIPLES = (1, 4, 16)
 MAX_WIDENINGS = 2
 #: Factor between neighbouring rates of THOR's peak grid and of a widened baseline grid.
 GRID_FACTOR = 3.0
-FIELDS = ("batch", "phase") + suite.FIELDS
-THOR_PEAK = "thor_peak"      # THOR with an explicit peak (its ``lr`` column holds the peak)
+#: The run cache in ``--out`` (``run_cache.RunCache``).
+CACHE = "runs.jsonl"
 #: The keys of a record's batch cell that are not optimizers.
 CELL_KEYS = ("best_baseline", "paired_seconds")
 
@@ -132,11 +132,6 @@ def _fresh_windows(data, quick, steps, batch):
                                source=f"{corpus.name}: {steps} batches of {batch} x {block}")
 
 
-def total_steps(workload, data):
-    return (data.num_train // workload.batch_size) * (1 if workload.single_pass
-                                                      else workload.epochs)
-
-
 def default_peak(steps):
     """The peak THOR's default ``WarmupCosine(steps)`` reaches after warmup."""
     from experiments.cli import default_thor_peak
@@ -170,82 +165,6 @@ def best_rate(workload, finals):
         return -math.inf if value is None or math.isnan(value) else sign * value
 
     return max(sorted(finals.items()), key=score)
-
-
-class Sweep:
-    """The runs of one ``metrics.csv``: runs it already holds are read back, not trained."""
-
-    def __init__(self, path, args):
-        self.path, self.args = Path(path), args
-        self.rows = []
-        if self.path.exists():
-            from experiments.reports import read_rows
-
-            self.rows = read_rows(self.path, text=("workload", "optimizer", "phase"),
-                                  ints=("seed", "step", "batch"), columns=FIELDS)
-        self._fh = None
-
-    def _writer(self):
-        if self._fh is None:
-            fields = FIELDS
-            if self.path.exists():           # append in the file's own column order
-                with open(self.path, newline="") as fh:
-                    fields = next(csv.reader(fh), None) or FIELDS
-            new = not self.path.exists() or fields is FIELDS and self.path.stat().st_size == 0
-            self._fh = open(self.path, "a", newline="")
-            self._csv = csv.DictWriter(self._fh, fieldnames=fields)
-            if new:
-                self._csv.writeheader()
-        return self._csv
-
-    def runs(self, workload_name, batch, optimizer, lr, seed):
-        return [r for r in self.rows if r["workload"] == workload_name and r["batch"] == batch
-                and r["optimizer"] == optimizer and _same(r["lr"], lr) and r["seed"] == seed
-                and r["phase"] == "sweep"]
-
-    def final(self, workload, data, optimizer, lr, seed):
-        """The final metric of the run, trained if the CSV does not hold it."""
-        rows = self.runs(workload.name, workload.batch_size, optimizer, lr, seed)
-        if len(rows) < len(suite.eval_steps(total_steps(workload, data), self.args.evals)) + 1:
-            rows = self._train(workload, data, optimizer, lr, seed)
-        return sorted(rows, key=lambda r: r["step"])[-1]["metric"]
-
-    def _train(self, workload, data, optimizer, lr, seed):
-        writer = self._writer()
-        fresh = []
-
-        def log(row):
-            row = {"workload": workload.name, "batch": workload.batch_size, "phase": "sweep",
-                   **row}
-            writer.writerow(row)
-            self._fh.flush()
-            fresh.append(row)
-
-        train_one(workload, data, optimizer, lr, seed, self.args.quick, self.args.evals, log)
-        # Drop stale partial rows of the same run, keep the fresh ones.
-        self.rows = [r for r in self.rows if not (
-            r["workload"] == workload.name and r["batch"] == workload.batch_size
-            and r["optimizer"] == optimizer and _same(r["lr"], lr) and r["seed"] == seed)]
-        self.rows += fresh
-        return fresh
-
-    def close(self):
-        if self._fh is not None:
-            self._fh.close()
-
-
-def train_one(workload, data, optimizer, lr, seed, quick, evals, log):
-    """One run of the suite's recipe (``suite.train_run``), its rows to ``log``: a baseline at
-    ``lr``, THOR at its default (``"thor"``, ``lr`` unused) or at the explicit peak ``lr``
-    (:data:`THOR_PEAK`: the suite's "thor" with ``--thor-option peak=lr``, rows renamed)."""
-    args = argparse.Namespace(quick=quick, evals=evals,
-                              thor_option=[] if optimizer != THOR_PEAK else [("peak", lr)])
-    suite.train_run(workload, data, "thor" if optimizer == THOR_PEAK else optimizer, lr,
-                    seed, args, lambda row: log(_renamed(row, optimizer)))
-
-
-def _renamed(row, optimizer):
-    return {**row, "optimizer": optimizer} if optimizer == THOR_PEAK else row
 
 
 def _same(a, b):
@@ -471,30 +390,6 @@ def summarize(workload_names, sweep_rows, tuning, multiples, quick):
                         "multiples": list(multiples), "batches": out_batches,
                         "scaling": scaling}
     return {"workloads": record}
-
-
-# --------------------------------------------------------------------------------------------
-# Interleaved seconds
-# --------------------------------------------------------------------------------------------
-
-def interleave(sweep, workload, data, baseline, rate, seeds, evals, quick=False):
-    """THOR (default) and ``baseline`` at ``rate`` trained segment by segment in turn; their rows
-    go to the CSV with phase "interleaved" (skipped when it holds them)."""
-    from experiments.interleave import interleaved_rows
-
-    for seed in seeds:
-        have = [r for r in sweep.rows if r["phase"] == "interleaved" and r["workload"] ==
-                workload.name and r["batch"] == workload.batch_size and r["seed"] == seed]
-        if len(have) >= 2 * (len(suite.eval_steps(total_steps(workload, data), evals)) + 1):
-            continue
-        rows = interleaved_rows(workload, data, baseline, rate, seed, evals, quick=quick)
-        writer = sweep._writer()
-        for row in rows:
-            row = {"workload": workload.name, "batch": workload.batch_size,
-                   "phase": "interleaved", **row}
-            writer.writerow(row)
-            sweep.rows.append(row)
-        sweep._fh.flush()
 
 
 # --------------------------------------------------------------------------------------------
@@ -783,7 +678,7 @@ def parse_args(argv=None):
     parser.add_argument("--evals", type=int, default=12,
                         help="evaluations per run after step 0 (default 12)")
     parser.add_argument("--report-only", action="store_true",
-                        help="no training: rebuild the outputs from --out's metrics.csv")
+                        help="no training: rebuild the outputs from --out's runs.jsonl")
     parser.add_argument("--out", default="runs/batch_scaling")
     parser.add_argument("--record", default=None, metavar="PATH",
                         help="also write the record (JSON) there and its plots beside it, e.g. "
@@ -829,36 +724,33 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     tuning_path = out / "tuning.json"
     tuning = json.loads(tuning_path.read_text()) if tuning_path.exists() else {}
-    sweep = Sweep(out / "metrics.csv", args)
+    cache = RunCache(out / CACHE, args.quick, args.evals, train=not args.report_only)
     started = time.perf_counter()
-    try:
-        for name in args.workloads if not args.report_only else ():
-            for multiple in args.multiples:
-                try:
-                    workload, data = scaled_workload(name, multiple, args.quick)
-                except wl.Unavailable as err:
-                    print(f"[{name}] skipped: {err}", flush=True)
-                    break
-                steps = total_steps(workload, data)
-                print(f"[{name} batch {workload.batch_size}] {steps} steps, "
-                      f"{steps * workload.batch_size:,} examples", flush=True)
-                tuned = tune(sweep, workload, data, args.seeds[0])
-                tuning.setdefault(name, {})[str(workload.batch_size)] = tuned
-                tuning_path.write_text(json.dumps(tuning, indent=1) + "\n")
-                for optimizer, info in tuned.items():
-                    if info["at_edge"]:
-                        print(f"[{name} batch {workload.batch_size}] warning: {optimizer}'s best "
-                              f"rate {info['best']:g} is at an end of its grid "
-                              f"{list(info['grid'])}", flush=True)
-                best, rate = leader(workload, tuned)
-                interleave(sweep, workload, data, best, rate, args.seeds, args.evals, args.quick)
-                run_seeds(sweep, workload, data, tuned, args.seeds[1:])
-        record = summarize(args.workloads, sweep.rows, tuning, args.multiples, args.quick)
-        if record["workloads"]:
-            floats = {name: exchanged_floats(name, args.quick) for name in record["workloads"]}
-            record["projection"] = project(record, floats)
-    finally:
-        sweep.close()
+    for name in args.workloads if not args.report_only else ():
+        for multiple in args.multiples:
+            try:
+                workload, data = scaled_workload(name, multiple, args.quick)
+            except wl.Unavailable as err:
+                print(f"[{name}] skipped: {err}", flush=True)
+                break
+            steps = total_steps(workload, data)
+            print(f"[{name} batch {workload.batch_size}] {steps} steps, "
+                  f"{steps * workload.batch_size:,} examples", flush=True)
+            tuned = tune(cache, workload, data, args.seeds[0])
+            tuning.setdefault(name, {})[str(workload.batch_size)] = tuned
+            tuning_path.write_text(json.dumps(tuning, indent=1) + "\n")
+            for optimizer, info in tuned.items():
+                if info["at_edge"]:
+                    print(f"[{name} batch {workload.batch_size}] warning: {optimizer}'s best "
+                          f"rate {info['best']:g} is at an end of its grid "
+                          f"{list(info['grid'])}", flush=True)
+            best, rate = leader(workload, tuned)
+            cache.interleave(workload, data, best, rate, args.seeds)
+            run_seeds(cache, workload, data, tuned, args.seeds[1:])
+    record = summarize(args.workloads, cache.rows(), tuning, args.multiples, args.quick)
+    if record["workloads"]:
+        floats = {name: exchanged_floats(name, args.quick) for name in record["workloads"]}
+        record["projection"] = project(record, floats)
     from experiments.record import stamp
 
     record.update({**stamp(argv),

@@ -83,6 +83,7 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from experiments import batch_scaling as bs  # noqa: E402
+from experiments.run_cache import NotCached, RunCache  # noqa: E402
 from experiments import workloads as wl  # noqa: E402
 
 #: Cheapest first (suite.json's seconds per run).
@@ -94,30 +95,6 @@ FIRST_GROUP = 4
 EVALS = 20
 CACHE = "horizon_runs.jsonl"
 ROOT = Path(__file__).resolve().parent.parent
-
-
-
-def run_outcome(rows, wall):
-    """A finished run's cache fields from its evaluation rows (``suite.train_run``'s) and its
-    wall seconds: the final metric, the curve ``[step, seconds, metric, train_loss]``, the clock's
-    first-call and steady seconds and load, the wall seconds and the date."""
-    last = rows[-1]
-    return {"final": last["metric"],
-            "curve": [[r["step"], r["seconds"], r["metric"], r["train_loss"]] for r in rows],
-            "first_seconds": last.get("first_seconds"),
-            "steady_seconds_per_step": last.get("steady_seconds_per_step"),
-            "load": last.get("load"), "wall_seconds": round(wall, 1),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-
-
-def append_line(path, run):
-    """Append ``run`` to the JSON-lines cache ``path`` (created with its directory)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
-        fh.write(json.dumps(run, separators=(",", ":")) + "\n")
-
-class NotCached(LookupError):
-    """A run the record needs is not in the cache (``--report-only`` trains nothing)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,114 +120,6 @@ def lengthened_workload(name, multiple, quick, grids=None, data=None):
             data = bs._fresh_windows(data, quick, steps, base.batch_size)
         return dataclasses.replace(base, baselines=baselines), data
     return dataclasses.replace(base, epochs=base.epochs * multiple, baselines=baselines), data
-
-
-# --------------------------------------------------------------------------------------------
-# The cache of finished runs
-# --------------------------------------------------------------------------------------------
-
-def _rate_key(rate):
-    return f"{float(rate):.6g}"
-
-
-class RunCache:
-    """The study's finished runs, one JSON line each in ``path`` (module docstring); a run it
-    holds is read back, a missing one trained (or :class:`NotCached` when ``train`` is False).
-    Has ``final`` (and ``interleave``) in the shape ``batch_scaling.tune`` and ``run_seeds``
-    call."""
-
-    def __init__(self, path, quick, evals, train=True):
-        self.path, self.quick, self.evals, self.train = Path(path), quick, evals, train
-        self.runs = {}
-        self.trained = 0
-        #: ``{(workload name, steps): multiple}`` (:class:`Study` sets it; stored with a run).
-        self.multiple = {}
-        if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                try:
-                    run = json.loads(line)
-                except json.JSONDecodeError:        # blank, or being written by a running study
-                    continue
-                self.runs[self.key_of(run)] = run          # a later line replaces an earlier
-
-    @staticmethod
-    def key_of(run):
-        return (run["workload"], run["steps"], run["optimizer"], _rate_key(run["rate"]),
-                run["seed"], run["phase"], run["quick"], run["evals"])
-
-    def get(self, workload, data, optimizer, lr, seed, phase):
-        return self.runs.get((workload.name, bs.total_steps(workload, data), optimizer,
-                              _rate_key(lr), seed, phase, self.quick, self.evals))
-
-    def _missing(self, workload, data, what):
-        if not self.train:
-            raise NotCached(f"{workload.name} at {bs.total_steps(workload, data)} steps: {what}")
-
-    def _store(self, workload, data, optimizer, lr, seed, phase, rows, wall, **extra):
-        steps = bs.total_steps(workload, data)
-        run = {"workload": workload.name, "multiple": self.multiple.get((workload.name, steps)),
-               "steps": steps, "batch": workload.batch_size, "optimizer": optimizer,
-               "rate": float(lr), "seed": int(seed), "phase": phase, "quick": self.quick,
-               "evals": self.evals, **run_outcome(rows, wall), **extra}
-        self.runs[self.key_of(run)] = run
-        append_line(self.path, run)
-        self.trained += 1
-        return run
-
-    def final(self, workload, data, optimizer, lr, seed):
-        """The final metric of a tuning ("sweep") run, trained when missing."""
-        run = self.get(workload, data, optimizer, lr, seed, "sweep")
-        if run is None:
-            self._missing(workload, data, f"{optimizer} {lr:g} seed {seed}")
-            rows, started = [], time.perf_counter()
-            bs.train_one(workload, data, optimizer, lr, seed, self.quick, self.evals,
-                         rows.append)
-            run = self._store(workload, data, optimizer, lr, seed, "sweep", rows,
-                              time.perf_counter() - started)
-        return run["final"]
-
-    def interleave(self, workload, data, baseline, rate, seeds):
-        """THOR (default) and ``baseline`` at ``rate``, each seed an interleaved pair
-        (``interleave.interleaved_rows``), stored when the pair ends; held pairs skipped."""
-        from experiments.interleave import interleaved_rows
-
-        for seed in seeds:
-            if (self.get(workload, data, "thor", 0.0, seed, "interleaved")
-                    and self.get(workload, data, baseline, rate, seed, "interleaved")):
-                continue
-            self._missing(workload, data, f"interleaved pair thor / {baseline} seed {seed}")
-            started = time.perf_counter()
-            rows = interleaved_rows(workload, data, baseline, rate, seed, self.evals,
-                                    quick=self.quick)
-            wall = (time.perf_counter() - started) / 2
-            for optimizer, lr in (("thor", 0.0), (baseline, rate)):
-                self._store(workload, data, optimizer, lr, seed, "interleaved",
-                            [r for r in rows if r["optimizer"] == optimizer], wall,
-                            pair=[baseline, float(rate)])
-
-    def rows(self, name, steps, batch):
-        """The suite-shaped rows (``batch_scaling``'s summary reads them) of every run of
-        ``name`` at ``steps``, ``batch`` being the study's batch for all of them."""
-        out = []
-        for run in self.runs.values():
-            if (run["workload"], run["steps"], run["quick"], run["evals"]) != (
-                    name, steps, self.quick, self.evals):
-                continue
-            for step, seconds, metric, loss in run["curve"]:
-                out.append({"workload": name, "batch": batch, "phase": run["phase"],
-                            "optimizer": run["optimizer"], "lr": run["rate"],
-                            "seed": run["seed"], "step": step, "seconds": seconds,
-                            "metric": metric, "train_loss": loss,
-                            "first_seconds": run.get("first_seconds"),
-                            "steady_seconds_per_step": run.get("steady_seconds_per_step"),
-                            "load": run.get("load")})
-        return out
-
-    def wall_seconds(self, name, steps):
-        runs = [r for r in self.runs.values() if (r["workload"], r["steps"], r["quick"],
-                                                  r["evals"]) == (name, steps, self.quick,
-                                                                  self.evals)]
-        return len(runs), sum(r.get("wall_seconds") or 0.0 for r in runs)
 
 
 class Study:
@@ -322,7 +191,7 @@ def length_cell(study, name, multiple):
     workload, data = study.at(name, multiple)
     tuned = study.tuned(name, multiple)
     steps, batch = bs.total_steps(workload, data), workload.batch_size
-    rows = study.cache.rows(name, steps, batch)
+    rows = study.cache.rows(name, steps)
     entry, best = bs.cell_runs(workload, rows, batch, tuned)
     target = bs.median_final(entry, best)
     cell = bs.cell_summary(workload, rows, batch, tuned, entry, best, target)

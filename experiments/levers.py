@@ -53,10 +53,11 @@ from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from experiments import batch_scaling as bs  # noqa: E402
 from experiments import horizon as hz  # noqa: E402
 from experiments import reports  # noqa: E402
 from experiments import workloads as wl  # noqa: E402
+from experiments.run_cache import (THOR_PEAK, JsonlRuns, read_jsonl, run_outcome,  # noqa: E402
+                                   total_steps)
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = "levers_runs.jsonl"
@@ -137,32 +138,17 @@ def _spec_key(spec):
 # Runs: this study's cache and the horizon study's
 # --------------------------------------------------------------------------------------------
 
-def _read_jsonl(path):
-    runs = []
-    if path is not None and Path(path).exists():
-        for line in Path(path).read_text().splitlines():
-            try:
-                runs.append(json.loads(line))
-            except json.JSONDecodeError:         # blank, or being written by a running study
-                continue
-    return runs
-
-
-class Runs:
+class Runs(JsonlRuns):
     """This study's finished runs (``path``, one JSON line each) and the horizon study's cache
     (``horizon``, read again by :meth:`reload`); ``train`` False: a missing run is skipped."""
 
     def __init__(self, path, horizon, quick, evals, train=True):
-        self.path, self.horizon_path = Path(path), horizon
-        self.quick, self.evals, self.train = quick, evals, train
-        self.runs = {}
-        for run in _read_jsonl(self.path):
-            self.runs[self.key_of(run)] = run            # a later line replaces an earlier
-        self.trained = 0
+        super().__init__(path, quick, evals, train)
+        self.horizon_path = horizon
         self.reload()
 
     def reload(self):
-        self.horizon = [r for r in _read_jsonl(self.horizon_path)
+        self.horizon = [r for r in read_jsonl(self.horizon_path)
                         if r.get("quick") == self.quick and r.get("evals") == self.evals]
 
     @staticmethod
@@ -192,7 +178,7 @@ class Runs:
         for run in self.horizon:
             if (run["workload"], run["steps"], run["phase"], run["seed"]) != (
                     workload.name, steps, "sweep", 0) or run["optimizer"] in ("thor",
-                                                                             bs.THOR_PEAK):
+                                                                             THOR_PEAK):
                 continue
             final = run["final"]
             if final is None or math.isnan(final):
@@ -202,14 +188,10 @@ class Runs:
         return best or (None, None)
 
     def store(self, workload, data, multiple, lever, spec, seed, rows, wall):
-        run = {"workload": workload.name, "multiple": multiple,
-               "steps": bs.total_steps(workload, data), "batch": workload.batch_size,
-               "lever": lever, "options": spec, "seed": int(seed), "quick": self.quick,
-               "evals": self.evals, **hz.run_outcome(rows, wall)}
-        self.runs[self.key_of(run)] = run
-        hz.append_line(self.path, run)
-        self.trained += 1
-        return run
+        return self.add({"workload": workload.name, "multiple": multiple,
+                         "steps": total_steps(workload, data), "batch": workload.batch_size,
+                         "lever": lever, "options": spec, "seed": int(seed),
+                         "quick": self.quick, "evals": self.evals, **run_outcome(rows, wall)})
 
     def train_run(self, workload, data, multiple, lever, spec, seed):
         """One run of the suite's recipe (``suite.train_run``) with THOR's options ``spec``."""
@@ -345,7 +327,7 @@ def summarize(runs, lengths, levers, names, multiples, seeds):
                     workload, data = lengths.at(name, m)
                 except wl.Unavailable:
                     continue
-                c = cell(runs, workload, bs.total_steps(workload, data), m, lever,
+                c = cell(runs, workload, total_steps(workload, data), m, lever,
                          options(name), seeds)
                 if c is not None:
                     cells.setdefault(name, {})[str(m)] = c
@@ -542,7 +524,7 @@ def run_plan(runs, lengths, order, label=""):
         except wl.Unavailable as err:
             print(f"[{name}] skipped: {err}", flush=True)
             continue
-        steps = bs.total_steps(workload, data)
+        steps = total_steps(workload, data)
         if lever == DEFAULT:
             runs.reload()                    # the horizon study may have trained it meanwhile
             if runs.default_run(name, steps, seed) is not None:

@@ -2,7 +2,6 @@
 edge flag, the critical-batch fit against a hand-made curve, and a quick run that gives the same
 rows when a run is trained again and writes the record in the issue's shape."""
 
-import csv
 import json
 import math
 
@@ -107,29 +106,21 @@ def test_critical_batch_recovers_a_known_curve_and_the_halving_batch():
     assert bs.halving_batch({64: None, 256: 10}) is None
 
 
-def _rows(path):
-    with open(path, newline="") as fh:
-        return list(csv.DictReader(fh))
-
-
 def test_quick_run_is_reproducible_and_writes_the_record(tmp_path):
     out = tmp_path / "bs"
     argv = ["--quick", "--workloads", "tabular_mlp", "--evals", "2", "--out", str(out)]
     record = bs.main(argv)
-    rows = _rows(out / "metrics.csv")
-    # Train one run again (drop its rows: the sweep resumes by training what is missing).
-    key = lambda r: (r["optimizer"], r["batch"], r["lr"], r["seed"], r["phase"])  # noqa: E731
-    dropped = key(next(r for r in rows if r["optimizer"] == "adam" and r["phase"] == "sweep"
-                       and r["batch"] == "64"))
-    with open(out / "metrics.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(r for r in rows if key(r) != dropped)
+    lines = (out / bs.CACHE).read_text().splitlines()
+    runs = [json.loads(line) for line in lines]
+    # Train one run again (drop its line: the study resumes by training what is missing).
+    dropped = next(i for i, r in enumerate(runs) if r["optimizer"] == "adam"
+                   and r["phase"] == "sweep" and r["batch"] == 64)
+    (out / bs.CACHE).write_text("".join(line + "\n" for i, line in enumerate(lines)
+                                        if i != dropped))
     again = bs.main(argv)
-    new_rows = _rows(out / "metrics.csv")
-    before = sorted((r["step"], r["metric"]) for r in rows if key(r) == dropped)
-    after = sorted((r["step"], r["metric"]) for r in new_rows if key(r) == dropped)
-    assert before == after and len(before) == 3
+    retrained = [json.loads(line) for line in (out / bs.CACHE).read_text().splitlines()][-1]
+    assert len(retrained["curve"]) == 3
+    assert [c[2] for c in retrained["curve"]] == [c[2] for c in runs[dropped]["curve"]]
     # The same record, seconds aside (the retrained run's clock is its own).
     for b, cell in again["workloads"]["tabular_mlp"]["batches"].items():
         first = record["workloads"]["tabular_mlp"]["batches"][b]
@@ -138,10 +129,9 @@ def test_quick_run_is_reproducible_and_writes_the_record(tmp_path):
             for key in ("rate", "final", "steps_to_target", "finals", "steps_by_seed"):
                 assert cell[name][key] == first[name][key], (b, name, key)
     # The interleaved pair trains the same trajectories as the sweep's runs.
-    thor = lambda phase: sorted((r["seed"], r["step"], r["metric"]) for r in new_rows  # noqa
-                                if r["optimizer"] == "thor" and r["phase"] == phase
-                                and r["batch"] == "32")
-    assert thor("sweep") == thor("interleaved")
+    thor = {r["phase"]: [c[2] for c in r["curve"]] for r in runs
+            if r["optimizer"] == "thor" and r["batch"] == 32 and r["seed"] == 0}
+    assert thor["sweep"] == thor["interleaved"] and len(thor["sweep"]) == 3
     w = json.loads((out / "batch_scaling.json").read_text())["workloads"]["tabular_mlp"]
     assert set(w["batches"]) == {"32", "64"}
     for cell in w["batches"].values():

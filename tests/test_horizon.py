@@ -59,7 +59,7 @@ def test_quick_run_writes_the_record_and_resumes_from_its_cache(tmp_path, monkey
     assert json.loads((out / "horizon.json").read_text())["workloads"] == json.loads(
         json.dumps(record["workloads"]))
     # A second run with the same cache trains nothing and gives the same record.
-    monkeypatch.setattr(bs, "train_one", _no_training)
+    monkeypatch.setattr("experiments.run_cache.train_one", _no_training)
     monkeypatch.setattr("experiments.interleave.interleaved_rows", _no_training)
     again = hz.main(argv)
     assert again["trained"] == 0 and (out / hz.CACHE).read_text().splitlines() == lines
@@ -111,7 +111,7 @@ def test_steps_and_seconds_to_the_target_on_a_hand_made_cache(tmp_path, monkeypa
     out = tmp_path / "hz"
     out.mkdir()
     (out / hz.CACHE).write_text("".join(json.dumps(r) + "\n" for r in runs))
-    monkeypatch.setattr(bs, "train_one", _no_training)
+    monkeypatch.setattr("experiments.run_cache.train_one", _no_training)
     monkeypatch.setattr("experiments.interleave.interleaved_rows", _no_training)
     record = hz.main(["--quick", "--workloads", name, "--multiples", "1", "--seeds", "0,1,2",
                       "--evals", "4", "--out", str(out)])
