@@ -70,7 +70,7 @@ import numpy as np
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from experiments import horizon as hz  # noqa: E402
-from experiments import baselines, reports, suite  # noqa: E402
+from experiments import baselines, suite, tables  # noqa: E402
 from experiments import workloads as wl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -471,13 +471,13 @@ def markdown(record):
                      f"{t['gap']:+.4f} / {b['gap']:+.4f}",
                      f"{ratio(m.get('train_loss'))}, {ratio(m.get('test_loss'))}, "
                      f"{ratio(m.get('test_metric'))}"))
-    lines += reports.md_table(
+    lines += tables.md_table(
         ("phase (end step)", f"train-subset loss THOR / {base}", "held-out loss",
          f"held-out {metric}", "gap (held-out - train)",
          f"{base}'s steps to THOR's train loss, held-out loss, {metric} / THOR's"), rows)
     layers = sorted({k for t in table.get("thor", []) for k in t.get("step_size", {})})
     lines += ["", "Step size ||dw||/||w|| per step, mean in phase, THOR / " + base + ":", ""]
-    lines += reports.md_table(
+    lines += tables.md_table(
         ["phase"] + layers,
         [[t["phase"]] + [f"{t['step_size'][k]:.2e} / {b['step_size'].get(k, float('nan')):.2e}"
                          for k in layers]
@@ -496,14 +496,14 @@ def markdown(record):
         rows.append((t["phase"], ", ".join(f"{k} {v:g}" for k, v in t["refreshes"].items()),
                      ", ".join(f"{k} {v:.0f}" for k, v in t["age"].items()),
                      ", ".join(f"{k} {v}" for k, v in t["frozen"].items()), stale))
-    lines += reports.md_table(
+    lines += tables.md_table(
         ("phase", "refreshes", "age", "frozen (seeds)", "off-diagonal energy"), rows)
     paths = record.get("path_length") or {}
     if paths:
         layers = sorted({k for p in paths.values() for k in p["layers"]})
         lines += ["", "The whole run's path, sum over steps of ||dw||/||w|| per layer (sampled "
                   "steps x interval), the sum of the rates, and the final gap and metric:", ""]
-        lines += reports.md_table(
+        lines += tables.md_table(
             ["run"] + layers + ["sum lr", "final gap", "final metric"],
             [[key] + [f"{p['layers'].get(k, float('nan')):.2f}" for k in layers]
              + [f"{p['lr']:.2f}", f"{p['final_gap']:+.3f}", f"{p['final_metric']:.4f}"]
@@ -517,7 +517,7 @@ def markdown(record):
         def cell(group):
             return "-" if not group else f"{group['in_use']:.3f} ({group['n']})"
 
-        lines += reports.md_table(
+        lines += tables.md_table(
             ("side", "young", "old", "identity", "fresh other"),
             [(key, cell(b.get("young")), cell(b.get("old")), f"{b['all']['identity']:.3f}",
               f"{b['all']['fresh_other']:.3f}") for key, b in by_age.items()])
@@ -707,7 +707,7 @@ def record_path(out, workload, multiple):
 
 def run_length(args, multiple):
     """Train what the record at ``multiple`` lacks; write it after every seed; the record."""
-    from experiments.reports import environment_info
+    from experiments.record import environment
 
     workload, data = hz.lengthened_workload(args.workload, multiple, args.quick)
     if args.quick and not workload.single_pass:  # CI's time: one epoch of the quick sizes
@@ -738,7 +738,7 @@ def run_length(args, multiple):
         "higher_is_better": workload.higher_is_better, "baseline": args.baseline,
         "baseline_rate": rate, "baseline_rate_source": source, "data": data.source,
         "train_subset": int(min(TRAIN_SUBSET, data.num_train)), "probe_batches": PROBE_BATCHES,
-        "environment": environment_info()})
+        "environment": environment()})
     record.setdefault("runs", {})
     print(f"[anatomy {args.workload} {multiple}x] {total} steps of batch {workload.batch_size}; "
           f"{args.baseline} at {rate:g} ({source})", flush=True)

@@ -67,7 +67,7 @@ import numpy as np
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from experiments import suite, workloads as wl  # noqa: E402
-from experiments.reports import fmt  # noqa: E402
+from experiments.tables import fmt  # noqa: E402
 from experiments.run_cache import THOR_PEAK, RunCache, total_steps  # noqa: E402
 
 WORKLOADS = ("fashion_cnn", "resnet20", "char_gpt")

@@ -54,7 +54,7 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from experiments import horizon as hz  # noqa: E402
-from experiments import reports  # noqa: E402
+from experiments import tables  # noqa: E402
 from experiments import workloads as wl  # noqa: E402
 from experiments.run_cache import (THOR_PEAK, JsonlRuns, read_jsonl, run_outcome,  # noqa: E402
                                    total_steps)
@@ -428,7 +428,7 @@ def markdown(record, commands):
                     _seeds_text(st["default"]["per_seed"], "d"),
                     _seeds_text(st["lever"]["per_seed"], "d"),
                     ", ".join("–" if d is None else f"{d:+d}" for d in sdiff)))
-        lines += reports.md_table(
+        lines += tables.md_table(
             ("workload, length", "seeds", "target (from)", "default final", "lever final",
              "lever − default per seed", "improved", "default steps", "lever steps",
              "steps difference per seed"), rows)

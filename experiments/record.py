@@ -37,6 +37,27 @@ def machine():
     return f"{platform.machine()}, {os.cpu_count()} cores; {platform.platform()}"
 
 
+def environment():
+    """``{"device", "tensorflow", "keras", "python", "platform"}`` of this process: the GPUs' names
+    or the CPU and its cores, and the versions a run had (a driver's record carries it)."""
+    import keras
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        names = []
+        for g in gpus:
+            try:
+                names.append(tf.config.experimental.get_device_details(g).get("device_name", g.name))
+            except Exception:  # noqa: BLE001 - details are best effort
+                names.append(g.name)
+        device = "GPU: " + ", ".join(names)
+    else:
+        device = f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    return {"device": device, "tensorflow": tf.__version__, "keras": keras.__version__,
+            "python": platform.python_version(), "platform": platform.platform()}
+
+
 def command(argv=None, script=None):
     """The command line that made this run, relative to the checkout: ``python <script>
     <argv>`` (``script``: the running file, ``sys.argv[0]``, unless given; ``argv``: its

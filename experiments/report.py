@@ -28,7 +28,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from experiments import reports, workloads
+from experiments import tables, workloads
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path("docs") / "results"
@@ -214,7 +214,7 @@ def _table(rows, strip=""):
     def bold(text, on):
         return f"**{text}**" if on else text
 
-    return reports.md_table(
+    return tables.md_table(
         ("workload", "steps", "seeds", "THOR", "best baseline (target)",
          "THOR's steps to the target", "seconds to the target", "data"),
         [(r["workload"], f"{r['steps'] or '?':,}", str(r["seeds"]), bold(r["thor"], r["ahead"]),
@@ -315,7 +315,7 @@ def batch_scaling_table(record):
                          f"{fmt(thor['steps_to_target'], 'g')} / "
                          f"{fmt(base['steps_to_target'], 'g')}",
                          seconds, f"{cell['thor_best']['rate']:.2g}"))
-    return reports.md_table(
+    return tables.md_table(
         ("workload", "batch", "best baseline (rate)", "final, THOR / baseline",
          "steps to target, THOR / baseline",
          "seconds to target, THOR over baseline (median of the interleaved pairs)",
@@ -350,7 +350,7 @@ def batch_scaling_block(record):
                       f"{_fmt_batch(sc['thor']['halving_batch'])} / "
                       f"{_fmt_batch(sc['best_baseline']['halving_batch'])}",
                       ", ".join(cell(r) for r in rows)))
-    out += reports.md_table(
+    out += tables.md_table(
         ("workload", "critical batch B_crit, THOR / best baseline",
          "halving batch, THOR / best baseline",
          "projected seconds to the target, THOR over the best baseline at B per replica, "
@@ -445,7 +445,7 @@ def horizon_block(record):
                 f"{len(thor['seeds'])}, {len(base['seeds'])}"))
             cost.append(f"{label} {m}×: {cell['runs']} runs, "
                         f"{cell['wall_seconds'] / 3600:.2f} h")
-    out += reports.md_table(
+    out += tables.md_table(
         ("workload", "length (steps)", "best baseline (rate)", "target",
          "final: THOR / THOR's best peak / baseline", "steps to target: THOR / baseline",
          "THOR / baseline: steps, seconds (interleaved)", "THOR's best peak (steps ratio)",
@@ -515,7 +515,7 @@ def results_page(records, root=ROOT):
         rows.append((r["workload"], per_seed, _ratio(raw.get("paired_median")),
                      f"{fmt(first[0])} / {fmt(first[1])}",
                      f"{fmt(steady[0], 1000, '.1f')} / {fmt(steady[1], 1000, '.1f')}"))
-    out += reports.md_table(
+    out += tables.md_table(
         ("workload", "seconds, per seed", "median of the per-seed ratios",
          "first segment s, THOR / baseline", "steady ms/step, THOR / baseline"), rows)
     out += ["", "![THOR's seconds to the target over the baseline's, per workload]"
@@ -547,7 +547,7 @@ def results_page(records, root=ROOT):
             f"Five small workloads that were not used to choose THOR's defaults "
             f"([outside.md](outside.md)); THOR: {records['outside']['thor_candidate_note']}. "
             "Medians over seeds 0, 1, 2; the best baseline per workload from a widened grid.", ""]
-    out += reports.md_table(
+    out += tables.md_table(
         ("workload", "metric", "THOR", "best baseline (target)", "THOR ahead"),
         [(f"`{o['workload']}`", o["metric"], o["thor"], o["baseline"],
           "**yes**" if o["ahead"] else "no") for o in outside])
@@ -570,7 +570,7 @@ def results_page(records, root=ROOT):
             commit += f" (THOR's rows: {record['thor_rows']['commit']})"
         path = record["_path"][len("docs/"):]
         rows.append((name, f"[`{path}`]({path})", commit, machine, f"`{commands[name]}`"))
-    out += reports.md_table(("benchmark", "record", "commit", "machine", "written by"), rows)
+    out += tables.md_table(("benchmark", "record", "commit", "machine", "written by"), rows)
     return "\n".join(out) + "\n"
 
 

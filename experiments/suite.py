@@ -60,9 +60,9 @@ from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from experiments import reports, timing, workloads as wl  # noqa: E402
+from experiments import tables, timing, workloads as wl  # noqa: E402
 from experiments.baselines import NAMES as BASELINES  # noqa: E402
-from experiments.reports import fmt  # noqa: E402
+from experiments.tables import fmt  # noqa: E402
 
 FIELDS = ("workload", "optimizer", "lr", "seed", "step", "seconds", "metric",
           "train_loss") + timing.CSV_COLUMNS
@@ -359,7 +359,7 @@ def drive(workload, data, args, out, name, script, tuned=False, **fields):
     commit it starts from, the run's settings, ``fields``, the environment and the workload's
     summary), ``NAME.md`` and ``NAME.png`` in ``out``; the summary."""
     from experiments.record import stamp
-    from experiments.reports import environment_info
+    from experiments.record import environment
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -375,7 +375,7 @@ def drive(workload, data, args, out, name, script, tuned=False, **fields):
     (out / f"{name}.json").write_text(json.dumps({
         **stamped, "quick": args.quick, "seeds": args.seeds,
         "evals": args.evals, **fields, "thor_options": args.thor_option,
-        "environment": environment_info(), "workload": summary}, indent=1, default=float))
+        "environment": environment(), "workload": summary}, indent=1, default=float))
     plot([summary], {summary["workload"]: rows}, out / f"{name}.png")
     print("\n" + text)
     print(f"wrote metrics.csv, {name}.json, {name}.md and {name}.png in {out}")
@@ -521,7 +521,7 @@ def markdown(summaries, thor_options):
                          f"{fmt(info['median_seconds'], '.1f')} / {info['total_seconds']:.1f}",
                          split, ratios))
     notes = [w for s in summaries for w in s.get("warnings", [])]
-    text = "\n".join(reports.md_table(
+    text = "\n".join(tables.md_table(
         ("workload", "optimizer (best rate)", "median final", "steps to target",
          "seconds to target", "first segment s, steady ms/step, load",
          "THOR/best: steps, seconds"), rows))
@@ -583,13 +583,13 @@ def write_outputs(workload_names, rows, args, sources, out):
                  for n in workload_names if n in by_workload]
     text = markdown(summaries, args.thor_option)
     (out / "suite.md").write_text(text)
-    from experiments.reports import environment_info
+    from experiments.record import environment
 
     from experiments.record import stamp
 
     (out / "suite.json").write_text(json.dumps({
         **stamp(getattr(args, "argv", None)), "quick": args.quick, "seeds": args.seeds, "evals": args.evals,
-        "thor_options": args.thor_option, "data": sources, "environment": environment_info(),
+        "thor_options": args.thor_option, "data": sources, "environment": environment(),
         "workloads": summaries}, indent=1, default=float))
     plot(summaries, by_workload, out / "suite.png")
     print("\n" + text)
@@ -668,7 +668,7 @@ def parse_args(argv=None):
 def _read_rows(path):
     """The rows of a ``metrics.csv``; the timing columns of an older one (before
     ``timing.CSV_COLUMNS``) read as None, so its seconds are "not comparable"."""
-    from experiments.reports import read_rows
+    from experiments.tables import read_rows
 
     return read_rows(path, text=("workload", "optimizer"), ints=("seed", "step"),
                      columns=FIELDS)

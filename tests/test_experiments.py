@@ -1,4 +1,4 @@
-"""Tests for the drivers' shared parts (time_to_target, grids, medians) and the main job
+"""Tests for the drivers' shared parts (grids, medians) and the main job
 (``experiments/mnist.py``): its --quick run trains THOR and the baselines for real (digits,
 tiny) through ``main(argv)``, what ``python experiments/mnist.py`` runs, and checks the files
 it writes (in this process: a subprocess would cost TensorFlow's import again, ~6 s of CI's
@@ -12,61 +12,6 @@ import math
 import pytest
 
 from experiments import cli
-from experiments.reports import time_to_target
-
-
-# --------------------------------------------------------------------------- time_to_target
-
-CUMULATIVE = [10.0, 21.0, 33.5, 45.0]
-
-
-def test_time_to_target_reached_at_first_epoch():
-    assert time_to_target([0.91, 0.95, 0.96, 0.97], CUMULATIVE, 0.9) == (1, 10.0)
-
-
-def test_time_to_target_reached_later():
-    assert time_to_target([0.5, 0.7, 0.85, 0.9], CUMULATIVE, 0.8) == (3, 33.5)
-
-
-def test_time_to_target_exactly_equal_counts_as_reached():
-    assert time_to_target([0.5, 0.75, 0.8, 0.9], CUMULATIVE, 0.75) == (2, 21.0)
-
-
-def test_time_to_target_first_crossing_wins_even_if_it_drops_again():
-    assert time_to_target([0.5, 0.82, 0.7, 0.9], CUMULATIVE, 0.8) == (2, 21.0)
-
-
-def test_time_to_target_never_reached():
-    assert time_to_target([0.5, 0.6, 0.7, 0.79], CUMULATIVE, 0.8) == (None, None)
-    assert time_to_target([], [], 0.8) == (None, None)
-    assert time_to_target([float("nan"), float("nan")], [1.0, 2.0], 0.1) == (None, None)
-
-
-def test_time_to_target_without_target_and_bad_lengths():
-    assert time_to_target([0.9], [1.0], None) == (None, None)
-    with pytest.raises(ValueError, match="same length"):
-        time_to_target([0.9, 0.95], [1.0], 0.5)
-
-
-GRID = {"sgd": (0.01, 0.1), "adam": (1e-3, 3e-3), "adamw": (1e-3,), "muon": (1e-3, 1e-2)}
-
-
-def test_lr_grid_parsing():
-    grid = cli.parse_lr_grid(["sgd=0.5,0.1", "adam=1e-4"], GRID)
-    assert grid == {**GRID, "sgd": (0.5, 0.1), "adam": (1e-4,)}
-    grid = cli.parse_lr_grid(["adam=1e-4;sgd=0.2;adamw=3e-3"], GRID)
-    assert grid == {**GRID, "sgd": (0.2,), "adam": (1e-4,), "adamw": (3e-3,)}
-    assert cli.parse_lr_grid(None, GRID) == GRID
-    with pytest.raises(Exception, match="applies to sgd, adam, adamw, muon"):
-        cli.parse_lr_grid(["thor=0.1"], GRID)
-    assert cli.parse_lr_grid(["muon=1e-2"], GRID)["muon"] == (1e-2,)
-
-
-def test_muon_is_a_first_order_baseline():
-    assert "muon" in cli.OPTIMIZERS and "muon" in cli.FIRST_ORDER
-    assert cli.parse_optimizers("thor,adam,muon") == ["thor", "adam", "muon"]
-    with pytest.raises(Exception, match="comma list from thor, sgd"):
-        cli.parse_optimizers("thor,lion")
 
 
 # --------------------------------------------------------------------------- the main job
