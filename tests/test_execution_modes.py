@@ -72,3 +72,39 @@ def test_trace_rule_logger_sees_every_cadence_point_under_steps_per_execution():
             b["step"], b["layer"], b["decision"], b["refreshes"], b["reuses"])
         np.testing.assert_allclose(a["delta"], b["delta"], rtol=1e-4)
     assert {r["decision"] for r in plain_logger.rows} >= {"refresh"}
+
+
+def test_a_custom_loops_tf_function_takes_fits_steps_without_converting_thors_code(monkeypatch):
+    """``tf.function(model.train_step)`` in a user's loop: AutoGraph converts the user's code and
+    the model's train step and its helpers around the loss, but not THOR's step below it (``ThorEngine.train_update`` is
+    ``do_not_convert``, as Keras' own train function is under fit): converting it transpiled
+    ~500 functions, 15 s of a small CNN's first call. The loop takes fit's steps."""
+    import tensorflow as tf
+    from tensorflow.python.autograph.impl import api
+
+    converted = []
+    convert = api._convert_actual
+
+    def recording(entity, program_ctx):
+        converted.append(getattr(entity, "__module__", "") or "")
+        return convert(entity, program_ctx)
+
+    monkeypatch.setattr(api, "_convert_actual", recording)
+    x, y = digits(128)
+    # A constant rate for both (fit would otherwise schedule over its epochs).
+    looped = thor_tf.wrap(small_cnn(0), frequency=2, verbose=False, learning_rate=0.01)
+    looped.compile(loss="sparse_categorical_crossentropy")
+    step = tf.function(looped.train_step)
+    for start in range(0, 128, 32):
+        step((x[start:start + 32], y[start:start + 32]))
+    assert converted, "the loop's train step was not converted at all"
+    # The train step's own few helpers around the loss may be; the step itself (the engine,
+    # blocks, rules, refresh) is not.
+    thor_modules = {m for m in converted if m.startswith("thor_tf")}
+    assert thor_modules <= {"thor_tf.model", "thor_tf.compiling", "thor_tf._keras_compat",
+                            "thor_tf.loss_terms"}, sorted(thor_modules)
+    fitted = thor_tf.wrap(small_cnn(0), frequency=2, verbose=False, learning_rate=0.01)
+    fitted.compile(loss="sparse_categorical_crossentropy")
+    fitted.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(looped.trainable_variables, fitted.trainable_variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=0, atol=1e-6)

@@ -205,6 +205,11 @@ class ThorEngine(BlockSelection, CadencePoint, Introspection):
             return loss_terms.per_example("mean", batch_size)
         return loss_terms.per_example(fisher.loss_reduction(self.loss), batch_size)
 
+    # Not converted by AutoGraph: the step's decisions are tensors already (tf.cond, tf.where),
+    # and a custom loop's ``tf.function(model.train_step)`` would otherwise transpile the whole
+    # step's Python (~500 functions: 15 s of a small CNN's first call, against ~1.5 s traced
+    # under fit, whose train function Keras does not convert either).
+    @tf.autograph.experimental.do_not_convert
     def train_update(self, tape, loss, variables, batch_size, loss_scale=None, sampled_loss=None,
                      terms=None):
         """Gradients, curvature update and THOR update for one batch (``ThorModel.fit``'s step).
