@@ -13,9 +13,13 @@ scikit-learn for the embedded digits and matplotlib for plots); the library itse
 * :mod:`.timing` - the one timer (run clock, segments, first and steady seconds, machine load,
   step timers: docs/timing.md);
 * :mod:`.interleave` - two runs in turn on one host (seconds that can be compared);
-* :mod:`.record`, :mod:`.worker` - the record stamp and writer, the fresh-process worker;
-* :mod:`.report`, :mod:`.reports` - README's table and the docs tables from ``docs/results/``,
-  summaries, CSV and plots; :mod:`.cli` - the command-line parsing the drivers share.
+* :mod:`.run_cache` - the studies' one cache of finished runs (JSON lines: a rerun trains only
+  what is missing);
+* :mod:`.record`, :mod:`.worker` - the record stamp (commit, date, machine, command) and writer,
+  the fresh-process worker;
+* :mod:`.report` - README's table and the docs tables from ``docs/results/``; :mod:`.tables` -
+  the parts tables share (the ``metrics.csv`` reader, the number formatter, the markdown table);
+  :mod:`.cli` - the command-line parsing the drivers share.
 
 The drivers over it (``python experiments/<name>.py``): ``mnist.py`` (the main job),
 ``lm.py``, ``finetune.py``, ``suite.py``, ``batch_scaling.py``,
