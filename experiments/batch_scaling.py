@@ -40,9 +40,10 @@ other runs' seconds (tuning runs, THOR's best peak) are back to back in one proc
 suite, with the load recorded.
 
 Outputs in ``--out`` (default ``runs/batch_scaling``): ``runs.jsonl`` (every finished run, one
-line each with its evaluations: ``run_cache.RunCache``; a rerun trains only what is missing), ``batch_scaling.json`` (``{"workloads": {name:
-{"target", "batches": {b: {optimizer: {"rate", "final", "steps_to_target",
-"examples_to_target", "seconds_to_target"}}}}}}`` and the tuning detail),
+line each with its evaluations: ``run_cache.RunCache``; a rerun trains only what is missing),
+``batch_scaling.json`` (``{"workloads": {name: {"target", "batches": {b: {optimizer: {"rate",
+"final", "steps_to_target", "examples_to_target", "seconds_to_target"}}}}}}`` and the tuning
+detail),
 ``batch_scaling.md`` (the table) and three plots: steps to target against batch (log-log, with
 the perfect-scaling line), seconds to target against batch, and the projection across R
 data-parallel replicas (:func:`project`). ``--record PATH`` also writes the record and its plots
