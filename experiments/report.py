@@ -406,7 +406,9 @@ def horizon_line(record):
     for m in (m for m in lengths if m not in everywhere):   # the study has not run it on all
         on = [workload_format(n)[0] for n, w in record["workloads"].items()
               if str(m) in w["lengths"]]
-        named.append(f"{m}× on the {' and the '.join(on)} so far")
+        on = [f"the {n}" for n in on]
+        listed = ", ".join(on[:-1]) + " and " + on[-1] if len(on) > 1 else on[0]
+        named.append(f"{m}× on {listed} so far")
     return (f"On longer runs ({', '.join(named)}; the "
             "baselines re-tuned at each length; [docs/horizon.md](docs/horizon.md)), THOR's steps "
             "to the best baseline's final over the baseline's (seconds: interleaved pairs in one "
