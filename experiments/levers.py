@@ -106,6 +106,11 @@ LEVERS = {
     "ema": ("the weights' moving average (Keras' use_ema, momentum 0.99: ~100 steps) is the "
             "model evaluated and returned, as the field's long-run record averages its weights",
             lambda name: {"use_ema": True, "ema_momentum": 0.99}),
+    "scale_rms": ("the orthogonal step at Muon's RMS (scale='rms': 0.2·sqrt(max(a, g)) times "
+                  "the orthogonal factor) instead of grafted to the eigenbasis Adam step's norm, "
+                  "which shrinks with the gradients' signal late in a run (the char GPT's anatomy "
+                  "at 4x: THOR's relative steps 0.3-0.5x Muon's in the cosine's last third)",
+                  lambda name: {"rule": {"scale": "rms"}}),
     "fixed_refresh": ("every block refreshed at every cadence point (every 10 steps; "
                       "preset thor_nt, omega1 = omega2 = 0) instead of the trace rule's choice",
                       lambda name: {"preset": "thor_nt"}),
