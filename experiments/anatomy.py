@@ -72,6 +72,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from experiments import horizon as hz  # noqa: E402
 from experiments import baselines, suite, tables  # noqa: E402
 from experiments import workloads as wl  # noqa: E402
+from experiments.run_cache import read_jsonl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_EVALS = 24
@@ -640,8 +641,8 @@ def baseline_rate(name, baseline, multiple, quick, given=None, root=ROOT):
     cache = root / "docs" / "results" / hz.CACHE
     if cache.exists():
         sign = 1 if workload.higher_is_better else -1
-        tuned = [json.loads(line) for line in cache.read_text().splitlines() if line.strip()]
-        tuned = [r for r in tuned if r.get("workload") == name and r.get("phase") == "sweep"
+        tuned = [r for r in read_jsonl(cache)
+                 if r.get("workload") == name and r.get("phase") == "sweep"
                  and r.get("optimizer") == baseline and r.get("multiple") == multiple
                  and r.get("seed") == 0 and not r.get("quick")]
         if tuned:
