@@ -111,6 +111,10 @@ LEVERS = {
                   "which shrinks with the gradients' signal late in a run (the char GPT's anatomy "
                   "at 4x: THOR's relative steps 0.3-0.5x Muon's in the cosine's last third)",
                   lambda name: {"rule": {"scale": "rms"}}),
+    "wsd": ("warmup, stable, decay: the rate held at the peak after warmup and the cosine over "
+            "the run's last 20 % only (WarmupCosine(decay_fraction=0.2); the field's long runs' "
+            "shape), so THOR keeps its early lead's rate longer and anneals as sharply",
+            lambda name: {"decay_fraction": 0.2}),
     "fixed_refresh": ("every block refreshed at every cadence point (every 10 steps; "
                       "preset thor_nt, omega1 = omega2 = 0) instead of the trace rule's choice",
                       lambda name: {"preset": "thor_nt"}),
@@ -123,7 +127,8 @@ DEFAULT = "default"          # the lever name of THOR's default runs trained her
 def wrap_options(spec):
     """``[(name, value)]`` for ``suite.compiled_model`` (``args.thor_option``) from a lever's
     spec: ``"rule"`` builds ``update_rule=thor_tf.rules.Eigenbasis(**rule)``, a list becomes a
-    tuple, the rest as it is (``floor_fraction`` and ``peak`` are the schedule's)."""
+    tuple, the rest as it is (``floor_fraction``, ``decay_fraction`` and ``peak`` are the
+    schedule's)."""
     options = []
     for key, value in spec.items():
         if key == "rule":

@@ -106,12 +106,17 @@ def compiled_model(optimizer, lr, workload, data, quick, total_steps, thor_optio
         # the baselines' ``workload.floor_fraction``; given as the schedule's absolute floor at
         # the unscaled peak, so a long run's ``reference_steps`` scaling lowers both alike.
         fraction = options.pop("floor_fraction", 0.0)
+        # --thor-option decay_fraction=F: the cosine spans the run's last F, the rate held at
+        # its peak from the warmup's end until then (warmup, stable, decay; default: cosine
+        # after warmup).
+        decay_fraction = options.pop("decay_fraction", None)
         floor = 0.0
         if fraction:
             rule = thor_tf.rules.resolve(options.get("update_rule") or thor_tf.rules.DEFAULT_RULE)
             floor = fraction * (rule.default_learning_rate if peak is None else peak)
         model = thor_tf.wrap(model, learning_rate=thor_tf.schedules.WarmupCosine(
-            total_steps, peak, floor=floor), verbose=verbose, **options)
+            total_steps, peak, floor=floor, decay_fraction=decay_fraction), verbose=verbose,
+            **options)
         model.compile(loss=workload.loss(), metrics=list(workload.metrics))
         return model
     model.compile(optimizer=baseline_optimizer(optimizer, lr, total_steps, workload, model),

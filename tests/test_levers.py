@@ -103,6 +103,25 @@ def test_floor_fraction_ends_the_schedule_at_a_fraction_of_the_peak():
         assert float(schedule(steps)) == pytest.approx(0.1 * top, rel=1e-5)
 
 
+def test_decay_fraction_holds_the_peak_until_the_runs_last_share():
+    import keras
+
+    from experiments import suite, workloads as wl
+
+    workload = wl.WORKLOADS["tabular_mlp"].sized(True)
+    data = workload.load(True)
+    keras.utils.set_random_seed(0)
+    steps = 1000
+    options = lv.wrap_options(lv.LEVERS["wsd"][1]("tabular_mlp"))
+    schedule = suite.compiled_model("thor", 0.0, workload, data, True, steps,
+                                    options).optimizer._learning_rate
+    top = bs.default_peak(steps)
+    assert schedule.effective_peak == pytest.approx(top)
+    # Warmup over 50 steps, the peak until step 800, then half a cosine to 0 at 1,000.
+    for step, expected in ((49, top), (50, top), (799, top), (900, top / 2), (1000, 0.0)):
+        assert float(schedule(step)) == pytest.approx(expected, rel=1e-5, abs=1e-9)
+
+
 def _no_training(*args, **kwargs):
     raise AssertionError("a run the cache holds was trained again")
 

@@ -221,6 +221,64 @@ def test_warmup_cosine_matches_reference(total, peak, fraction, floor):
     assert float(sched(total)) == pytest.approx(floor, abs=1e-9)
 
 
+def ref_warmup_stable_decay(step, total, peak, warmup_fraction, decay_fraction, floor=0.0):
+    """float64 reference of the warmup, stable, decay shape written out piece by piece: the ramp
+    (step + 1) / W over W = round(warmup_fraction T) steps, the peak until S = T - round(decay_
+    fraction T) (never before W), then half a cosine from peak at S to floor at T and after."""
+    w = round(warmup_fraction * total)
+    s = max(w, total - round(decay_fraction * total))
+    if step < w:
+        return peak * (step + 1) / w
+    if step < s:
+        return peak
+    if step >= total:
+        return floor
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * (step - s) / (total - s)))
+
+
+@pytest.mark.parametrize("total,peak,fraction,decay,floor", [(100, 0.05, 0.05, 0.2, 0.0),
+                                                              (37, 0.3, 0.1, 0.5, 0.03),
+                                                              (1000, 1e-3, 0.0, 0.25, 0.0)])
+def test_warmup_stable_decay_matches_reference(total, peak, fraction, decay, floor):
+    from thor_tf.schedules import WarmupCosine
+
+    sched = WarmupCosine(total, peak=peak, warmup_fraction=fraction, floor=floor,
+                         decay_fraction=decay)
+    start = max(round(fraction * total), total - round(decay * total))
+    assert sched.decay_start == start
+    for step in sorted({0, 1, 2, 5, start - 1, start, start + 1, (start + total) // 2,
+                        total - 1, total, total + 50}):
+        np.testing.assert_allclose(
+            float(sched(step)), ref_warmup_stable_decay(step, total, peak, fraction, decay, floor),
+            rtol=1e-6, atol=1e-9, err_msg=f"step {step}")
+    # Held at the peak through the stable phase; half the way from peak to floor half-way
+    # through an even-length decay.
+    assert float(sched(start - 1)) == pytest.approx(peak, rel=1e-6)
+    if (total - start) % 2 == 0:
+        assert float(sched((start + total) // 2)) == pytest.approx((peak + floor) / 2, rel=1e-6)
+
+
+def test_warmup_stable_decay_spanning_the_run_is_the_cosine_and_scales_with_the_horizon():
+    """A decay as long as the steps after warmup (or longer) is the plain warmup + cosine, bit
+    for bit; reference_steps scales the whole shape by sqrt(R/T), as it does the cosine's."""
+    from thor_tf.schedules import WarmupCosine
+
+    plain = WarmupCosine(200, peak=0.02)
+    for decay in (0.95, 1.0):
+        same = WarmupCosine(200, peak=0.02, decay_fraction=decay)
+        assert same.decay_start == plain.decay_start == 10
+        for step in (0, 9, 10, 11, 100, 199, 200):
+            assert float(same(step)) == float(plain(step))
+    scaled = WarmupCosine(400, peak=0.02, decay_fraction=0.3, reference_steps=100)
+    for step in (5, 100, 279, 280, 350, 399):
+        np.testing.assert_allclose(float(scaled(step)),
+                                   0.5 * ref_warmup_stable_decay(step, 400, 0.02, 0.05, 0.3),
+                                   rtol=1e-6, atol=1e-9)
+    back = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(scaled))
+    assert back.get_config() == scaled.get_config() and back.decay_fraction == 0.3
+    assert WarmupCosine(400, decay_fraction=0.3).with_peak(0.1, 100).decay_fraction == 0.3
+
+
 def test_warmup_cosine_decay_is_keras_cosine_decay_after_warmup():
     """After the warmup the shape is Keras' own CosineDecay with the same warmup (an independent
     implementation of the standard recipe the first-order baselines use)."""
@@ -258,7 +316,13 @@ def test_warmup_cosine_in_a_traced_optimizer_step_and_config_roundtrip():
                                           (dict(total_steps=10, peak=-1.0), "peak"),
                                           (dict(total_steps=10, warmup_fraction=1.0),
                                            "warmup_fraction"),
-                                          (dict(total_steps=10, peak=0.1, floor=0.2), "floor")])
+                                          (dict(total_steps=10, peak=0.1, floor=0.2), "floor"),
+                                          (dict(total_steps=10, decay_fraction=0.0),
+                                           "decay_fraction"),
+                                          (dict(total_steps=10, decay_fraction=1.5),
+                                           "decay_fraction"),
+                                          (dict(total_steps=10, decay_fraction="half"),
+                                           "decay_fraction")])
 def test_warmup_cosine_bad_arguments_name_the_argument(kwargs, match):
     from thor_tf.schedules import WarmupCosine
 

@@ -194,13 +194,26 @@ class ThorDampingDecay(keras.optimizers.schedules.LearningRateSchedule):
         }
 
 
-def _warmup_cosine(step, total, warmup, peak, floor):
+def _warmup_cosine(step, total, warmup, peak, floor, start=None):
     """:class:`WarmupCosine`'s formula on float64 tensors ``step`` (0-based), ``total`` (T) and
-    ``warmup`` (W); ``peak`` and ``floor`` are Python floats. Returns float64."""
+    ``warmup`` (W); ``peak`` and ``floor`` are Python floats; ``start`` (float64 tensor, S >= W)
+    the step the cosine starts from, the rate held at ``peak`` from W to S (None: S = W).
+    Returns float64."""
+    start = warmup if start is None else start
     ramp = peak * tf.minimum((step + 1.0) / tf.maximum(warmup, 1.0), 1.0)
-    progress = tf.clip_by_value((step - warmup) / tf.maximum(total - warmup, 1.0), 0.0, 1.0)
+    progress = tf.clip_by_value((step - start) / tf.maximum(total - start, 1.0), 0.0, 1.0)
     cosine = floor + (peak - floor) * 0.5 * (1.0 + tf.cos(math.pi * progress))
     return tf.where(step < warmup, ramp, cosine)
+
+
+def _check_decay_fraction(value):
+    """``decay_fraction`` as a float in (0, 1], or None (the cosine spans the run after warmup)."""
+    if value is None:
+        return None
+    fraction = _check_number("decay_fraction", value)
+    if not 0 < fraction <= 1:
+        raise ValueError(f"decay_fraction must be None or in (0, 1]; got {value!r}")
+    return fraction
 
 
 @keras.saving.register_keras_serializable(package="thor_tf")
@@ -213,7 +226,16 @@ class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
         lr(step) = floor + (peak - floor) * (1 + cos(pi * (step - W) / (T - W))) / 2   otherwise
 
     reaching ``floor`` at ``step = T`` and staying there after it. The same shape as the standard
-    first-order recipe (Keras' ``CosineDecay(warmup_steps=...)``); ``thor_tf.wrap(model,
+    first-order recipe (Keras' ``CosineDecay(warmup_steps=...)``). With ``decay_fraction`` f the
+    cosine spans only the run's last ``D = round(f * T)`` steps, the rate held at ``peak`` before
+    them (warmup, stable, decay: the shape of modded-nanogpt's and MiniCPM's "WSD" runs, here
+    with a cosine cooldown)::
+
+        S = max(W, T - D)
+        lr(step) = peak                                                  W <= step < S
+        lr(step) = floor + (peak - floor) * (1 + cos(pi * (step - S) / (T - S))) / 2   step >= S
+
+    (``D >= T - W``: S = W, the formula above.) ``thor_tf.wrap(model,
     learning_rate=thor_tf.schedules.WarmupCosine(total_steps))`` is THOR's default for a run of
     known length (``total_steps`` = epochs x steps per epoch).
 
@@ -225,6 +247,9 @@ class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
             0.05); elsewhere a peak must be given.
         warmup_fraction: share of the run spent warming up, in ``[0, 1)`` (default 0.05).
         floor: the final rate, ``0 <= floor <= peak`` (default 0).
+        decay_fraction: the share of the run the cosine spans, ending at ``total_steps``, in
+            ``(0, 1]``; the rate stays at ``peak`` from the warmup's end until then. None
+            (default): the cosine spans every step after warmup.
         reference_steps: the run length ``peak`` was tuned at (None, the default for a peak you
             give: the schedule as written). A longer run scales the whole schedule (peak and
             floor) by ``s = sqrt(reference_steps / total_steps)``; a shorter one keeps it. A
@@ -236,13 +261,23 @@ class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
 
     def __init__(self, total_steps: int, peak: Optional[float] = None,
                  warmup_fraction: float = 0.05, floor: float = 0.0,
-                 reference_steps: Optional[int] = None):
+                 reference_steps: Optional[int] = None,
+                 decay_fraction: Optional[float] = None):
         super().__init__()
         self.total_steps = _check_positive_int("total_steps", total_steps)
         self.peak, self.warmup_fraction, self.floor = _checked_shape(peak, warmup_fraction, floor)
         self.warmup_steps = int(round(self.warmup_fraction * self.total_steps))
         self.reference_steps = _check_positive_int("reference_steps", reference_steps,
                                                    allow_none=True)
+        self.decay_fraction = _check_decay_fraction(decay_fraction)
+
+    @property
+    def decay_start(self):
+        """S: the step the cosine starts from (the warmup's end W without ``decay_fraction``)."""
+        if self.decay_fraction is None:
+            return self.warmup_steps
+        decay_steps = int(round(self.decay_fraction * self.total_steps))
+        return max(self.warmup_steps, self.total_steps - decay_steps)
 
     @property
     def scale(self):
@@ -259,7 +294,7 @@ class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
         """A copy with ``peak`` and ``reference_steps`` (what ``wrap`` does with a schedule whose
         peak is None: the rule's)."""
         return WarmupCosine(self.total_steps, peak, self.warmup_fraction, self.floor,
-                            reference_steps)
+                            reference_steps, self.decay_fraction)
 
     def __call__(self, step):
         _require_peak(self)
@@ -267,7 +302,8 @@ class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
             step = tf.cast(tf.convert_to_tensor(step), tf.float64)
             total = tf.constant(float(self.total_steps), tf.float64)
             warmup = tf.constant(float(self.warmup_steps), tf.float64)
-            lr = _warmup_cosine(step, total, warmup, self.peak, self.floor)
+            start = tf.constant(float(self.decay_start), tf.float64)
+            lr = _warmup_cosine(step, total, warmup, self.peak, self.floor, start)
             if self.scale != 1.0:
                 lr = tf.constant(self.scale, tf.float64) * lr
             return tf.cast(lr, tf.float32)
@@ -275,7 +311,7 @@ class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
     def get_config(self):
         return {"total_steps": self.total_steps, "peak": self.peak,
                 "warmup_fraction": self.warmup_fraction, "floor": self.floor,
-                "reference_steps": self.reference_steps}
+                "reference_steps": self.reference_steps, "decay_fraction": self.decay_fraction}
 
 
 #: What the default schedule's notices name instead (WarmupCosine needs the run's length).
