@@ -103,6 +103,11 @@ LEVERS = {
                    lambda name: {"rule": {"beta_2": 0.999, "beta_2_growth": 0.8}}),
     "releps": ("the eigenbasis rule's relative epsilon 1e-2 -> 1e-3",
                lambda name: {"rule": {"relative_epsilon": 1e-3}}),
+    "releps_big": ("the eigenbasis rule's relative epsilon 1e-2 -> 1e-1: a damping of the "
+                   "eigendirections the gradients barely reach (with a large epsilon the step "
+                   "tends to Muon's orthogonalized momentum), against THOR fitting the training "
+                   "data sooner than the baselines on repeated data (docs/anatomy.md)",
+                   lambda name: {"rule": {"relative_epsilon": 1e-1}}),
     "ema": ("the weights' moving average (Keras' use_ema, momentum 0.99: ~100 steps) is the "
             "model evaluated and returned, as the field's long-run record averages its weights",
             lambda name: {"use_ema": True, "ema_momentum": 0.99}),
