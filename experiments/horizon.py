@@ -108,10 +108,11 @@ def centred_grid(best):
 
 
 def lengthened_workload(name, multiple, quick, grids=None, data=None):
-    """``(workload, data)``: suite workload ``name`` trained ``multiple`` times the suite's
-    length at its batch, the baselines over ``grids`` (default the suite's). ``data``: the
-    suite's data of the workload when already loaded. Raises ``workloads.Unavailable``."""
-    base = wl.WORKLOADS[name].sized(quick)
+    """``(workload, data)``: workload ``name`` (the suite's or one outside it) trained
+    ``multiple`` times its suite length at its batch, the baselines over ``grids`` (default
+    its own). ``data``: the workload's data when already loaded. Raises
+    ``workloads.Unavailable``."""
+    base = wl.ALL_WORKLOADS[name].sized(quick)
     data = base.load(quick) if data is None else data
     baselines = dict(grids or base.baselines)
     if base.single_pass:
@@ -141,7 +142,7 @@ class Study:
                 grids = {b: centred_grid(before[b]["best"]) for b in before
                          if b != bs.THOR_PEAK}
             if name not in self._data:
-                self._data[name] = wl.WORKLOADS[name].sized(self.quick).load(self.quick)
+                self._data[name] = wl.ALL_WORKLOADS[name].sized(self.quick).load(self.quick)
             workload, data = lengthened_workload(name, multiple, self.quick, grids,
                                                  self._data[name])
             self.cache.multiple[(name, bs.total_steps(workload, data))] = multiple

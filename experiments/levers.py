@@ -229,7 +229,7 @@ class Lengths:
     def at(self, name, multiple):
         if (name, multiple) not in self._at:
             if name not in self._data:
-                self._data[name] = wl.WORKLOADS[name].sized(self.quick).load(self.quick)
+                self._data[name] = wl.ALL_WORKLOADS[name].sized(self.quick).load(self.quick)
             self._at[(name, multiple)] = hz.lengthened_workload(name, multiple, self.quick,
                                                                 data=self._data[name])
         return self._at[(name, multiple)]
@@ -595,9 +595,10 @@ def parse_args(argv=None):
         raise SystemExit(f"error: --levers: unknown {unknown}; allowed: {', '.join(LEVERS)}")
     args.workloads = [w for w in (args.workloads or ("tabular_mlp" if q else
                                                      ",".join(WORKLOADS))).split(",") if w]
-    unknown = [w for w in args.workloads if w not in wl.WORKLOADS]
+    unknown = [w for w in args.workloads if w not in wl.ALL_WORKLOADS]
     if unknown:
-        raise SystemExit(f"error: --workloads: unknown {unknown}")
+        raise SystemExit(f"error: --workloads: unknown {unknown}; allowed: "
+                         f"{', '.join(wl.ALL_WORKLOADS)}")
     args.multiples = args.multiples or ([1] if q else [4])
     if args.check is None:
         args.check = [] if q else [1]
