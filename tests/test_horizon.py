@@ -20,6 +20,11 @@ def test_lengthened_workload_keeps_the_batch_and_multiplies_epochs_or_steps():
     w, _ = hz.lengthened_workload("tabular_mlp", 1, quick=False, grids={"adam": (0.1,)})
     assert w.baselines == {"adam": (0.1,)}
     assert hz.centred_grid(0.03) == (0.01, 0.03, 0.09)
+    # A workload outside the suite (breast cancer: 398 rows, batch 32, 12 epochs) lengthens
+    # the same way, so the levers measure it by the same harness.
+    w2, d2 = hz.lengthened_workload("cancer_ln_mlp", 2, quick=False)
+    assert (w2.batch_size, w2.epochs) == (32, 24)
+    assert bs.total_steps(w2, d2) == 2 * (398 // 32) * 12
 
 
 def test_schedule_puts_short_lengths_and_tuning_first():
