@@ -108,6 +108,10 @@ LEVERS = {
                    "tends to Muon's orthogonalized momentum), against THOR fitting the training "
                    "data sooner than the baselines on repeated data (docs/anatomy.md)",
                    lambda name: {"rule": {"relative_epsilon": 1e-1}}),
+    "releps_mid": ("the eigenbasis rule's relative epsilon 1e-2 -> 3e-2 (geometric middle of "
+                   "the default and releps_big: does a part of releps_big's gain on repeated "
+                   "data come at a smaller cost to the fitting workloads?)",
+                   lambda name: {"rule": {"relative_epsilon": 3e-2}}),
     "ema": ("the weights' moving average (Keras' use_ema, momentum 0.99: ~100 steps) is the "
             "model evaluated and returned, as the field's long-run record averages its weights",
             lambda name: {"use_ema": True, "ema_momentum": 0.99}),
