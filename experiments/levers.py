@@ -80,6 +80,12 @@ def _weight_decay(value):
     return {"weight_decay": value, "weight_decay_exclude": list(WD_EXCLUDE)}
 
 
+def _eigenbasis(**options):
+    """A lever's spec that sets ``options`` of the eigenbasis rule on every workload (a fresh
+    dict per call: :func:`wrap_options` builds ``Eigenbasis(**options)`` from it)."""
+    return lambda name: {"rule": dict(options)}
+
+
 #: name -> (description, options of a workload: a JSON-able spec, :func:`wrap_options`).
 LEVERS = {
     "wd_keras": ("decoupled weight decay 0.004 (Keras' AdamW / Muon default; the Fashion "
@@ -91,27 +97,27 @@ LEVERS = {
     "floor": ("the cosine ends at 0.1 x the peak instead of 0 (the char GPT baselines' "
               "floor_fraction)", lambda name: {"floor_fraction": 0.1}),
     "beta2": ("the eigenbasis moments' beta_2 0.95 -> 0.99",
-              lambda name: {"rule": {"beta_2": 0.99}}),
+              _eigenbasis(beta_2=0.99)),
     "beta2_long": ("the eigenbasis moments' beta_2 0.95 -> 0.999 (Adam's): the step shrinks as "
                    "the gradients do late in a run, as Adam's does (at 16x on the Fashion CNN, "
                    "with the training loss at 0, THOR's steps were 30-110x Adam's: "
                    "docs/anatomy.md)",
-                   lambda name: {"rule": {"beta_2": 0.999}}),
+                   _eigenbasis(beta_2=0.999)),
     "beta2_grow": ("the eigenbasis moments' beta_2 grows as Adafactor's, min(0.999, 1 - t^-0.8): "
                    "0.95 at step ~42, 0.99 at ~316, 0.999 at ~5,600; the short memory of the "
                    "default early, Adam's late (beta2_long's 0.999 throughout lost the char GPT)",
-                   lambda name: {"rule": {"beta_2": 0.999, "beta_2_growth": 0.8}}),
+                   _eigenbasis(beta_2=0.999, beta_2_growth=0.8)),
     "releps": ("the eigenbasis rule's relative epsilon 1e-2 -> 1e-3",
-               lambda name: {"rule": {"relative_epsilon": 1e-3}}),
+               _eigenbasis(relative_epsilon=1e-3)),
     "releps_big": ("the eigenbasis rule's relative epsilon 1e-2 -> 1e-1: a damping of the "
                    "eigendirections the gradients barely reach (with a large epsilon the step "
                    "tends to Muon's orthogonalized momentum), against THOR fitting the training "
                    "data sooner than the baselines on repeated data (docs/anatomy.md)",
-                   lambda name: {"rule": {"relative_epsilon": 1e-1}}),
+                   _eigenbasis(relative_epsilon=1e-1)),
     "releps_mid": ("the eigenbasis rule's relative epsilon 1e-2 -> 3e-2 (geometric middle of "
                    "the default and releps_big: does a part of releps_big's gain on repeated "
                    "data come at a smaller cost to the fitting workloads?)",
-                   lambda name: {"rule": {"relative_epsilon": 3e-2}}),
+                   _eigenbasis(relative_epsilon=3e-2)),
     "ema": ("the weights' moving average (Keras' use_ema, momentum 0.99: ~100 steps) is the "
             "model evaluated and returned, as the field's long-run record averages its weights",
             lambda name: {"use_ema": True, "ema_momentum": 0.99}),
@@ -119,7 +125,7 @@ LEVERS = {
                   "the orthogonal factor) instead of grafted to the eigenbasis Adam step's norm, "
                   "which shrinks with the gradients' signal late in a run (the char GPT's anatomy "
                   "at 4x: THOR's relative steps 0.3-0.5x Muon's in the cosine's last third)",
-                  lambda name: {"rule": {"scale": "rms"}}),
+                  _eigenbasis(scale="rms")),
     "wsd": ("warmup, stable, decay: the rate held at the peak after warmup and the cosine over "
             "the run's last 20 % only (WarmupCosine(decay_fraction=0.2); the field's long runs' "
             "shape), so THOR keeps its early lead's rate longer and anneals as sharply",
