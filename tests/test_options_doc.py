@@ -104,7 +104,7 @@ def test_the_rules_option_tables_match_their_constructors():
     assert set(written) == set(signature) - {"self"}
     for name, value in written.items():
         default = signature[name].default
-        if name == "relative_epsilon":  # None: 1e-2 for the orthogonal step, 1e-4 for Adam's
-            assert default is None and value == 1e-2
+        if name == "relative_epsilon":  # None: 0.1 for the orthogonal step, 1e-4 for Adam's
+            assert default is None and value == 0.1
             continue
         assert value == default, (name, value, default)
