@@ -83,7 +83,7 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from experiments import batch_scaling as bs  # noqa: E402
-from experiments.run_cache import NotCached, RunCache  # noqa: E402
+from experiments.run_cache import NotCached, RunCache, read_jsonl  # noqa: E402
 from experiments import workloads as wl  # noqa: E402
 
 #: Cheapest first (suite.json's seconds per run).
@@ -94,6 +94,12 @@ FIRST_GROUP = 4
 #: Evaluations per run after step 0, at every length (the same resolution of the ratios).
 EVALS = 20
 CACHE = "horizon_runs.jsonl"
+#: The study's THOR runs are at the studies' rule (``run_cache.STUDY_RULE``: relative ε 1e-2,
+#: the default when they were trained). THOR's default since 2026-11-30 (relative ε 0.1) is the
+#: levers' ``releps_big``, trained by ``levers.py`` on seeds 0-2 at these lengths with the same
+#: recipe: its runs (this file beside the cache) give the record's ``thor_current``.
+LEVERS_CACHE = "levers_runs.jsonl"
+CURRENT_DEFAULT_LEVER = ("releps_big", {"rule": {"relative_epsilon": 0.1}})
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -131,6 +137,8 @@ class Study:
         self.cache, self.multiples, self.quick, self.seed = cache, list(multiples), quick, seed
         self.every_baseline = every_baseline
         self._data, self._tuned, self._at = {}, {}, {}
+        #: The levers' runs (``LEVERS_CACHE``), for the record's ``thor_current``.
+        self.levers = []
 
     def at(self, name, multiple):
         """``(workload, data)`` of ``name`` at ``multiple``."""
@@ -202,6 +210,10 @@ def length_cell(study, name, multiple):
             info["seconds_paired"] = optimizer in ("thor", best) and any(
                 r["phase"] == "interleaved" and r["optimizer"] == optimizer for r in rows)
     cell["vs"] = versus_each(workload, entry, batch)
+    current = current_default(workload, study.levers, steps, batch, target,
+                              cell[best], study.quick, study.cache.evals)
+    if current is not None:
+        cell["thor_current"] = current
     runs, wall = study.cache.wall_seconds(name, steps)
     sign = 1 if workload.higher_is_better else -1
     cell.update({
@@ -214,6 +226,31 @@ def length_cell(study, name, multiple):
         "thor_ahead_in_final": sign * (cell["thor"]["final"] - target) > 0,
         "runs": runs, "wall_seconds": round(wall, 1)})
     return cell
+
+
+def current_default(workload, levers_runs, steps, batch, target, baseline, quick, evals):
+    """THOR's current default at this length from the levers' runs (``CURRENT_DEFAULT_LEVER``;
+    trained alone, so no seconds ratio): ``batch_scaling.optimizer_summary``'s fields against
+    the study's ``target``, and ``steps_ratio`` over the best baseline's (``baseline``: its
+    summary) steps to it; None when no such run is there."""
+    lever, options = CURRENT_DEFAULT_LEVER
+    rows = []
+    for run in levers_runs:
+        if (run["workload"], run["steps"], run["lever"], run["options"], run["quick"],
+                run["evals"]) != (workload.name, steps, lever, options, quick, evals):
+            continue
+        rows += [{"seed": run["seed"], "step": step, "seconds": seconds, "metric": metric,
+                  "train_loss": loss, "first_seconds": run.get("first_seconds"),
+                  "steady_seconds_per_step": run.get("steady_seconds_per_step")}
+                 for step, seconds, metric, loss in run["curve"]]
+    if not rows:
+        return None
+    summary = bs.optimizer_summary(workload, batch, rows, target, None)
+    own, theirs = summary["steps_to_target"], baseline.get("steps_to_target")
+    sign = 1 if workload.higher_is_better else -1
+    return {**summary, "lever": lever, "options": options,
+            "steps_ratio": None if own is None or not theirs else own / theirs,
+            "ahead_in_final": sign * (summary["final"] - target) > 0}
 
 
 def versus_each(workload, entry, batch):
@@ -287,10 +324,12 @@ def plot(record, path_steps, path_seconds):
     for path, label, thor_key in ((path_steps, "steps to the target", "steps_to_target"),
                                   (path_seconds, "seconds to the target (interleaved pairs)",
                                    None)):
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = plt.subplots(figsize=(7, 4))
         keys = ("steps_ratio", "best_peak_steps_ratio") if thor_key else ("seconds_ratio",)
         ratios = [c.get(k) for w in record["workloads"].values() for c in w["lengths"].values()
                   for k in keys]
+        ratios += [c["thor_current"]["steps_ratio"] for w in record["workloads"].values()
+                   for c in w["lengths"].values() if thor_key and "thor_current" in c]
         top = max([1.6] + [1.1 * r for r in ratios if r is not None])
         shown = sorted({int(m) for w in record["workloads"].values() for m in w["lengths"]})
         for name, w in record["workloads"].items():
@@ -307,6 +346,11 @@ def plot(record, path_steps, path_seconds):
                                 style, marker="o", color=color,
                                 label=f"{name}" + (" (best peak)" if "best_peak" in key else ""))
                 color = line.get_color()
+            now = [(m, c["thor_current"]["steps_ratio"]) for m, c in zip(ms, cells)
+                   if thor_key and c.get("thor_current", {}).get("steps_ratio") is not None]
+            if now:
+                ax.plot(*zip(*now), ":", marker="s", color=color,
+                        label=f"{name} (ε_r 0.1: the default)")
             opt = "thor"
             never = [m for m, c in zip(ms, cells) if c.get(opt, {}).get("steps_to_target") is None]
             only = [m for m, c in zip(ms, cells)
@@ -323,11 +367,11 @@ def plot(record, path_steps, path_seconds):
         ax.set_xlabel("run length (multiple of the suite's, same batch)")
         ax.set_ylabel("THOR / best baseline")
         ax.set_title(f"THOR's {label} over the best baseline's (re-tuned at each length)\n"
-                     "^ THOR never reaches it, v only THOR does; dashed: THOR's best peak",
-                     fontsize=8)
-        ax.legend(fontsize=7)
+                     "^ THOR never reaches it, v only THOR does; dashed: THOR's best peak; "
+                     "solid: ε_r 1e-2, the default before 2026-11-30", fontsize=8)
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, bbox_inches="tight")
         plt.close(fig)
 
 
@@ -391,6 +435,7 @@ def main(argv=None):
     out = Path(args.out)
     cache = RunCache(out / CACHE, args.quick, args.evals, train=not args.report_only)
     study = Study(cache, args.multiples, args.quick, args.seeds[0], args.every_baseline)
+    study.levers = read_jsonl(out / LEVERS_CACHE)
     started = time.perf_counter()
     unavailable = set()
     for phase, multiple, name in ([] if args.report_only

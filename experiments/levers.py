@@ -10,7 +10,10 @@ the suite's length at the suite's batch) each **lever** (a set of ``thor_tf.wrap
 :data:`LEVERS`) is trained on seeds 0, 1, 2 beside THOR at its default on the same seeds: the
 suite's recipe (``suite.train_run``: a seed fixes the initial weights and the batch order;
 THOR's ``WarmupCosine(total_steps)`` spans the run), so lever and default of one seed are a
-**pair** and their difference is the lever's effect on that seed.
+**pair** and their difference is the lever's effect on that seed. "THOR's default" here is
+the studies' rule (``run_cache.STUDY_RULE``: relative ε 1e-2, the library's default when these
+runs were trained, before 2026-11-30); every lever is set on it, so a cached run and a rerun are
+one configuration. The library's default since then is the lever ``releps_big`` (ε 0.1).
 
 * **THOR's default runs** come from the horizon study's cache (``--horizon-cache``, its
   ``horizon_runs.jsonl``: "thor" at rate 0, phase "sweep" or "interleaved", the same workload,
@@ -57,7 +60,7 @@ from experiments import horizon as hz  # noqa: E402
 from experiments import tables  # noqa: E402
 from experiments import workloads as wl  # noqa: E402
 from experiments.run_cache import (THOR_PEAK, JsonlRuns, read_jsonl, run_outcome,  # noqa: E402
-                                   total_steps)
+                                   study_rule, total_steps)
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = "levers_runs.jsonl"
@@ -82,7 +85,7 @@ def _weight_decay(value):
 
 def _eigenbasis(**options):
     """A lever's spec that sets ``options`` of the eigenbasis rule on every workload (a fresh
-    dict per call: :func:`wrap_options` builds ``Eigenbasis(**options)`` from it)."""
+    dict per call: :func:`wrap_options` builds the studies' rule with them)."""
     return lambda name: {"rule": dict(options)}
 
 
@@ -141,15 +144,14 @@ DEFAULT = "default"          # the lever name of THOR's default runs trained her
 
 def wrap_options(spec):
     """``[(name, value)]`` for ``suite.compiled_model`` (``args.thor_option``) from a lever's
-    spec: ``"rule"`` builds ``update_rule=thor_tf.rules.Eigenbasis(**rule)``, a list becomes a
-    tuple, the rest as it is (``floor_fraction``, ``decay_fraction`` and ``peak`` are the
-    schedule's)."""
-    options = []
+    spec, on the studies' rule (``run_cache.STUDY_RULE``: the default these levers were measured
+    against, relative ε 1e-2): ``"rule"`` builds ``update_rule=study_rule(**rule)``, a list
+    becomes a tuple, the rest as it is (``floor_fraction``, ``decay_fraction`` and ``peak`` are
+    the schedule's)."""
+    options = [] if "rule" in spec else [("update_rule", study_rule())]
     for key, value in spec.items():
         if key == "rule":
-            import thor_tf
-
-            options.append(("update_rule", thor_tf.rules.Eigenbasis(**value)))
+            options.append(("update_rule", study_rule(**value)))
         else:
             options.append((key, tuple(value) if isinstance(value, list) else value))
     return options

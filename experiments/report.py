@@ -288,7 +288,8 @@ def batch_scaling_line(record):
                      f"{cell[cell['best_baseline']]['final']:.4g})")
         parts.append(f"{label} at batch {batch:,} ({multiple}×): {what}")
     return ("At larger batches, with the baselines re-tuned at each batch "
-            "([docs/batch_scaling.md](docs/batch_scaling.md)): " + "; ".join(parts) + ".")
+            "([docs/batch_scaling.md](docs/batch_scaling.md); THOR at relative ε 1e-2, the "
+            "default before 2026-11-30): " + "; ".join(parts) + ".")
 
 
 def batch_scaling_table(record):
@@ -381,6 +382,8 @@ def horizon_line(record):
     baseline's final over the baseline's at each measured length; "" without a record."""
     if not record or not record.get("workloads"):
         return ""
+    current = any("thor_current" in c for w in record["workloads"].values()
+                  for c in w["lengths"].values())
     parts = []
     for name, w in record["workloads"].items():
         label = workload_format(name)[0]
@@ -389,8 +392,16 @@ def horizon_line(record):
             steps = _vs_baseline(cell, "steps_to_target")
             seconds = cell.get("seconds_ratio")
             seeds = cell["thor"]["seeds"]
-            notes = [f"{seconds:.2f}× the seconds"] if seconds is not None else []
-            notes += _better_median_notes(name, cell)
+            now = cell.get("thor_current")
+            if now is not None:       # the default since 2026-11-30: steps only
+                steps = (f"{now['steps_ratio']:.2f}×" if now["steps_ratio"] is not None
+                         else "never" if now["steps_to_target"] is None else "only THOR")
+                notes = []
+            elif current:             # the study's THOR (ε 1e-2) where the default has no runs
+                notes = ["ε 1e-2"]
+            else:
+                notes = [f"{seconds:.2f}× the seconds"] if seconds is not None else []
+                notes += _better_median_notes(name, cell)
             if len(seeds) < len(record.get("seeds") or [0, 1, 2]):     # the study is running
                 notes.append(f"seed{'s' if len(seeds) > 1 else ''} "
                              f"{', '.join(map(str, seeds))} so far")
@@ -409,10 +420,36 @@ def horizon_line(record):
         on = [f"the {n}" for n in on]
         listed = ", ".join(on[:-1]) + " and " + on[-1] if len(on) > 1 else on[0]
         named.append(f"{m}× on {listed} so far")
+    how = ("at the default, relative ε 0.1; the seconds, measured at 1e-2, on that page"
+           if current else
+           "seconds: interleaved pairs in one process, but beside other jobs, so indicative only")
     return (f"On longer runs ({', '.join(named)}; the "
             "baselines re-tuned at each length; [docs/horizon.md](docs/horizon.md)), THOR's steps "
-            "to the best baseline's final over the baseline's (seconds: interleaved pairs in one "
-            "process, but beside other jobs, so indicative only): " + "; ".join(parts) + ".")
+            f"to the best baseline's final over the baseline's ({how}): "
+            + "; ".join(parts) + ".")
+
+
+def horizon_current_rows(record):
+    """docs/horizon.md's rows for THOR's current default (the cells' ``thor_current``)."""
+    fmt = lambda v, spec: "never" if v is None else format(v, spec)  # noqa: E731
+    rows = []
+    for name, w in record["workloads"].items():
+        for m, cell in sorted(w["lengths"].items(), key=lambda kv: int(kv[0])):
+            now = cell.get("thor_current")
+            if now is None:
+                continue
+            base = cell[cell["best_baseline"]]
+            ratio = (f"{now['steps_ratio']:.2f}×" if now["steps_ratio"] is not None else
+                     "never" if now["steps_to_target"] is None else "only THOR reaches it")
+            rows.append((workload_format(name)[0], f"{m}× ({cell['steps']:,})",
+                         f"{cell['target']:.4g}",
+                         f"{now['final']:.4g} / {cell['thor']['final']:.4g} / "
+                         f"{base['final']:.4g}",
+                         f"{fmt(now['steps_to_target'], 'g')} / "
+                         f"{fmt(base['steps_to_target'], 'g')}",
+                         f"{ratio} ({_vs_baseline(cell, 'steps_to_target')})",
+                         ", ".join(fmt(v, "g") for v in now["steps_by_seed"])))
+    return rows
 
 
 def horizon_block(record):
@@ -452,6 +489,16 @@ def horizon_block(record):
          "final: THOR / THOR's best peak / baseline", "steps to target: THOR / baseline",
          "THOR / baseline: steps, seconds (interleaved)", "THOR's best peak (steps ratio)",
          "seeds: THOR, baseline"), rows)
+    current = horizon_current_rows(record)
+    if current:
+        out += ["", "THOR's default since 2026-11-30 (`relative_epsilon` 0.1; the table above is "
+                "the study's THOR, at 1e-2, the default when it ran): the levers' `releps_big` "
+                "runs on the same seeds and recipe ([levers.md](levers.md)), trained alone, "
+                "so steps only; the same targets and baselines.", ""]
+        out += tables.md_table(
+            ("workload", "length (steps)", "target", "final: default / before / baseline",
+             "steps to target: default / baseline", "steps ratio (before)",
+             "seeds' steps to target"), current)
     out += ["", "Measured cost (runs in the cache and their wall seconds, evaluations included, "
             "on the shared 2-core machine): " + "; ".join(cost) + ".", "",
             "![THOR's steps to the target over the best baseline's against the length]"

@@ -25,6 +25,27 @@ from pathlib import Path
 #: are stored under this name with the peak as their rate.
 THOR_PEAK = "thor_peak"
 
+#: The eigenbasis rule's options THOR trains with in the studies over this cache (the horizon
+#: and batch-scaling studies, the levers): the default as it was when their runs were trained
+#: (``relative_epsilon`` 1e-2, the default before 2026-11-30), so that a run read back from a
+#: cache and one trained now are the same configuration. The default since then (0.1) is the
+#: levers' ``releps_big`` (docs/levers.md), whose runs give its figures at the studies'
+#: lengths (docs/horizon.md).
+STUDY_RULE = {"relative_epsilon": 1e-2}
+
+
+def study_rule(**options):
+    """The studies' eigenbasis rule (:data:`STUDY_RULE`) with ``options`` changed."""
+    import thor_tf
+
+    return thor_tf.rules.Eigenbasis(**{**STUDY_RULE, **options})
+
+
+def study_thor_options(*options):
+    """``[(name, value)]`` wrap options of the studies' THOR: :func:`study_rule` and
+    ``options``."""
+    return [("update_rule", study_rule()), *options]
+
 
 class NotCached(LookupError):
     """A run the record needs is not in the cache (``--report-only`` trains nothing)."""
@@ -77,13 +98,13 @@ def total_steps(workload, data):
 
 def train_one(workload, data, optimizer, lr, seed, quick, evals, log):
     """One run of the suite's recipe (``suite.train_run``), its rows to ``log``: a baseline at
-    ``lr``, THOR at its default (``"thor"``, ``lr`` unused) or at the explicit peak ``lr``
-    (:data:`THOR_PEAK`, its rows named so)."""
+    ``lr``, THOR at the studies' rule (:data:`STUDY_RULE`) and its default peak (``"thor"``,
+    ``lr`` unused) or the explicit peak ``lr`` (:data:`THOR_PEAK`, its rows named so)."""
     from experiments import suite
 
     peak = optimizer == THOR_PEAK
     args = argparse.Namespace(quick=quick, evals=evals,
-                              thor_option=[("peak", lr)] if peak else [])
+                              thor_option=study_thor_options(*([("peak", lr)] if peak else [])))
     suite.train_run(workload, data, "thor" if peak else optimizer, lr, seed, args,
                     lambda row: log({**row, "optimizer": optimizer} if peak else row))
 
@@ -166,7 +187,8 @@ class RunCache(JsonlRuns):
         return run["final"]
 
     def interleave(self, workload, data, baseline, rate, seeds):
-        """THOR (default) and ``baseline`` at ``rate``, each seed an interleaved pair
+        """THOR (the studies' rule, its default peak) and ``baseline`` at ``rate``, each seed an
+        interleaved pair
         (``interleave.interleaved_rows``), stored when the pair ends; held pairs skipped."""
         from experiments.interleave import interleaved_rows
 
@@ -177,7 +199,7 @@ class RunCache(JsonlRuns):
             self._missing(workload, data, f"interleaved pair thor / {baseline} seed {seed}")
             started = time.perf_counter()
             rows = interleaved_rows(workload, data, baseline, rate, seed, self.evals,
-                                    quick=self.quick)
+                                    thor_options=study_thor_options(), quick=self.quick)
             wall = (time.perf_counter() - started) / 2
             for optimizer, lr in (("thor", 0.0), (baseline, rate)):
                 self.store(workload, data, optimizer, lr, seed, "interleaved",

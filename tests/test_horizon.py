@@ -147,6 +147,29 @@ def test_steps_and_seconds_to_the_target_on_a_hand_made_cache(tmp_path, monkeypa
     assert "| tabular MLP (train MSE) | 1× (55) | Adam 0.01 | 0.45 | 0.3 / 0.3 / 0.45 | " \
            "41 / 55 | 0.75×, 1.50× | 0.03 (0.75) | 3, 3 |" in block
     assert report.horizon_line(None) == "" and "No runs recorded yet" in report.horizon_block(None)
+    assert "thor_current" not in cell          # no levers' runs of the current default yet
+
+    # The current default's runs from the levers' cache (relative ε 0.1, trained alone): it
+    # reaches 0.45 at 28 (seed 0), 41 (seed 1), never (seed 2): median 41 of adam's 55.
+    lever, options = hz.CURRENT_DEFAULT_LEVER
+    assert options == {"rule": {"relative_epsilon": 0.1}}
+    now = {0: [0.9, 0.4, 0.3, 0.25], 1: [1.0, 0.6, 0.42, 0.35], 2: [1.0, 0.8, 0.7, 0.6]}
+    other = {**_run(name, steps, "thor", 0.0, 0, "x", curve([0.1] * 4, [1, 2, 3, 4])),
+             "lever": "beta2", "options": {"rule": {"beta_2": 0.99}}}   # not the default
+    levers = [other] + [{**_run(name, steps, "thor", 0.0, seed, "x", curve(m, [1, 2, 3, 4])),
+                         "lever": lever, "options": options} for seed, m in now.items()]
+    (out / hz.LEVERS_CACHE).write_text("".join(json.dumps(r) + "\n" for r in levers))
+    record = hz.main(["--quick", "--workloads", name, "--multiples", "1", "--seeds", "0,1,2",
+                      "--evals", "4", "--out", str(out), "--report-only"])
+    now = record["workloads"][name]["lengths"]["1"]["thor_current"]
+    assert now["steps_by_seed"] == [28, 41, None] and now["steps_to_target"] == 41
+    assert now["steps_ratio"] == pytest.approx(41 / 55) and now["final"] == pytest.approx(0.35)
+    assert now["ahead_in_final"]
+    line = report.horizon_line(record)
+    assert "tabular MLP (train MSE): 1× 0.75×;" in line or line.endswith(
+        "tabular MLP (train MSE): 1× 0.75×.")
+    assert "| tabular MLP (train MSE) | 1× (55) | 0.45 | 0.35 / 0.3 / 0.45 | 41 / 55 | " \
+           "0.75× (0.75×) | 28, 41, never |" in report.horizon_block(record)
 
 
 def test_every_baseline_gets_thors_steps_to_its_own_median_final():

@@ -78,10 +78,18 @@ def test_lever_specs_build_wrap_options():
     import thor_tf
 
     assert lv.wrap_options({"weight_decay": 0.1, "weight_decay_exclude": ["bias"]}) == [
+        ("update_rule", thor_tf.rules.Eigenbasis(relative_epsilon=1e-2)),
         ("weight_decay", 0.1), ("weight_decay_exclude", ("bias",))]
     (name, rule), = lv.wrap_options({"rule": {"beta_2": 0.99}})
     assert name == "update_rule" and isinstance(rule, thor_tf.rules.Eigenbasis)
+    # On the rule the levers were measured against (relative ε 1e-2, the default before
+    # 2026-11-30), whatever the library's default is now: cached runs stay what they were.
     assert rule.beta_2 == 0.99 and rule.relative_epsilon == 1e-2
+    assert thor_tf.rules.Eigenbasis().relative_epsilon == 0.1
+    (name, rule), = lv.wrap_options({})
+    assert name == "update_rule" and rule == thor_tf.rules.Eigenbasis(relative_epsilon=1e-2)
+    (name, rule), = lv.wrap_options({"rule": {"relative_epsilon": 0.1}})
+    assert rule == thor_tf.rules.Eigenbasis()
     for lever, (_, options) in lv.LEVERS.items():
         json.dumps(options("char_gpt"))                      # the cache keys on the spec
 

@@ -93,3 +93,30 @@ def test_read_jsonl_and_append_line(tmp_path):
     rc.append_line(path, {"a": 1})
     rc.append_line(path, {"a": 2})
     assert rc.read_jsonl(path) == [{"a": 1}, {"a": 2}]
+
+
+def test_the_studies_thor_keeps_the_rule_their_runs_were_trained_with(tmp_path, monkeypatch):
+    """The cached studies' THOR (its default peak, an explicit peak, an interleaved pair) trains
+    with relative ε 1e-2, as their cached runs did, whatever the library's default is now."""
+    import thor_tf
+    from experiments import interleave, suite
+
+    before = thor_tf.rules.Eigenbasis(relative_epsilon=1e-2)
+    assert rc.study_rule() == before and thor_tf.rules.Eigenbasis() != before
+    seen = []
+    monkeypatch.setattr(suite, "train_run", lambda w, d, optimizer, lr, seed, args, log:
+                        seen.append((optimizer, list(args.thor_option))))
+    workload, data = _workload_and_data()
+    rc.train_one(workload, data, "thor", 0.0, 0, True, 2, None)
+    rc.train_one(workload, data, rc.THOR_PEAK, 0.02, 0, True, 2, None)
+    assert seen == [("thor", [("update_rule", before)]),
+                    ("thor", [("update_rule", before), ("peak", 0.02)])]
+
+    def pair(w, d, baseline, rate, seed, evals, thor_options=(), quick=False):
+        seen.append(list(thor_options))
+        return [{**row, "optimizer": o} for o in ("thor", baseline) for row in _rows([0.5])]
+
+    monkeypatch.setattr(interleave, "interleaved_rows", pair)
+    rc.RunCache(tmp_path / "runs.jsonl", quick=True, evals=2).interleave(
+        workload, data, "adam", 0.01, [0])
+    assert seen[-1] == [("update_rule", before)]
