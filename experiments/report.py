@@ -243,9 +243,13 @@ def steps_and_seconds_line(suite):
             steady.append(ratios["steady_step"])
     if not first or not steady:
         return ""
-    return (f"In the suite THOR's first segment (tracing, the first refreshes) takes "
-            f"{min(first):.2f}–{max(first):.2f}× the baseline's seconds and its steady step "
-            f"{min(steady):.2f}–{max(steady):.2f}×.")
+    span = lambda v: (f"{v[0]:.2f}×" if len(v) == 1  # noqa: E731
+                      else f"{min(v):.2f}–{max(v):.2f}×")
+    on = ("" if len(first) == len(suite["results"]) else
+          f" (on {len(first)} of its {len(suite['results'])} workloads, where the runs saw "
+          f"the same share of the CPU)")
+    return (f"In the suite{on} THOR's first segment (tracing, the first refreshes) takes "
+            f"{span(first)} the baseline's seconds and its steady step {span(steady)}.")
 
 
 def _largest_batch_cells(record):
