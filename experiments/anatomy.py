@@ -72,7 +72,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from experiments import horizon as hz  # noqa: E402
 from experiments import baselines, suite, tables  # noqa: E402
 from experiments import workloads as wl  # noqa: E402
-from experiments.run_cache import read_jsonl  # noqa: E402
+from experiments.run_cache import read_jsonl, study_thor_options  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_EVALS = 24
@@ -296,7 +296,8 @@ def run_one(workload, data, optimizer, rate, seed, evals, quick, probes, subset)
         points.append(point)
         print(line, flush=True)
 
-    args = types.SimpleNamespace(quick=quick, thor_option={}, evals=evals)
+    # THOR on the studies' rule (relative ε 1e-2): the runs in the records were trained with it.
+    args = types.SimpleNamespace(quick=quick, thor_option=dict(study_thor_options()), evals=evals)
     started = time.perf_counter()
     rows = suite.train_run(workload, data, optimizer, rate, seed, args, lambda row: None,
                            callbacks=[step_size_callback(every, steps_record)],
