@@ -188,8 +188,8 @@ class RunCache(JsonlRuns):
 
     def interleave(self, workload, data, baseline, rate, seeds):
         """THOR (the studies' rule, its default peak) and ``baseline`` at ``rate``, each seed an
-        interleaved pair
-        (``interleave.interleaved_rows``), stored when the pair ends; held pairs skipped."""
+        interleaved pair (``interleave.interleaved_rows``), stored when the pair ends; held
+        pairs skipped."""
         from experiments.interleave import interleaved_rows
 
         for seed in seeds:
