@@ -12,7 +12,8 @@ epochs, the char GPT ``m`` times its 600 steps of fresh batches of random window
 ``m = 1`` the suite's own batches). Each run follows the suite's recipe (``suite.train_run``:
 the same initial weights and batch order for a seed; the baselines' warmup + cosine and THOR's
 ``WarmupCosine(total_steps)`` span the run, so THOR's default peak follows the length:
-``3e-2·sqrt(256/T)`` beyond 256 steps). The study's machinery is ``batch_scaling.py``'s:
+``3e-2·sqrt(256/T)`` beyond 256 steps; its rule is ``run_cache.STUDY_RULE``, relative ε 1e-2,
+the default when the cached runs were trained). The study's machinery is ``batch_scaling.py``'s:
 
 * **Rates re-tuned at every length** on seed 0 (``batch_scaling.tune``): at ``1×`` each
   baseline over the suite's grid; at a longer length over three rates a factor 3 apart centred
