@@ -84,7 +84,7 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from experiments import batch_scaling as bs  # noqa: E402
-from experiments.run_cache import NotCached, RunCache, read_jsonl  # noqa: E402
+from experiments.run_cache import NotCached, RunCache, curve_rows, read_jsonl  # noqa: E402
 from experiments import workloads as wl  # noqa: E402
 
 #: Cheapest first (suite.json's seconds per run).
@@ -240,10 +240,7 @@ def current_default(workload, levers_runs, steps, batch, target, baseline, quick
         if (run["workload"], run["steps"], run["lever"], run["options"], run["quick"],
                 run["evals"]) != (workload.name, steps, lever, options, quick, evals):
             continue
-        rows += [{"seed": run["seed"], "step": step, "seconds": seconds, "metric": metric,
-                  "train_loss": loss, "first_seconds": run.get("first_seconds"),
-                  "steady_seconds_per_step": run.get("steady_seconds_per_step")}
-                 for step, seconds, metric, loss in run["curve"]]
+        rows += curve_rows(run)
     if not rows:
         return None
     summary = bs.optimizer_summary(workload, batch, rows, target, None)

@@ -398,9 +398,7 @@ def horizon_line(record):
             seeds = cell["thor"]["seeds"]
             now = cell.get("thor_current")
             if now is not None:       # the default since 2026-11-30: steps only
-                steps = (f"{now['steps_ratio']:.2f}×" if now["steps_ratio"] is not None
-                         else "never" if now["steps_to_target"] is None else "only THOR")
-                notes = []
+                steps, notes = _current_ratio(now, "only THOR"), []
             elif current:             # the study's THOR (ε 1e-2) where the default has no runs
                 notes = ["ε 1e-2"]
             else:
@@ -433,6 +431,14 @@ def horizon_line(record):
             + "; ".join(parts) + ".")
 
 
+def _current_ratio(now, only):
+    """The current default's steps ratio (a cell's ``thor_current``) as text; ``only``: the
+    words for "only THOR reaches the target"."""
+    if now["steps_ratio"] is not None:
+        return f"{now['steps_ratio']:.2f}×"
+    return "never" if now["steps_to_target"] is None else only
+
+
 def horizon_current_rows(record):
     """docs/horizon.md's rows for THOR's current default (the cells' ``thor_current``)."""
     fmt = lambda v, spec: "never" if v is None else format(v, spec)  # noqa: E731
@@ -443,8 +449,7 @@ def horizon_current_rows(record):
             if now is None:
                 continue
             base = cell[cell["best_baseline"]]
-            ratio = (f"{now['steps_ratio']:.2f}×" if now["steps_ratio"] is not None else
-                     "never" if now["steps_to_target"] is None else "only THOR reaches it")
+            ratio = _current_ratio(now, "only THOR reaches it")
             rows.append((workload_format(name)[0], f"{m}× ({cell['steps']:,})",
                          f"{cell['target']:.4g}",
                          f"{now['final']:.4g} / {cell['thor']['final']:.4g} / "

@@ -109,6 +109,16 @@ def train_one(workload, data, optimizer, lr, seed, quick, evals, log):
                     lambda row: log({**row, "optimizer": optimizer} if peak else row))
 
 
+def curve_rows(run):
+    """A stored run's evaluation curve as the suite's rows (``workload``, ``seed``, ``step``,
+    ``seconds``, ``metric``, ``train_loss`` and the run's clock)."""
+    return [{"workload": run["workload"], "seed": run["seed"], "step": step,
+             "seconds": seconds, "metric": metric, "train_loss": loss,
+             "first_seconds": run.get("first_seconds"),
+             "steady_seconds_per_step": run.get("steady_seconds_per_step"),
+             "load": run.get("load")} for step, seconds, metric, loss in run["curve"]]
+
+
 class JsonlRuns:
     """Finished runs kept in the JSON-lines file ``path``, keyed by :meth:`key_of` (a subclass
     defines it); ``quick`` and ``evals`` are the study's, ``train`` False when a missing run
@@ -217,12 +227,7 @@ class RunCache(JsonlRuns):
                     name is not None and run["workload"] != name) or (
                     steps is not None and run["steps"] != steps):
                 continue
-            for step, seconds, metric, loss in run["curve"]:
-                out.append({"workload": run["workload"], "batch": run["batch"],
-                            "phase": run["phase"], "optimizer": run["optimizer"],
-                            "lr": run["rate"], "seed": run["seed"], "step": step,
-                            "seconds": seconds, "metric": metric, "train_loss": loss,
-                            "first_seconds": run.get("first_seconds"),
-                            "steady_seconds_per_step": run.get("steady_seconds_per_step"),
-                            "load": run.get("load")})
+            out += [{**row, "batch": run["batch"], "phase": run["phase"],
+                     "optimizer": run["optimizer"], "lr": run["rate"]}
+                    for row in curve_rows(run)]
         return out
