@@ -4,6 +4,7 @@
     python experiments/horizon.py --report-only            # record, plots, docs from the cache
     python experiments/horizon.py --workloads char_gpt --multiples 1,4
     python experiments/horizon.py --quick                  # the tabular MLP, seed 0 (CI, ~1 min)
+    python experiments/horizon.py --multiples 1,4 --current-pairs 4   # the default's seconds
 
 The suite's workloads (``workloads.py``; default the char GPT, the Fashion-MNIST CNN, the ViT and
 ResNet-20, issue 54) at ``m`` times the suite's length for each ``m`` of ``--multiples``
@@ -25,6 +26,9 @@ the default when the cached runs were trained). The study's machinery is ``batch
   (``interleave.py``: one process, segment by segment in turn, both on the same host), THOR at
   its best peak (when that is not the default) on seeds 1, 2 too; with ``--every-baseline``
   every other baseline at its best rate on seeds 1, 2 as well (``vs`` below has medians then).
+  With ``--current-pairs M``: only THOR at the current default (relative ε 0.1) interleaved
+  with the best baseline at the lengths ``M``, stored under :data:`CURRENT_PHASE` (the
+  record's ``thor_current`` reads them: its seconds ratio).
 * **Target, per length**: the best baseline's median final there. Per length and optimizer: the
   final, steps, examples and seconds to the target (the first of ``--evals`` evenly spaced
   evaluations at or past it; medians over seeds; "never" when half or more seeds never get
@@ -101,6 +105,9 @@ CACHE = "horizon_runs.jsonl"
 #: recipe: its runs (this file beside the cache) give the record's ``thor_current``.
 LEVERS_CACHE = "levers_runs.jsonl"
 CURRENT_DEFAULT_LEVER = ("releps_big", {"rule": {"relative_epsilon": 0.1}})
+#: The phase of the current default's interleaved pairs with the best baseline
+#: (``--current-pairs``): its seconds to the target against the baseline's on the same host.
+CURRENT_PHASE = "interleaved_current"
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -177,6 +184,14 @@ class Study:
             for seed in seeds[1:]:
                 self.cache.final(workload, data, baseline, tuned[baseline]["best"], seed)
 
+    def current_pairs(self, name, multiple, seeds):
+        """THOR at its current default (``CURRENT_DEFAULT_LEVER``'s rule) and the best baseline
+        at its rate, each seed an interleaved pair stored under :data:`CURRENT_PHASE`."""
+        workload, data = self.at(name, multiple)
+        best, rate = bs.leader(workload, self.tuned(name, multiple))
+        self.cache.interleave(workload, data, best, rate, seeds,
+                              rule=CURRENT_DEFAULT_LEVER[1]["rule"], phase=CURRENT_PHASE)
+
 
 def schedule(workloads, multiples):
     """``[(phase, multiple, workload)]`` in the order the study runs them: every workload's
@@ -212,7 +227,8 @@ def length_cell(study, name, multiple):
                 r["phase"] == "interleaved" and r["optimizer"] == optimizer for r in rows)
     cell["vs"] = versus_each(workload, entry, batch)
     current = current_default(workload, study.levers, steps, batch, target,
-                              cell[best], study.quick, study.cache.evals)
+                              cell[best], study.quick, study.cache.evals,
+                              [r for r in rows if r["phase"] == CURRENT_PHASE], best)
     if current is not None:
         cell["thor_current"] = current
     runs, wall = study.cache.wall_seconds(name, steps)
@@ -229,25 +245,39 @@ def length_cell(study, name, multiple):
     return cell
 
 
-def current_default(workload, levers_runs, steps, batch, target, baseline, quick, evals):
-    """THOR's current default at this length from the levers' runs (``CURRENT_DEFAULT_LEVER``;
-    trained alone, so no seconds ratio): ``batch_scaling.optimizer_summary``'s fields against
-    the study's ``target``, and ``steps_ratio`` over the best baseline's (``baseline``: its
-    summary) steps to it; None when no such run is there."""
+def current_default(workload, levers_runs, steps, batch, target, baseline, quick, evals,
+                    pair_rows=(), best=None):
+    """THOR's current default at this length: ``batch_scaling.optimizer_summary``'s fields
+    against the study's ``target``, ``steps_ratio`` over the best baseline's (``baseline``: its
+    summary) steps to it, and ``paired_seconds`` / ``seconds_ratio`` (None without pairs). Its
+    runs per seed: the interleaved pair's with the best baseline ``best`` (``pair_rows``: the
+    cache's :data:`CURRENT_PHASE` rows) where there is one, else the levers' run of
+    ``CURRENT_DEFAULT_LEVER`` (the same recipe, trained alone). None when neither is there."""
     lever, options = CURRENT_DEFAULT_LEVER
-    rows = []
+    paired = [{**r, "phase": "interleaved"} for r in pair_rows]
+    by_seed = {}
+    for r in paired:
+        if r["optimizer"] == "thor":
+            by_seed.setdefault(r["seed"], []).append(r)
     for run in levers_runs:
         if (run["workload"], run["steps"], run["lever"], run["options"], run["quick"],
                 run["evals"]) != (workload.name, steps, lever, options, quick, evals):
             continue
-        rows += curve_rows(run)
+        if run["seed"] not in by_seed:
+            by_seed[run["seed"]] = curve_rows(run)
+    rows = [r for seed in sorted(by_seed) for r in by_seed[seed]]
     if not rows:
         return None
     summary = bs.optimizer_summary(workload, batch, rows, target, None)
     own, theirs = summary["steps_to_target"], baseline.get("steps_to_target")
     sign = 1 if workload.higher_is_better else -1
+    seconds = (bs.paired_seconds(workload, paired, workload.name, batch, best, target)
+               if paired else None)
     return {**summary, "lever": lever, "options": options,
             "steps_ratio": None if own is None or not theirs else own / theirs,
+            "paired_seconds": seconds,
+            "seconds_ratio": None if seconds is None else seconds["median"],
+            "paired_seeds": sorted({r["seed"] for r in paired if r["optimizer"] == "thor"}),
             "ahead_in_final": sign * (summary["final"] - target) > 0}
 
 
@@ -326,8 +356,10 @@ def plot(record, path_steps, path_seconds):
         keys = ("steps_ratio", "best_peak_steps_ratio") if thor_key else ("seconds_ratio",)
         ratios = [c.get(k) for w in record["workloads"].values() for c in w["lengths"].values()
                   for k in keys]
-        ratios += [c["thor_current"]["steps_ratio"] for w in record["workloads"].values()
-                   for c in w["lengths"].values() if thor_key and "thor_current" in c]
+        # The current default's: steps from every seed's run, seconds from its pairs.
+        now_key = "steps_ratio" if thor_key else "seconds_ratio"
+        ratios += [c["thor_current"].get(now_key) for w in record["workloads"].values()
+                   for c in w["lengths"].values() if "thor_current" in c]
         top = max([1.6] + [1.1 * r for r in ratios if r is not None])
         shown = sorted({int(m) for w in record["workloads"].values() for m in w["lengths"]})
         for name, w in record["workloads"].items():
@@ -344,8 +376,8 @@ def plot(record, path_steps, path_seconds):
                                 style, marker="o", color=color,
                                 label=f"{name}" + (" (best peak)" if "best_peak" in key else ""))
                 color = line.get_color()
-            now = [(m, c["thor_current"]["steps_ratio"]) for m, c in zip(ms, cells)
-                   if thor_key and c.get("thor_current", {}).get("steps_ratio") is not None]
+            now = [(m, c["thor_current"][now_key]) for m, c in zip(ms, cells)
+                   if c.get("thor_current", {}).get(now_key) is not None]
             if now:
                 ax.plot(*zip(*now), ":", marker="s", color=color,
                         label=f"{name} (ε_r 0.1: the default)")
@@ -357,7 +389,8 @@ def plot(record, path_steps, path_seconds):
             ax.scatter(never, [top] * len(never), marker="^", color=color, s=50)
             ax.scatter(only, [0.05] * len(only), marker="v", color=color, s=50)
         ax.axhline(1.0, color="k", lw=0.6, ls=":")
-        ax.axhline(0.75, color="gray", lw=0.6, ls="--", label="0.75 (issue 54's target)")
+        target = 0.75 if thor_key else 1.0          # issue 54's targets: steps, seconds
+        ax.axhline(target, color="gray", lw=0.6, ls="--", label=f"{target} (issue 54's target)")
         ax.set_xscale("log", base=2)
         ax.set_xticks(shown, [f"{m}×" for m in shown])
         ax.minorticks_off()
@@ -409,6 +442,11 @@ def parse_args(argv=None):
     parser.add_argument("--every-baseline", action="store_true",
                         help="every baseline at its best rate on every seed, not only the best "
                              "one (THOR's steps to each one's median final: the record's vs)")
+    parser.add_argument("--current-pairs", type=parse_ints, default=None,
+                        help="comma list of multiples: train only THOR at its current default "
+                             "(relative epsilon 0.1) interleaved with the best baseline at "
+                             "those lengths, every seed (the seconds of the record's "
+                             "thor_current); the tuning is trained first when missing")
     parser.add_argument("--report-only", action="store_true",
                         help="no training: rebuild the record, plots and docs from the cache")
     parser.add_argument("--out", default=None,
@@ -449,7 +487,10 @@ def main(argv=None):
         steps = bs.total_steps(workload, data)
         print(f"[{name} {multiple}x {phase}] {steps} steps of batch {workload.batch_size}",
               flush=True)
-        if phase == "tune":
+        if args.current_pairs is not None:
+            if phase == "seeds" and multiple in args.current_pairs:
+                study.current_pairs(name, multiple, args.seeds)
+        elif phase == "tune":
             for optimizer, info in study.tuned(name, multiple).items():
                 if info["at_edge"]:
                     print(f"[{name} {multiple}x] warning: {optimizer}'s best rate "

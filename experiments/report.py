@@ -397,8 +397,10 @@ def horizon_line(record):
             seconds = cell.get("seconds_ratio")
             seeds = cell["thor"]["seeds"]
             now = cell.get("thor_current")
-            if now is not None:       # the default since 2026-11-30: steps only
+            if now is not None:       # the default since 2026-11-30
                 steps, notes = _current_ratio(now, "only THOR"), []
+                if now.get("seconds_ratio") is not None:
+                    notes = [f"{now['seconds_ratio']:.2f}× the seconds"]
             elif current:             # the study's THOR (ε 1e-2) where the default has no runs
                 notes = ["ε 1e-2"]
             else:
@@ -422,7 +424,11 @@ def horizon_line(record):
         on = [f"the {n}" for n in on]
         listed = ", ".join(on[:-1]) + " and " + on[-1] if len(on) > 1 else on[0]
         named.append(f"{m}× on {listed} so far")
-    how = ("at the default, relative ε 0.1; the seconds, measured at 1e-2, on that page"
+    paired = any((c.get("thor_current") or {}).get("seconds_ratio") is not None
+                 for w in record["workloads"].values() for c in w["lengths"].values())
+    how = ("at the default, relative ε 0.1; seconds from interleaved pairs where given"
+           if paired else
+           "at the default, relative ε 0.1; the seconds, measured at 1e-2, on that page"
            if current else
            "seconds: interleaved pairs in one process, but beside other jobs, so indicative only")
     return (f"On longer runs ({', '.join(named)}; the "
@@ -450,13 +456,17 @@ def horizon_current_rows(record):
                 continue
             base = cell[cell["best_baseline"]]
             ratio = _current_ratio(now, "only THOR reaches it")
+            ps = now.get("paired_seconds") or {}
+            seconds = ("–" if not ps else f"{now['seconds_ratio']:.2f}×"
+                       if now.get("seconds_ratio") is not None else
+                       "only THOR" if ps.get("only_thor_seeds") else "never")
             rows.append((workload_format(name)[0], f"{m}× ({cell['steps']:,})",
                          f"{cell['target']:.4g}",
                          f"{now['final']:.4g} / {cell['thor']['final']:.4g} / "
                          f"{base['final']:.4g}",
                          f"{fmt(now['steps_to_target'], 'g')} / "
                          f"{fmt(base['steps_to_target'], 'g')}",
-                         f"{ratio} ({_vs_baseline(cell, 'steps_to_target')})",
+                         f"{ratio} ({_vs_baseline(cell, 'steps_to_target')})", seconds,
                          ", ".join(fmt(v, "g") for v in now["steps_by_seed"])))
     return rows
 
@@ -501,13 +511,16 @@ def horizon_block(record):
     current = horizon_current_rows(record)
     if current:
         out += ["", "THOR's default since 2026-11-30 (`relative_epsilon` 0.1; the table above is "
-                "the study's THOR, at 1e-2, the default when it ran): the levers' `releps_big` "
-                "runs on the same seeds and recipe ([levers.md](levers.md)), trained alone, "
-                "so steps only; the same targets and baselines.", ""]
+                "the study's THOR, at 1e-2, the default when it ran), on the same seeds and "
+                "recipe, the same targets and baselines: per seed the run of an interleaved "
+                "pair with the best baseline where one was trained (`horizon.py "
+                "--current-pairs`; its seconds ratio: the median over the pairs), else the "
+                "levers' `releps_big` run ([levers.md](levers.md)), trained alone (seconds "
+                "\"–\").", ""]
         out += tables.md_table(
             ("workload", "length (steps)", "target", "final: default / before / baseline",
              "steps to target: default / baseline", "steps ratio (before)",
-             "seeds' steps to target"), current)
+             "seconds ratio (interleaved)", "seeds' steps to target"), current)
     out += ["", "Measured cost (runs in the cache and their wall seconds, evaluations included, "
             "on the shared 2-core machine): " + "; ".join(cost) + ".", "",
             "![THOR's steps to the target over the best baseline's against the length]"

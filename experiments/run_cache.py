@@ -196,25 +196,30 @@ class RunCache(JsonlRuns):
                              time.perf_counter() - started)
         return run["final"]
 
-    def interleave(self, workload, data, baseline, rate, seeds):
-        """THOR (the studies' rule, its default peak) and ``baseline`` at ``rate``, each seed an
-        interleaved pair (``interleave.interleaved_rows``), stored when the pair ends; held
-        pairs skipped."""
+    def interleave(self, workload, data, baseline, rate, seeds, rule=None,
+                   phase="interleaved"):
+        """THOR (the studies' rule with ``rule``'s options changed, its default peak) and
+        ``baseline`` at ``rate``, each seed an interleaved pair (``interleave.interleaved_rows``),
+        stored under ``phase`` when the pair ends (THOR's line with its ``rule``); held pairs
+        skipped. A pair at another rule must have its own ``phase``: the summaries read
+        "interleaved" as the studies' rule."""
         from experiments.interleave import interleaved_rows
 
         for seed in seeds:
-            if (self.get(workload, data, "thor", 0.0, seed, "interleaved")
-                    and self.get(workload, data, baseline, rate, seed, "interleaved")):
+            if (self.get(workload, data, "thor", 0.0, seed, phase)
+                    and self.get(workload, data, baseline, rate, seed, phase)):
                 continue
-            self._missing(workload, data, f"interleaved pair thor / {baseline} seed {seed}")
+            self._missing(workload, data, f"{phase} pair thor / {baseline} seed {seed}")
             started = time.perf_counter()
             rows = interleaved_rows(workload, data, baseline, rate, seed, self.evals,
-                                    thor_options=study_thor_options(), quick=self.quick)
+                                    thor_options=[("update_rule", study_rule(**(rule or {})))],
+                                    quick=self.quick)
             wall = (time.perf_counter() - started) / 2
             for optimizer, lr in (("thor", 0.0), (baseline, rate)):
-                self.store(workload, data, optimizer, lr, seed, "interleaved",
+                extra = {"rule": rule} if rule and optimizer == "thor" else {}
+                self.store(workload, data, optimizer, lr, seed, phase,
                            [r for r in rows if r["optimizer"] == optimizer], wall,
-                           pair=[baseline, float(rate)])
+                           pair=[baseline, float(rate)], **extra)
 
     def rows(self, name=None, steps=None):
         """The suite-shaped evaluation rows (what the studies' summaries read: ``workload``,

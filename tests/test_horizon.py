@@ -169,7 +169,60 @@ def test_steps_and_seconds_to_the_target_on_a_hand_made_cache(tmp_path, monkeypa
     assert "tabular MLP (train MSE): 1× 0.75×;" in line or line.endswith(
         "tabular MLP (train MSE): 1× 0.75×.")
     assert "| tabular MLP (train MSE) | 1× (55) | 0.45 | 0.35 / 0.3 / 0.45 | 41 / 55 | " \
-           "0.75× (0.75×) | 28, 41, never |" in report.horizon_block(record)
+           "0.75× (0.75×) | – | 28, 41, never |" in report.horizon_block(record)
+
+    # Interleaved pairs of the current default with adam on seeds 0 and 1 (--current-pairs):
+    # their THOR runs replace the levers' there. Seed 0: THOR 0.45 at 28 (6 s), adam at 55
+    # (4 s): 1.5; seed 1: THOR at 28 (2 s), adam at 28 (4 s): 0.5. Seed 2: the levers' run.
+    pairs = {0: ([0.9, 0.4, 0.3, 0.25], [3, 6, 9, 12], [1.5, 0.9, 0.6, 0.44], [1, 2, 3, 4]),
+             1: ([1.0, 0.44, 0.4, 0.3], [1, 2, 3, 4], [1.5, 0.45, 0.4, 0.4], [2, 4, 6, 8])}
+    with open(out / hz.CACHE, "a") as fh:
+        for seed, (tm, ts, am, at) in pairs.items():
+            for line in (_run(name, steps, "thor", 0.0, seed, hz.CURRENT_PHASE, curve(tm, ts),
+                              pair=["adam", 0.01], rule={"relative_epsilon": 0.1}),
+                         _run(name, steps, "adam", 0.01, seed, hz.CURRENT_PHASE, curve(am, at),
+                              pair=["adam", 0.01])):
+                fh.write(json.dumps(line) + "\n")
+    record = hz.main(["--quick", "--workloads", name, "--multiples", "1", "--seeds", "0,1,2",
+                      "--evals", "4", "--out", str(out), "--report-only"])
+    cell = record["workloads"][name]["lengths"]["1"]
+    now = cell["thor_current"]
+    assert now["steps_by_seed"] == [28, 28, None] and now["steps_to_target"] == 28
+    assert now["steps_ratio"] == pytest.approx(28 / 55) and now["paired_seeds"] == [0, 1]
+    assert now["paired_seconds"]["per_seed"] == {0: pytest.approx(1.5), 1: pytest.approx(0.5)}
+    assert now["seconds_ratio"] == pytest.approx(1.0)
+    # The study's own THOR (relative ε 1e-2) and its pairs are untouched.
+    assert cell["thor"]["steps_by_seed"] == [41, 41, None]
+    assert cell["seconds_ratio"] == pytest.approx(1.5)
+    assert "tabular MLP (train MSE): 1× 0.51× (1.00× the seconds)" in report.horizon_line(record)
+    assert "| 0.51× (0.75×) | 1.00× | 28, 28, never |" in report.horizon_block(record)
+
+
+def test_current_pairs_train_the_default_rule_under_their_own_phase(tmp_path, monkeypatch):
+    """``RunCache.interleave`` with a rule: THOR's options carry it, both runs are stored under
+    the given phase, and a held pair is not trained again."""
+    from experiments.run_cache import RunCache
+
+    calls = []
+
+    def fake_rows(workload, data, baseline, rate, seed, evals, thor_options, quick):
+        calls.append(dict(thor_options)["update_rule"])
+        return [{"optimizer": o, "step": s, "seconds": s / 10, "metric": 1.0 / (s + 1),
+                 "train_loss": 1.0} for o in ("thor", baseline) for s in (0, 10)]
+
+    monkeypatch.setattr("experiments.interleave.interleaved_rows", fake_rows)
+    workload, data = hz.lengthened_workload("tabular_mlp", 1, quick=True)
+    cache = RunCache(tmp_path / "c.jsonl", quick=True, evals=4)
+    for _ in range(2):
+        cache.interleave(workload, data, "adam", 0.01, [0], rule={"relative_epsilon": 0.1},
+                         phase=hz.CURRENT_PHASE)
+    assert len(calls) == 1 and calls[0].relative_epsilon == pytest.approx(0.1)
+    runs = [json.loads(line) for line in (tmp_path / "c.jsonl").read_text().splitlines()]
+    assert [(r["optimizer"], r["phase"], r.get("rule")) for r in runs] == [
+        ("thor", hz.CURRENT_PHASE, {"relative_epsilon": 0.1}),
+        ("adam", hz.CURRENT_PHASE, None)]
+    cache.interleave(workload, data, "adam", 0.01, [0])          # the studies' rule: a new pair
+    assert len(calls) == 2 and calls[1].relative_epsilon == pytest.approx(1e-2)
 
 
 def test_every_baseline_gets_thors_steps_to_its_own_median_final():
