@@ -299,12 +299,13 @@ def _seed_rows(rows, workload_name, batch, optimizer, rate):
             for r in by_phase.get("interleaved", by_phase.get("sweep"))]
 
 
-def paired_seconds(workload, rows, name, batch, baseline, target):
+def paired_seconds(workload, rows, name, batch, baseline, target, phase="interleaved"):
     """Per seed, THOR's seconds to the target over the baseline's from the same interleaved
-    pair (None where one never got there; the pair saw the same host, the seeds may not have),
-    their median (None when none), and the seeds where only THOR got there."""
+    pair (the rows of ``phase``; None where one never got there; the pair saw the same host,
+    the seeds may not have), their median (None when none), and the seeds where only THOR got
+    there."""
     pair = [r for r in rows if r["workload"] == name and r["batch"] == batch
-            and r["phase"] == "interleaved"]
+            and r["phase"] == phase]
     thor = _runs_by_seed([r for r in pair if r["optimizer"] == "thor"])
     base = _runs_by_seed([r for r in pair if r["optimizer"] == baseline])
     ratios, only_thor = {}, []

@@ -254,9 +254,8 @@ def current_default(workload, levers_runs, steps, batch, target, baseline, quick
     cache's :data:`CURRENT_PHASE` rows) where there is one, else the levers' run of
     ``CURRENT_DEFAULT_LEVER`` (the same recipe, trained alone). None when neither is there."""
     lever, options = CURRENT_DEFAULT_LEVER
-    paired = [{**r, "phase": "interleaved"} for r in pair_rows]
     by_seed = {}
-    for r in paired:
+    for r in pair_rows:
         if r["optimizer"] == "thor":
             by_seed.setdefault(r["seed"], []).append(r)
     for run in levers_runs:
@@ -271,13 +270,13 @@ def current_default(workload, levers_runs, steps, batch, target, baseline, quick
     summary = bs.optimizer_summary(workload, batch, rows, target, None)
     own, theirs = summary["steps_to_target"], baseline.get("steps_to_target")
     sign = 1 if workload.higher_is_better else -1
-    seconds = (bs.paired_seconds(workload, paired, workload.name, batch, best, target)
-               if paired else None)
+    seconds = (bs.paired_seconds(workload, pair_rows, workload.name, batch, best, target,
+                                 phase=CURRENT_PHASE) if pair_rows else None)
     return {**summary, "lever": lever, "options": options,
             "steps_ratio": None if own is None or not theirs else own / theirs,
             "paired_seconds": seconds,
             "seconds_ratio": None if seconds is None else seconds["median"],
-            "paired_seeds": sorted({r["seed"] for r in paired if r["optimizer"] == "thor"}),
+            "paired_seeds": sorted({r["seed"] for r in pair_rows if r["optimizer"] == "thor"}),
             "ahead_in_final": sign * (summary["final"] - target) > 0}
 
 

@@ -445,6 +445,15 @@ def _current_ratio(now, only):
     return "never" if now["steps_to_target"] is None else only
 
 
+def _paired_seconds_text(ratio, paired, neither):
+    """A median seconds ratio of interleaved pairs as text: "only THOR" when none is there but
+    some seed's THOR alone reached the target (``paired``: ``paired_seconds``), else
+    ``neither``."""
+    if ratio is not None:
+        return f"{ratio:.2f}×"
+    return "only THOR" if paired.get("only_thor_seeds") else neither
+
+
 def horizon_current_rows(record):
     """docs/horizon.md's rows for THOR's current default (the cells' ``thor_current``)."""
     fmt = lambda v, spec: "never" if v is None else format(v, spec)  # noqa: E731
@@ -456,10 +465,9 @@ def horizon_current_rows(record):
                 continue
             base = cell[cell["best_baseline"]]
             ratio = _current_ratio(now, "only THOR reaches it")
-            ps = now.get("paired_seconds") or {}
-            seconds = ("–" if not ps else f"{now['seconds_ratio']:.2f}×"
-                       if now.get("seconds_ratio") is not None else
-                       "only THOR" if ps.get("only_thor_seeds") else "never")
+            ps = now.get("paired_seconds")
+            seconds = "–" if not ps else _paired_seconds_text(now.get("seconds_ratio"), ps,
+                                                              "never")
             rows.append((workload_format(name)[0], f"{m}× ({cell['steps']:,})",
                          f"{cell['target']:.4g}",
                          f"{now['final']:.4g} / {cell['thor']['final']:.4g} / "
@@ -487,10 +495,8 @@ def horizon_block(record):
             best = cell["best_baseline"]
             base, thor = cell[best], cell["thor"]
             peak = cell.get("thor_best", thor)
-            seconds = cell.get("seconds_ratio")
-            ps = cell.get("paired_seconds") or {}
-            seconds = (f"{seconds:.2f}×" if seconds is not None else
-                       "only THOR" if ps.get("only_thor_seeds") else "–")
+            seconds = _paired_seconds_text(cell.get("seconds_ratio"),
+                                           cell.get("paired_seconds") or {}, "–")
             edge = " (grid end)" if base.get("at_edge") else ""
             rows.append((
                 label, f"{m}× ({cell['steps']:,})",

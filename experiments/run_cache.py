@@ -41,10 +41,10 @@ def study_rule(**options):
     return thor_tf.rules.Eigenbasis(**{**STUDY_RULE, **options})
 
 
-def study_thor_options(*options):
-    """``[(name, value)]`` wrap options of the studies' THOR: :func:`study_rule` and
-    ``options``."""
-    return [("update_rule", study_rule()), *options]
+def study_thor_options(*options, rule=None):
+    """``[(name, value)]`` wrap options of the studies' THOR: :func:`study_rule` (with the
+    options ``rule`` changed) and ``options``."""
+    return [("update_rule", study_rule(**(rule or {}))), *options]
 
 
 class NotCached(LookupError):
@@ -212,7 +212,7 @@ class RunCache(JsonlRuns):
             self._missing(workload, data, f"{phase} pair thor / {baseline} seed {seed}")
             started = time.perf_counter()
             rows = interleaved_rows(workload, data, baseline, rate, seed, self.evals,
-                                    thor_options=[("update_rule", study_rule(**(rule or {})))],
+                                    thor_options=study_thor_options(rule=rule),
                                     quick=self.quick)
             wall = (time.perf_counter() - started) / 2
             for optimizer, lr in (("thor", 0.0), (baseline, rate)):
