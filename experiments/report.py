@@ -57,6 +57,9 @@ RECORDS = {
 OPTIONAL_RECORDS = {
     "horizon": (RESULTS / "horizon.json",
                 "python experiments/horizon.py (resumes from docs/results/horizon_runs.jsonl)"),
+    "lm_long": (RESULTS / "lm_8000.json",
+                "python experiments/lm.py --steps 8000 --lr-grid muon=1e-3,1.7e-3,3e-3 "
+                "--lr-grid adamw=1e-3,3e-3 (its lm.json)"),
 }
 
 def workload_format(name):
@@ -91,7 +94,13 @@ def _ratio(value, digits=2):
 
 
 def _rate(value):
-    return f"{value:.0e}".replace("e-0", "e-") if value else "?"
+    """A rate in one significant digit (``3e-3``), two where one would change it (``1.7e-3``)."""
+    if not value:
+        return "?"
+    text = f"{value:.0e}"
+    if abs(float(text) - value) > 1e-6 * abs(value):
+        text = f"{value:.1e}"
+    return text.replace("e-0", "e-")
 
 
 def _opt(name, lr=None):
@@ -227,6 +236,8 @@ def all_rows(records):
             + [main_job_row(records["main_job_fashion"], "main job: Fashion-MNIST CNN"),
                main_job_row(records["main_job_digits"], "main job: digits CNN"),
                main_job_row(records["lm"], "char GPT, `experiments/lm.py` (val loss)", "loss")]
+            + ([main_job_row(records["lm_long"], "char GPT, `experiments/lm.py` (val loss)", "loss")]
+               if "lm_long" in records else [])
             + [main_job_row(records[f"lora_r{r}"], f"LoRA fine-tune, rank {r} (val loss)", "loss")
                for r in (4, 16)])
 

@@ -32,7 +32,8 @@ def test_readme_table_has_one_row_per_workload_with_its_record():
     records = report.load_records(ROOT)
     block = report.readme_block(records, ROOT)
     rows = [line for line in block.splitlines() if line.startswith("| ") and "record" in line]
-    assert len(rows) == len(records["suite"]["results"]) + 5  # 2 main jobs, the LM, 2 LoRA ranks
+    # 2 main jobs, the LM, 2 LoRA ranks; the LM's long run once its record exists
+    assert len(rows) == len(records["suite"]["results"]) + 5 + ("lm_long" in records)
     for line in rows:
         target = line.rsplit("](", 1)[1].split(")", 1)[0]
         assert os.path.exists(os.path.join(ROOT, target)), line
@@ -108,6 +109,21 @@ def test_a_driver_row_of_a_loss_compares_lower_as_better():
     summary["optimizers"]["thor"]["final"] = 1.7
     row = report.main_job_row(record, "LM", "loss")
     assert row["seconds_ratio"] == "0.99×" and not row["ahead"]
+
+
+def test_the_long_lm_record_adds_its_row_after_the_lm_and_is_optional():
+    """``lm_8000.json`` (``lm.py --steps 8000``) is read when present: its row follows lm.py's
+    2,000-step row, with its own steps; without it the table is as before."""
+    records = report.load_records(ROOT)
+    records.pop("lm_long", None)
+    short = report.all_rows(records)
+    long = dict(records["lm"], _path="docs/results/lm_8000.json")
+    long["workload"] = json.loads(json.dumps(records["lm"]["workload"]))
+    long["workload"]["optimizers"]["thor"]["total_steps"] = 8000
+    rows = report.all_rows({**records, "lm_long": long})
+    assert len(rows) == len(short) + 1
+    at = next(i for i, r in enumerate(rows) if r["record"] == "docs/results/lm.json")
+    assert rows[at + 1]["record"] == "docs/results/lm_8000.json" and rows[at + 1]["steps"] == 8000
 
 
 def test_the_horizon_line_names_a_baseline_whose_median_over_seeds_beats_the_leaders():
