@@ -58,7 +58,7 @@ OPTIONAL_RECORDS = {
     "horizon": (RESULTS / "horizon.json",
                 "python experiments/horizon.py (resumes from docs/results/horizon_runs.jsonl)"),
     "lm_long": (RESULTS / "lm_8000.json",
-                "python experiments/lm.py --steps 8000 --lr-grid muon=1e-3,1.7e-3,3e-3 "
+                "python experiments/lm.py --steps 8000 --lr-grid muon=1e-3,1.7e-3,3e-3,5.2e-3 "
                 "--lr-grid adamw=1e-3,3e-3 (its lm.json)"),
 }
 
