@@ -234,10 +234,9 @@ def _table(rows, strip=""):
 def all_rows(records):
     return (suite_rows(records["suite"])
             + [main_job_row(records["main_job_fashion"], "main job: Fashion-MNIST CNN"),
-               main_job_row(records["main_job_digits"], "main job: digits CNN"),
-               main_job_row(records["lm"], "char GPT, `experiments/lm.py` (val loss)", "loss")]
-            + ([main_job_row(records["lm_long"], "char GPT, `experiments/lm.py` (val loss)", "loss")]
-               if "lm_long" in records else [])
+               main_job_row(records["main_job_digits"], "main job: digits CNN")]
+            + [main_job_row(records[name], "char GPT, `experiments/lm.py` (val loss)", "loss")
+               for name in ("lm", "lm_long") if name in records]
             + [main_job_row(records[f"lora_r{r}"], f"LoRA fine-tune, rank {r} (val loss)", "loss")
                for r in (4, 16)])
 
