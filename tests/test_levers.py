@@ -74,6 +74,43 @@ def test_plan_puts_seed_0_of_every_lever_first_and_the_default_after_them():
     assert {s for s, *_ in order[6:]} == {1}
 
 
+def test_a_lever_on_the_current_default_is_paired_with_that_defaults_runs():
+    from types import SimpleNamespace
+
+    assert lv.AGAINST["beta1_low"] == "releps_big"
+    spec = lv.LEVERS["beta1_low"][1]("char_gpt")
+    assert spec == {"rule": {"relative_epsilon": 0.1, "beta_1": 0.8}}
+    curve = lambda losses: [[0, 0.0, 3.0, None]] + [[10 * (i + 1), 1.0, x, None]
+                                                     for i, x in enumerate(losses)]
+    held = {("releps_big", 0): {"final": 1.70, "curve": curve([1.9, 1.70])},
+            ("releps_big", 1): {"final": 1.72, "curve": curve([1.8, 1.72])},
+            ("beta1_low", 0): {"final": 1.68, "curve": curve([1.75, 1.68])},
+            ("beta1_low", 1): {"final": 1.73, "curve": curve([1.85, 1.73])}}
+
+    class Held:
+        def target(self, workload, steps):
+            return 1.76, {"optimizer": "muon", "rate": 3e-3, "seed": 0}
+
+        def default_run(self, name, steps, seed):
+            raise AssertionError("a lever on the current default is not paired with the study's")
+
+        def lever_run(self, name, steps, lever, spec_, seed):
+            want = lv.LEVERS[lever][1](name)
+            return held.get((lever, seed)) if spec_ == want else None
+
+    workload = SimpleNamespace(name="char_gpt", higher_is_better=False, metric="loss")
+    c = lv.cell(Held(), workload, 20, 4, "beta1_low", spec, [0, 1, 2])
+    assert c["against"] == "releps_big" and c["seeds"] == [0, 1]
+    assert c["default_sources"] == ["levers (releps_big)"] * 2
+    assert c["final"]["difference"]["per_seed"] == pytest.approx([-0.02, 0.01])
+    assert (c["final"]["improved"], c["final"]["worse"]) == (1, 1)
+    # Steps to 1.76: the reference at 20 on both seeds; the lever at 10, then 20.
+    assert c["steps_to_target"]["difference"]["per_seed"] == [-10, 0]
+    # Its plan trains (or finds) the reference lever's runs, not the study default's.
+    assert lv.plan(["beta1_low"], ["char_gpt"], [4], [0]) == [
+        (0, 4, "char_gpt", "beta1_low"), (0, 4, "char_gpt", "releps_big")]
+
+
 def test_lever_specs_build_wrap_options():
     import thor_tf
 
