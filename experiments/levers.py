@@ -313,7 +313,7 @@ def paired(default, lever, higher_is_better):
 def reference_run(runs, name, steps, against, seed):
     """The run a lever is paired with on ``seed``: THOR's study default
     (:meth:`Runs.default_run`) when ``against`` is None, else lever ``against``'s run (source
-    "levers (against)"); None when it is not held."""
+    ``"levers (<against>)"``); None when it is not held."""
     if against is None:
         return runs.default_run(name, steps, seed)
     run = runs.lever_run(name, steps, against, LEVERS[against][1](name), seed)
@@ -322,9 +322,9 @@ def reference_run(runs, name, steps, against, seed):
 
 def cell(runs, workload, steps, multiple, lever, spec, seeds):
     """A lever's cell at one workload and length: the seeds where both the lever's and the
-    default's runs (or those of the lever it is measured against, :data:`AGAINST`) are held, their finals and steps to the target paired (:func:`paired`; steps
-    lower is better), the target and where it comes from, where each default run comes from.
-    None when no seed has both."""
+    default's runs (or those of the lever it is paired with, :data:`AGAINST`) are held, their
+    finals and steps to the target paired (:func:`paired`; steps lower is better), the target
+    and where it comes from, where each reference run comes from. None when no seed has both."""
     target, source = runs.target(workload, steps)
     against = AGAINST.get(lever)
     pairs = []

@@ -31,7 +31,9 @@ THOR_PEAK = "thor_peak"
 #: cache and one trained now are the same configuration. The default since then (0.1) is the
 #: levers' ``releps_big`` (docs/levers.md), whose runs give its figures at the studies'
 #: lengths (docs/horizon.md).
-STUDY_RULE = {"relative_epsilon": 1e-2}
+#: β₁ is pinned at the value those runs had, so a later default does not change what a cached
+#: run means either (the levers' ``beta1_*`` set their own).
+STUDY_RULE = {"relative_epsilon": 1e-2, "beta_1": 0.9}
 
 
 def study_rule(**options):
