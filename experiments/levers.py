@@ -126,11 +126,11 @@ LEVERS = {
                   "orthogonalized step lags the gradient less (lm.py at 2,000 steps, seed 0: "
                   "0.95 / 0.9 / 0.85 / 0.8 / 0.7 / 0.5 ended at 1.6390 / 1.6219 / 1.6166 / "
                   "1.6133 / 1.6209 / 1.6258)",
-                  _eigenbasis(relative_epsilon=1e-1, beta_1=0.8)),
+                  _eigenbasis(**hz.CURRENT_DEFAULT_LEVER[1]["rule"], beta_1=0.8)),
     "beta1_mid": ("the eigenbasis moments' beta_1 0.9 -> 0.85 on THOR's current default "
                   "(relative epsilon 0.1): halfway to beta1_low, which gains on fitting and "
                   "fresh data and loses the digits, topics and breast-cancer held-out figures",
-                  _eigenbasis(relative_epsilon=1e-1, beta_1=0.85)),
+                  _eigenbasis(**hz.CURRENT_DEFAULT_LEVER[1]["rule"], beta_1=0.85)),
     "ema": ("the weights' moving average (Keras' use_ema, momentum 0.99: ~100 steps) is the "
             "model evaluated and returned, as the field's long-run record averages its weights",
             lambda name: {"use_ema": True, "ema_momentum": 0.99}),
@@ -147,10 +147,11 @@ LEVERS = {
                       "preset thor_nt, omega1 = omega2 = 0) instead of the trace rule's choice",
                       lambda name: {"preset": "thor_nt"}),
 }
-#: Levers measured on THOR's current default (relative ε 0.1, the ``releps_big`` lever's rule):
-#: each is paired per seed with that lever's runs instead of the study's default (ε 1e-2), so
-#: its effect is the change of the one option it adds to the library's default.
-AGAINST = {"beta1_low": "releps_big", "beta1_mid": "releps_big"}
+#: Levers measured on THOR's current default (``horizon.CURRENT_DEFAULT_LEVER``: the lever whose
+#: rule it is, ``releps_big``): each is paired per seed with that lever's runs instead of the
+#: study's default (ε 1e-2), so its effect is the change of the one option it adds to the
+#: library's default.
+AGAINST = {name: hz.CURRENT_DEFAULT_LEVER[0] for name in ("beta1_low", "beta1_mid")}
 DEFAULT_LEVERS = ("wd_keras", "wd_matched", "floor", "beta2", "releps")
 QUICK_LEVER = "floor"
 DEFAULT = "default"          # the lever name of THOR's default runs trained here
@@ -452,8 +453,10 @@ def markdown(record, commands):
         v = entry["verdict"]
         against = AGAINST.get(lever)
         paired_with = ("" if against is None else
-                       f" Paired with `{against}`'s runs (THOR's default since 2026-11-30), "
-                       "not the study's default: \"default\" below is that lever.")
+                       f" Paired with `{against}`'s runs"
+                       + (" (THOR's default since 2026-11-30)"
+                          if against == hz.CURRENT_DEFAULT_LEVER[0] else "")
+                       + ", not the study's default: \"default\" below is that lever.")
         lines += [f"### `{lever}`: {entry['description']}", "",
                   f"Options: `{json.dumps(entry['options'])}`.{paired_with} Verdict from the "
                   f"numbers: **{'adopt' if v['adopt'] else 'not adopted'}**: {v['why']}.", ""]
