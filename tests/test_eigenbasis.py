@@ -351,6 +351,79 @@ def test_growing_beta_2_is_adafactors_decay_on_every_variable():
     assert moved > 0.03, moved
 
 
+def _mlp_with_lone_variable(seed=0, d=5):
+    """:func:`_mlp` and a PReLU on its output: the PReLU's ``[2]`` slope is the only variable of
+    its shape without a block, so it takes the rule's per-variable AdamW path
+    (``Eigenbasis.update_step``), the LayerNormalization's scale and offset the stacked one."""
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((d,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.LayerNormalization(), keras.layers.Dense(2),
+                             keras.layers.PReLU()])
+
+
+def test_beta_1_following_the_rate_matches_float64_first_principles():
+    """``beta_1=0.5, beta_1_max=0.75`` under the rates 0.3, 1, 0.8, 0.6, 0.2, 0.05 (× 0.05):
+    ``1 − β1_t = max(0.5·η_t/η_max, 0.25, 1/t)`` with ``η_max`` the largest rate so far is
+    1 (t = 1: the first rate is its own largest), 0.5 (t), 0.4 and 0.3 (the rate), then 0.25 (the
+    cap ``beta_1_max``); ``m̂ = m``. Bases at the identity, 6 steps replayed in float64 from the
+    gradients of an unwrapped clone at the reference's weights, on the blocks, the stacked
+    LayerNormalization and the lone PReLU slope: within 2e-5 after every step. A constant
+    β1 0.5 with Adam's bias correction is 100x farther: the test sees the schedule."""
+    x, y = _regression()
+    peak = 0.05
+    rates = [r * peak for r in (0.3, 1.0, 0.8, 0.6, 0.2, 0.05)]
+    schedule = keras.optimizers.schedules.PiecewiseConstantDecay([0, 1, 2, 3, 4], rates)
+    with pytest.warns(UserWarning, match="no Kronecker block for p_re_lu"):
+        wrapped = thor_tf.wrap(_mlp_with_lone_variable(), learning_rate=schedule,
+                               update_rule=HeldBases(beta_1=0.5, beta_1_max=0.75), verbose=False)
+    wrapped.compile(loss="mse")
+    clone = _mlp_with_lone_variable()
+    start = [v.numpy().astype(np.float64) for v in clone.trainable_variables]
+    mse = keras.losses.MeanSquaredError()
+
+    def replay(first_moment_decay, bias_corrected, steps):
+        weights = [w.copy() for w in start]
+        m = [np.zeros_like(w) for w in weights]
+        v = [np.zeros_like(w) for w in weights]
+        out = []
+        for step in range(steps):
+            xb, yb = x[16 * step:16 * (step + 1)], y[16 * step:16 * (step + 1)]
+            for var, w in zip(clone.trainable_variables, weights):
+                var.assign(w.astype(np.float32))
+            with tf.GradientTape() as tape:
+                loss = mse(yb, clone(xb))
+            grads = [g.numpy().astype(np.float64)
+                     for g in tape.gradient(loss, clone.trainable_variables)]
+            t, rate = step + 1, rates[step]
+            b1 = first_moment_decay(t, rate / max(rates[:step + 1]))
+            correction_1 = 1 - b1 ** t if bias_corrected else 1.0
+            for k, g in enumerate(grads):
+                m[k] = b1 * m[k] + (1 - b1) * g
+                v[k] = B2 * v[k] + (1 - B2) * g ** 2
+                weights[k] = weights[k] - rate * (m[k] / correction_1) / (
+                    np.sqrt(v[k] / (1 - B2 ** t)) + EPS)
+            out.append([w.copy() for w in weights])
+        return out
+
+    decays = []
+
+    def following(t, ratio):
+        decays.append(1 - max(0.5 * ratio, 0.25, 1 / t))
+        return decays[-1]
+
+    want = replay(following, False, 6)
+    np.testing.assert_allclose(decays, [0.0, 0.5, 0.6, 0.7, 0.75, 0.75], atol=1e-12)
+    constant = replay(lambda t, ratio: 0.5, True, 6)
+    for step in range(6):
+        wrapped.train_on_batch(x[16 * step:16 * (step + 1)], y[16 * step:16 * (step + 1)])
+        for got, w in zip(wrapped.trainable_variables, want[step]):
+            np.testing.assert_allclose(got.numpy(), w, atol=2e-5, rtol=0, err_msg=got.name)
+    assert float(wrapped.thor.state.rule_state.numpy()) == pytest.approx(peak)
+    assert max(np.abs(a - b).max() for a, b in zip(want[-1], constant[-1])) > 100 * 2e-5
+    moved = max(np.abs(w - w0).max() for w, w0 in zip(want[-1], start))
+    assert moved > 0.03, moved
+
+
 def _rotation_run(rule, rotate, steps=6):
     """Losses of a softmax regression whose inputs are rotated by an orthogonal O (the kernel
     rotated to match, so the model computes the same function)."""
@@ -435,16 +508,21 @@ def test_non_finite_batch_changes_no_moment_and_no_basis():
     assert model.thor.counters()["nonfinite_steps"] == 1
 
 
-@pytest.mark.parametrize("growth", [None, 0.8])
-def test_save_and_load_resume_the_same_run(tmp_path, growth):
+@pytest.mark.parametrize("growth,beta_1_max", [(None, None), (0.8, None), (None, 0.9)])
+def test_save_and_load_resume_the_same_run(tmp_path, growth, beta_1_max):
     """model.save after 4 steps, load, 4 more steps = 8 uninterrupted steps (bases, eigenvalues,
-    moments and Adam slots are optimizer state; a growing β2 is a function of the step count);
-    the loaded optimizer is the eigenbasis rule with its options."""
+    moments and Adam slots are optimizer state; a growing β2 is a function of the step count;
+    under ``beta_1_max`` the largest rate so far is state too: the rate halves right after the
+    save, and a restart from 0 would take the halved rate as the largest); the loaded optimizer
+    is the eigenbasis rule with its options."""
     x, y = _regression()
-    rule = Eigenbasis(beta_2=0.99, step="adam", beta_2_growth=growth)
+    rule = Eigenbasis(beta_2=0.99, step="adam", beta_2_growth=growth,
+                      **({} if beta_1_max is None else dict(beta_1=0.5, beta_1_max=beta_1_max)))
+    rate = LR if beta_1_max is None else keras.optimizers.schedules.PiecewiseConstantDecay(
+        [3, 4, 5, 6], [LR, 0.5 * LR, 0.3 * LR, 0.2 * LR, 0.1 * LR])
 
     def fresh():
-        model = thor_tf.wrap(_mlp(), learning_rate=LR, update_rule=rule, verbose=False,
+        model = thor_tf.wrap(_mlp(), learning_rate=rate, update_rule=rule, verbose=False,
                              **EVERY_2)
         model.compile(loss="mse")
         return model
@@ -475,6 +553,9 @@ def test_options_name_the_allowed_values():
     for bad in (0, 1.5, "0.8", True):
         with pytest.raises(ValueError, match=r"beta_2_growth.*None or a float in \(0, 1\]"):
             Eigenbasis(beta_2_growth=bad)
+    for bad in (0.85, 1.0, "0.95", True):
+        with pytest.raises(ValueError, match=r"beta_1_max.*None or a float in \[beta_1, 1\)"):
+            Eigenbasis(beta_1=0.9, beta_1_max=bad)
     model = thor_tf.wrap(_mlp(), update_rule="inverse", verbose=False)
     model.compile(loss="mse")
     assert isinstance(model.thor_optimizer.update_rule, Inverse)

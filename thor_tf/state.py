@@ -10,7 +10,8 @@
   factors in use, the trace filter (a :class:`~thor_tf.trace_rule.FilterState` of vectors), the
   count of consecutive Δ < ω2 (``calm``), last Δ, refresh / reuse counts, frozen flag and step,
   last refresh step; and the model-wide scalars: next cadence step, cadence points, non-finite
-  steps, epoch, cadence interval, non-finite traces, the last KL-clip scale ν.
+  steps, epoch, cadence interval, non-finite traces, the last KL-clip scale ν; then the rule's
+  model-wide state, if it has one.
 
 Variables are created in a fixed order with fixed names (checkpoints match by them).
 """
@@ -70,6 +71,8 @@ class ThorState:
     interval: object
     nonfinite_traces: object
     kl_scale: object
+    #: The update rule's model-wide state (:meth:`thor_tf.rules.UpdateRule.create_model_state`).
+    rule_state: object = None
 
     @classmethod
     def create(cls, optimizer, blocks, split_dim, interval_base, rule=None):
@@ -117,7 +120,8 @@ class ThorState:
         kl_scale = optimizer.add_variable(
             (), initializer=keras.initializers.Constant(1.0), dtype="float32", name="thor_kl_scale")
         return cls(layers=layers, trace_a=trace_a, trace_g=trace_g, filter=trace_filter,
-                   **per_block, **counters, kl_scale=kl_scale)
+                   **per_block, **counters, kl_scale=kl_scale,
+                   rule_state=rule.create_model_state(optimizer))
 
     def counters(self):
         """The model-wide scalars as Python numbers (host values)."""

@@ -144,6 +144,12 @@ class UpdateRule:
         ``layout_g``: ``(nb, d)`` of each factor's split."""
         raise NotImplementedError
 
+    def create_model_state(self, optimizer):
+        """The rule's model-wide state (optimizer variables created here, after every block's,
+        in a fixed order with fixed names), kept as ``ThorState.rule_state`` and read by the
+        rule through ``step.state.rule_state``; None (the default) for none."""
+        return None
+
     def build_slots(self, optimizer, var_list):
         """The rule's per-variable slots, created with ``optimizer.add_variable_from_reference``
         (called in ``ThorOptimizer.build``, saved with the optimizer): ``{name: [one per

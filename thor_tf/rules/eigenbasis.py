@@ -17,6 +17,10 @@ Per block with gradient matrix ``M`` (``[a_dim, g_dim]``, bias row folded in; se
   mean over the block); ``Δ = Q_A Δ' Q_Gᵀ``. ``beta_2_growth=c``: ``β2_t = min(β2, 1 − t^−c)``
   (Adafactor's schedule, capped), ``v̂ = v`` (``β2_1 = 0``: the average's weights sum to one from
   the first step): a short memory early, Adam's long one late, where the gradients shrink.
+  ``beta_1_max=b``: β1 follows the rate, ``1 − β1_t = max((1 − β1)·η_t/η_max, 1 − b)`` with
+  ``η_max`` the largest rate so far (a model-wide optimizer variable), capped at ``1 − 1/t``
+  (``β1_1 = 0``) and ``m̂ = m``: the first moment averages over a fixed distance the weights
+  travel, not a fixed number of steps (Smith's one-cycle momentum; docs/levers.md).
 * ``step="orthogonal"`` (the default; SOAP-Muon): ``Δ ← NS(Δ)·‖Δ‖_F/‖NS(Δ)‖_F``, the Newton–Schulz
   orthogonal factor of the whole ``[a_dim, g_dim]`` step (:mod:`thor_tf.rules.orthogonal_step`,
   one batched evaluation per bucket of shapes, through ``eigh`` of the step's Gram matrix) at the
@@ -97,6 +101,13 @@ class Eigenbasis(UpdateRule):
         if they had not (docs/anatomy.md), a growing one lets it shrink as Adam's does. The
         same decay for the variables without a block. Steps skipped as non-finite still count
         in ``t``.
+      beta_1_max: None (a constant ``beta_1``, bias-corrected as Adam's) or ``b`` in
+        [``beta_1``, 1): ``beta_1`` at the largest rate so far, growing as the rate falls below
+        it, ``1 − β1_t = max((1 − beta_1)·η_t/η_max, 1 − b)`` (a window of ``1/(1 − β1_t)``
+        steps in which the weights move about as far as in ``1/(1 − beta_1)`` steps at the
+        peak), and ``min(β1_t, 1 − 1/t)`` so that no bias correction is needed (``β1_1 = 0``).
+        The same decay for the variables without a block. Under a constant rate it is
+        ``beta_1`` throughout.
       epsilon: added to ``√v̂``, > 0.
       relative_epsilon: also added to ``√v̂``, times the block's RMS ``√mean(v̂)`` (>= 0): a
         rotated direction whose gradient is far below the block's RMS is round-off, not a
@@ -184,7 +195,7 @@ class Eigenbasis(UpdateRule):
     def __init__(self, beta_1=0.9, beta_2=0.95, epsilon=1e-8, relative_epsilon=None,
                  tie_break=TIE_BREAK, step="orthogonal", scale="graft", rms=0.2, adam_kinds=(),
                  refresh="power_qr", refresh_tolerance=0.5, drift_tolerance=0.01,
-                 refresh_min_size=96, beta_2_growth=None):
+                 refresh_min_size=96, beta_2_growth=None, beta_1_max=None):
         if beta_2_growth is not None and (
                 isinstance(beta_2_growth, bool) or not isinstance(beta_2_growth, (int, float))
                 or not 0 < beta_2_growth <= 1):
@@ -216,6 +227,12 @@ class Eigenbasis(UpdateRule):
                 or not relative_epsilon >= 0):
             raise ValueError(f"`relative_epsilon` must be a float >= 0; got {relative_epsilon!r}.")
         self.beta_1, self.beta_2, self.epsilon = float(beta_1), float(beta_2), float(epsilon)
+        if beta_1_max is not None and (
+                isinstance(beta_1_max, bool) or not isinstance(beta_1_max, (int, float))
+                or not self.beta_1 <= beta_1_max < 1):
+            raise ValueError(f"`beta_1_max` must be None or a float in [beta_1, 1) = "
+                             f"[{self.beta_1}, 1); got {beta_1_max!r}.")
+        self.beta_1_max = None if beta_1_max is None else float(beta_1_max)
         if isinstance(tie_break, bool) or not isinstance(tie_break, (int, float)) or not tie_break >= 0:
             raise ValueError(f"`tie_break` must be a float >= 0; got {tie_break!r}.")
         self.relative_epsilon, self.tie_break = float(relative_epsilon), float(tie_break)
@@ -241,7 +258,8 @@ class Eigenbasis(UpdateRule):
                 "adam_kinds": list(self.adam_kinds), "refresh": self.refresh_method,
                 "refresh_tolerance": self.refresh_tolerance,
                 "drift_tolerance": self.drift_tolerance,
-                "refresh_min_size": self.refresh_min_size, "beta_2_growth": self.beta_2_growth}
+                "refresh_min_size": self.refresh_min_size, "beta_2_growth": self.beta_2_growth,
+                "beta_1_max": self.beta_1_max}
 
     @classmethod
     def from_config(cls, config):
@@ -266,6 +284,14 @@ class Eigenbasis(UpdateRule):
                 name=f"{prefix}_eigen_{moment}")
         return EigenLayerState(**made)
 
+    def create_model_state(self, optimizer):
+        """Under ``beta_1_max``: the largest rate so far, ``η_max`` (a float32 scalar optimizer
+        variable, saved with it); else None."""
+        if self.beta_1_max is None:
+            return None
+        return optimizer.add_variable((), initializer="zeros", dtype="float32",
+                                      name="eigenbasis_largest_rate")
+
     def build_slots(self, optimizer, var_list):
         """Adam's moments of every variable (those with a block use them only when a step
         finds no record of their layer)."""
@@ -287,10 +313,14 @@ class Eigenbasis(UpdateRule):
             grads = [None if g is None else _clip(g, clip_norm) for g in grads]
             use_grads = {k: _clip(g, clip_norm) for k, g in use_grads.items()}
         t = tf.cast(step.iterations + 1, tf.float32)
-        correction_1 = 1.0 - tf.pow(self.beta_1, t)
+        rate = None
+        if self.beta_1_max is not None:
+            rate, largest = tf.cast(step.learning_rate, tf.float32), step.state.rule_state
+            largest.assign(tf.where(ok, tf.maximum(largest, rate), largest))
+        b1, b1c, correction_1 = self._first_moment_decay(t, rate, step.state.rule_state)
         # Each Python float is a new graph constant at each use: made once here (same values).
-        b1, b1c, epsilon, relative_epsilon = (tf.constant(value, tf.float32) for value in (
-            self.beta_1, 1.0 - self.beta_1, self.epsilon, self.relative_epsilon))
+        epsilon, relative_epsilon = (tf.constant(value, tf.float32) for value in (
+            self.epsilon, self.relative_epsilon))
         b2, b2c, correction_2 = self._second_moment_decay(t)
         blocks = [(b, k, matrix, step.layer(b))
                   for b, k, matrix in block_matrices.gather(active, grads, variables, use_grads)]
@@ -377,7 +407,7 @@ class Eigenbasis(UpdateRule):
             # a Python float is a new constant at each use; same values).
             correction_1, correction_2, epsilon, (b1, b1c, b2, b2c) = optimizer.once_per_apply(
                 ("eigenbasis_adam", variable.dtype), lambda: self._adam_scalars(
-                    optimizer, variable.dtype))
+                    optimizer, variable.dtype, learning_rate))
             m_old, v_old = tf.convert_to_tensor(m_var), tf.convert_to_tensor(v_var)  # read once
             m, v, update = adam_moments(update, m_old, v_old, ok,
                                  (correction_1, correction_2, epsilon, b1, b1c, b2, b2c))
@@ -396,14 +426,33 @@ class Eigenbasis(UpdateRule):
             step = tf.where(ok, step, zero)
         optimizer.assign_sub(variable, step)
 
-    def _adam_scalars(self, optimizer, dtype):
+    def _adam_scalars(self, optimizer, dtype, learning_rate=None):
         """``(1 − β1ᵗ, 1 − β2ᵗ, ε, (β1, 1 − β1, β2, 1 − β2))`` in ``dtype`` at this step
-        (``t`` = iterations + 1)."""
+        (``t`` = iterations + 1; the bias corrections and decays of :meth:`_first_moment_decay`
+        and :meth:`_second_moment_decay`)."""
         t = ops.cast(optimizer.iterations + 1, dtype)
         b2, b2c, correction_2 = self._second_moment_decay(t)
-        decays = tuple(tf.constant(value, dtype) for value in (self.beta_1, 1.0 - self.beta_1))
-        return (1.0 - tf.pow(ops.cast(self.beta_1, dtype), t), correction_2,
-                ops.cast(self.epsilon, dtype), decays + (b2, b2c))
+        rate = None if self.beta_1_max is None else ops.cast(learning_rate, dtype)
+        b1, b1c, correction_1 = self._first_moment_decay(t, rate,
+                                                         optimizer.engine.state.rule_state)
+        return correction_1, correction_2, ops.cast(self.epsilon, dtype), (b1, b1c, b2, b2c)
+
+    def _first_moment_decay(self, t, rate=None, largest=None):
+        """``(β1_t, 1 − β1_t, bias correction)`` at step ``t`` (a float tensor, from 1):
+        ``(β1, 1 − β1, 1 − β1ᵗ)``, or under ``beta_1_max`` ``b`` with this step's ``rate`` and
+        ``largest`` (the variable of the largest rate so far; read here, so the step's own rate
+        is taken into it whether or not ``precondition``'s assignment ran first):
+        ``1 − β1_t = max((1 − β1)·η_t/η_max, 1 − b)``, ``β1_t ≤ 1 − 1/t`` and a correction of 1
+        (``β1_1 = 0`` zeroes the product)."""
+        dtype = t.dtype
+        if self.beta_1_max is None:
+            b1 = tf.constant(self.beta_1, dtype)
+            return b1, tf.constant(1.0 - self.beta_1, dtype), 1.0 - tf.pow(b1, t)
+        peak = tf.maximum(ops.cast(largest, dtype), rate)
+        b1c = tf.maximum(tf.constant(1.0 - self.beta_1, dtype) * tf.math.divide_no_nan(rate, peak),
+                         tf.constant(1.0 - self.beta_1_max, dtype))
+        b1c = tf.maximum(b1c, 1.0 / t)
+        return 1.0 - b1c, b1c, tf.ones([], dtype)
 
     def _second_moment_decay(self, t):
         """``(β2_t, 1 − β2_t, bias correction 1 − Π β2)`` at step ``t`` (a float tensor, from 1):
