@@ -132,14 +132,20 @@ LEVERS = {
                   "fresh data and loses the digits, topics and breast-cancer held-out figures",
                   _eigenbasis(**hz.CURRENT_DEFAULT_LEVER[1]["rule"], beta_1=0.85)),
     "beta1_rate": ("the eigenbasis moments' beta_1 follows the rate on THOR's current default "
-                   "(relative epsilon 0.1): 0.8 at the largest rate so far, 1 - beta_1 "
-                   "shrinking with the rate down to 0.05 (beta_1 0.95: Eigenbasis(beta_1=0.8, "
-                   "beta_1_max=0.95)), so the first moment averages over a fixed distance of "
-                   "travel: beta1_low's short memory while the rate is high, a long one while "
-                   "the cosine anneals (lm.py at 8,000 steps: beta_1 0.8 level with 0.9 to "
-                   "step ~3,600, behind after)",
+                   "(relative epsilon 0.1), one-cycle momentum: 0.8 at the largest rate so far, "
+                   "rising linearly to 0.95 as the rate goes to 0 (Eigenbasis(beta_1=0.8, "
+                   "beta_1_end=0.95)): beta1_low's short memory while the rate is high, a long "
+                   "one while the cosine anneals (lm.py at 8,000 steps: beta_1 0.8 level with "
+                   "0.9 to step ~3,600, behind after)",
                    _eigenbasis(**hz.CURRENT_DEFAULT_LEVER[1]["rule"], beta_1=0.8,
-                               beta_1_max=0.95)),
+                               beta_1_end=0.95)),
+    "beta1_cool": ("the eigenbasis moments' beta_1 follows the rate the other way on THOR's "
+                   "current default (relative epsilon 0.1): the default's 0.9 at the largest "
+                   "rate so far, falling linearly to beta1_low's 0.8 as the rate goes to 0 "
+                   "(Eigenbasis(beta_1=0.9, beta_1_end=0.8)): beta1_rate's longer memory late "
+                   "lost what beta1_low gains, so a short memory where the cosine anneals",
+                   _eigenbasis(**hz.CURRENT_DEFAULT_LEVER[1]["rule"], beta_1=0.9,
+                               beta_1_end=0.8)),
     "ema": ("the weights' moving average (Keras' use_ema, momentum 0.99: ~100 steps) is the "
             "model evaluated and returned, as the field's long-run record averages its weights",
             lambda name: {"use_ema": True, "ema_momentum": 0.99}),
@@ -161,7 +167,7 @@ LEVERS = {
 #: study's default (ε 1e-2), so its effect is the change of the one option it adds to the
 #: library's default.
 AGAINST = {name: hz.CURRENT_DEFAULT_LEVER[0] for name in ("beta1_low", "beta1_mid",
-                                                          "beta1_rate")}
+                                                          "beta1_rate", "beta1_cool")}
 DEFAULT_LEVERS = ("wd_keras", "wd_matched", "floor", "beta2", "releps")
 QUICK_LEVER = "floor"
 DEFAULT = "default"          # the lever name of THOR's default runs trained here

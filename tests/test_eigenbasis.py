@@ -361,21 +361,27 @@ def _mlp_with_lone_variable(seed=0, d=5):
                              keras.layers.PReLU()])
 
 
-def test_beta_1_following_the_rate_matches_float64_first_principles():
-    """``beta_1=0.5, beta_1_max=0.75`` under the rates 0.3, 1, 0.8, 0.6, 0.2, 0.05 (× 0.05):
-    ``1 − β1_t = max(0.5·η_t/η_max, 0.25, 1/t)`` with ``η_max`` the largest rate so far is
-    1 (t = 1: the first rate is its own largest), 0.5 (t), 0.4 and 0.3 (the rate), then 0.25 (the
-    cap ``beta_1_max``); ``m̂ = m``. Bases at the identity, 6 steps replayed in float64 from the
-    gradients of an unwrapped clone at the reference's weights, on the blocks, the stacked
-    LayerNormalization and the lone PReLU slope: within 2e-5 after every step. A constant
-    β1 0.5 with Adam's bias correction is 100x farther: the test sees the schedule."""
+@pytest.mark.parametrize("peak_beta,end_beta,want_decays", [
+    (0.5, 0.8, [0.0, 0.5, 0.56, 0.62, 0.74, 0.785]),
+    (0.8, 0.5, [0.0, 0.5, 2 / 3, 0.68, 0.56, 0.515])])
+def test_beta_1_following_the_rate_matches_float64_first_principles(peak_beta, end_beta,
+                                                                      want_decays):
+    """``beta_1_end`` under the rates 0.3, 1, 0.8, 0.6, 0.2, 0.05 (× 0.05): ``β1_t = min(e +
+    (β1 − e)·η_t/η_max, 1 − 1/t)`` with ``η_max`` the largest rate so far (t = 1: the first rate
+    is its own largest) and ``m̂ = m``, a memory growing (0.5 → 0.8) or shrinking (0.8 → 0.5)
+    as the rate falls; the cap ``1 − 1/t`` decides the first steps. Bases at the identity, 6
+    steps replayed in float64 from the gradients of an unwrapped clone at the reference's
+    weights, on the blocks, the stacked LayerNormalization and the lone PReLU slope: within
+    2e-5 after every step. A constant β1 at the peak's value with Adam's bias correction is
+    100x farther: the test sees the schedule."""
     x, y = _regression()
     peak = 0.05
     rates = [r * peak for r in (0.3, 1.0, 0.8, 0.6, 0.2, 0.05)]
     schedule = keras.optimizers.schedules.PiecewiseConstantDecay([0, 1, 2, 3, 4], rates)
     with pytest.warns(UserWarning, match="no Kronecker block for p_re_lu"):
         wrapped = thor_tf.wrap(_mlp_with_lone_variable(), learning_rate=schedule,
-                               update_rule=HeldBases(beta_1=0.5, beta_1_max=0.75), verbose=False)
+                               update_rule=HeldBases(beta_1=peak_beta, beta_1_end=end_beta),
+                               verbose=False)
     wrapped.compile(loss="mse")
     clone = _mlp_with_lone_variable()
     start = [v.numpy().astype(np.float64) for v in clone.trainable_variables]
@@ -408,12 +414,12 @@ def test_beta_1_following_the_rate_matches_float64_first_principles():
     decays = []
 
     def following(t, ratio):
-        decays.append(1 - max(0.5 * ratio, 0.25, 1 / t))
+        decays.append(min(end_beta + (peak_beta - end_beta) * ratio, 1 - 1 / t))
         return decays[-1]
 
     want = replay(following, False, 6)
-    np.testing.assert_allclose(decays, [0.0, 0.5, 0.6, 0.7, 0.75, 0.75], atol=1e-12)
-    constant = replay(lambda t, ratio: 0.5, True, 6)
+    np.testing.assert_allclose(decays, want_decays, atol=1e-12)
+    constant = replay(lambda t, ratio: peak_beta, True, 6)
     for step in range(6):
         wrapped.train_on_batch(x[16 * step:16 * (step + 1)], y[16 * step:16 * (step + 1)])
         for got, w in zip(wrapped.trainable_variables, want[step]):
@@ -508,17 +514,17 @@ def test_non_finite_batch_changes_no_moment_and_no_basis():
     assert model.thor.counters()["nonfinite_steps"] == 1
 
 
-@pytest.mark.parametrize("growth,beta_1_max", [(None, None), (0.8, None), (None, 0.9)])
-def test_save_and_load_resume_the_same_run(tmp_path, growth, beta_1_max):
+@pytest.mark.parametrize("growth,beta_1_end", [(None, None), (0.8, None), (None, 0.9)])
+def test_save_and_load_resume_the_same_run(tmp_path, growth, beta_1_end):
     """model.save after 4 steps, load, 4 more steps = 8 uninterrupted steps (bases, eigenvalues,
     moments and Adam slots are optimizer state; a growing β2 is a function of the step count;
-    under ``beta_1_max`` the largest rate so far is state too: the rate halves right after the
+    under ``beta_1_end`` the largest rate so far is state too: the rate halves right after the
     save, and a restart from 0 would take the halved rate as the largest); the loaded optimizer
     is the eigenbasis rule with its options."""
     x, y = _regression()
     rule = Eigenbasis(beta_2=0.99, step="adam", beta_2_growth=growth,
-                      **({} if beta_1_max is None else dict(beta_1=0.5, beta_1_max=beta_1_max)))
-    rate = LR if beta_1_max is None else keras.optimizers.schedules.PiecewiseConstantDecay(
+                      **({} if beta_1_end is None else dict(beta_1=0.5, beta_1_end=beta_1_end)))
+    rate = LR if beta_1_end is None else keras.optimizers.schedules.PiecewiseConstantDecay(
         [3, 4, 5, 6], [LR, 0.5 * LR, 0.3 * LR, 0.2 * LR, 0.1 * LR])
 
     def fresh():
@@ -553,9 +559,9 @@ def test_options_name_the_allowed_values():
     for bad in (0, 1.5, "0.8", True):
         with pytest.raises(ValueError, match=r"beta_2_growth.*None or a float in \(0, 1\]"):
             Eigenbasis(beta_2_growth=bad)
-    for bad in (0.85, 1.0, "0.95", True):
-        with pytest.raises(ValueError, match=r"beta_1_max.*None or a float in \[beta_1, 1\)"):
-            Eigenbasis(beta_1=0.9, beta_1_max=bad)
+    for bad in (-0.1, 1.0, "0.95", True):
+        with pytest.raises(ValueError, match=r"beta_1_end.*None or a float in \[0, 1\)"):
+            Eigenbasis(beta_1_end=bad)
     model = thor_tf.wrap(_mlp(), update_rule="inverse", verbose=False)
     model.compile(loss="mse")
     assert isinstance(model.thor_optimizer.update_rule, Inverse)

@@ -77,11 +77,12 @@ def test_plan_puts_seed_0_of_every_lever_first_and_the_default_after_them():
 def test_a_lever_on_the_current_default_is_paired_with_that_defaults_runs():
     from types import SimpleNamespace
 
-    assert lv.AGAINST["beta1_low"] == lv.AGAINST["beta1_rate"] == "releps_big"
+    assert lv.AGAINST["beta1_low"] == lv.AGAINST["beta1_rate"] == lv.AGAINST["beta1_cool"] == \
+        "releps_big"
     spec = lv.LEVERS["beta1_low"][1]("char_gpt")
     assert spec == {"rule": {"relative_epsilon": 0.1, "beta_1": 0.8}}
     assert lv.LEVERS["beta1_rate"][1]("vit") == {
-        "rule": {"relative_epsilon": 0.1, "beta_1": 0.8, "beta_1_max": 0.95}}
+        "rule": {"relative_epsilon": 0.1, "beta_1": 0.8, "beta_1_end": 0.95}}
     curve = lambda losses: [[0, 0.0, 3.0, None]] + [[10 * (i + 1), 1.0, x, None]
                                                      for i, x in enumerate(losses)]
     held = {("releps_big", 0): {"final": 1.70, "curve": curve([1.9, 1.70])},

@@ -17,10 +17,11 @@ Per block with gradient matrix ``M`` (``[a_dim, g_dim]``, bias row folded in; se
   mean over the block); ``Δ = Q_A Δ' Q_Gᵀ``. ``beta_2_growth=c``: ``β2_t = min(β2, 1 − t^−c)``
   (Adafactor's schedule, capped), ``v̂ = v`` (``β2_1 = 0``: the average's weights sum to one from
   the first step): a short memory early, Adam's long one late, where the gradients shrink.
-  ``beta_1_max=b``: β1 follows the rate, ``1 − β1_t = max((1 − β1)·η_t/η_max, 1 − b)`` with
-  ``η_max`` the largest rate so far (a model-wide optimizer variable), capped at ``1 − 1/t``
-  (``β1_1 = 0``) and ``m̂ = m``: the first moment averages over a fixed distance the weights
-  travel, not a fixed number of steps (Smith's one-cycle momentum; docs/levers.md).
+  ``beta_1_end=e``: β1 follows the rate, ``β1_t = e + (β1 − e)·η_t/η_max`` with ``η_max`` the
+  largest rate so far (a model-wide optimizer variable): ``β1`` at the peak, ``e`` as the rate
+  goes to 0 (``e > β1``: Smith's one-cycle momentum, a longer memory as the rate anneals;
+  ``e < β1``: a shorter one), capped at ``1 − 1/t`` (``β1_1 = 0``) and ``m̂ = m``
+  (docs/levers.md, ``beta1_rate`` and ``beta1_cool``).
 * ``step="orthogonal"`` (the default; SOAP-Muon): ``Δ ← NS(Δ)·‖Δ‖_F/‖NS(Δ)‖_F``, the Newton–Schulz
   orthogonal factor of the whole ``[a_dim, g_dim]`` step (:mod:`thor_tf.rules.orthogonal_step`,
   one batched evaluation per bucket of shapes, through ``eigh`` of the step's Gram matrix) at the
@@ -101,13 +102,12 @@ class Eigenbasis(UpdateRule):
         if they had not (docs/anatomy.md), a growing one lets it shrink as Adam's does. The
         same decay for the variables without a block. Steps skipped as non-finite still count
         in ``t``.
-      beta_1_max: None (a constant ``beta_1``, bias-corrected as Adam's) or ``b`` in
-        [``beta_1``, 1): ``beta_1`` at the largest rate so far, growing as the rate falls below
-        it, ``1 − β1_t = max((1 − beta_1)·η_t/η_max, 1 − b)`` (a window of ``1/(1 − β1_t)``
-        steps in which the weights move about as far as in ``1/(1 − beta_1)`` steps at the
-        peak), and ``min(β1_t, 1 − 1/t)`` so that no bias correction is needed (``β1_1 = 0``).
-        The same decay for the variables without a block. Under a constant rate it is
-        ``beta_1`` throughout.
+      beta_1_end: None (a constant ``beta_1``, bias-corrected as Adam's) or ``e`` in [0, 1):
+        β1 moves with the rate, linearly from ``beta_1`` at the largest rate so far ``η_max`` to
+        ``e`` at a rate of 0, ``β1_t = e + (beta_1 − e)·η_t/η_max`` (one-cycle momentum when
+        ``e > beta_1``), and ``min(β1_t, 1 − 1/t)`` so that no bias correction is needed
+        (``β1_1 = 0``). The same decay for the variables without a block. Under a constant
+        rate it is ``beta_1`` throughout.
       epsilon: added to ``√v̂``, > 0.
       relative_epsilon: also added to ``√v̂``, times the block's RMS ``√mean(v̂)`` (>= 0): a
         rotated direction whose gradient is far below the block's RMS is round-off, not a
@@ -195,7 +195,7 @@ class Eigenbasis(UpdateRule):
     def __init__(self, beta_1=0.9, beta_2=0.95, epsilon=1e-8, relative_epsilon=None,
                  tie_break=TIE_BREAK, step="orthogonal", scale="graft", rms=0.2, adam_kinds=(),
                  refresh="power_qr", refresh_tolerance=0.5, drift_tolerance=0.01,
-                 refresh_min_size=96, beta_2_growth=None, beta_1_max=None):
+                 refresh_min_size=96, beta_2_growth=None, beta_1_end=None):
         if beta_2_growth is not None and (
                 isinstance(beta_2_growth, bool) or not isinstance(beta_2_growth, (int, float))
                 or not 0 < beta_2_growth <= 1):
@@ -227,12 +227,12 @@ class Eigenbasis(UpdateRule):
                 or not relative_epsilon >= 0):
             raise ValueError(f"`relative_epsilon` must be a float >= 0; got {relative_epsilon!r}.")
         self.beta_1, self.beta_2, self.epsilon = float(beta_1), float(beta_2), float(epsilon)
-        if beta_1_max is not None and (
-                isinstance(beta_1_max, bool) or not isinstance(beta_1_max, (int, float))
-                or not self.beta_1 <= beta_1_max < 1):
-            raise ValueError(f"`beta_1_max` must be None or a float in [beta_1, 1) = "
-                             f"[{self.beta_1}, 1); got {beta_1_max!r}.")
-        self.beta_1_max = None if beta_1_max is None else float(beta_1_max)
+        if beta_1_end is not None and (
+                isinstance(beta_1_end, bool) or not isinstance(beta_1_end, (int, float))
+                or not 0 <= beta_1_end < 1):
+            raise ValueError(f"`beta_1_end` must be None or a float in [0, 1); got "
+                             f"{beta_1_end!r}.")
+        self.beta_1_end = None if beta_1_end is None else float(beta_1_end)
         if isinstance(tie_break, bool) or not isinstance(tie_break, (int, float)) or not tie_break >= 0:
             raise ValueError(f"`tie_break` must be a float >= 0; got {tie_break!r}.")
         self.relative_epsilon, self.tie_break = float(relative_epsilon), float(tie_break)
@@ -259,7 +259,7 @@ class Eigenbasis(UpdateRule):
                 "refresh_tolerance": self.refresh_tolerance,
                 "drift_tolerance": self.drift_tolerance,
                 "refresh_min_size": self.refresh_min_size, "beta_2_growth": self.beta_2_growth,
-                "beta_1_max": self.beta_1_max}
+                "beta_1_end": self.beta_1_end}
 
     @classmethod
     def from_config(cls, config):
@@ -285,9 +285,9 @@ class Eigenbasis(UpdateRule):
         return EigenLayerState(**made)
 
     def create_model_state(self, optimizer):
-        """Under ``beta_1_max``: the largest rate so far, ``η_max`` (a float32 scalar optimizer
+        """Under ``beta_1_end``: the largest rate so far, ``η_max`` (a float32 scalar optimizer
         variable, saved with it); else None."""
-        if self.beta_1_max is None:
+        if self.beta_1_end is None:
             return None
         return optimizer.add_variable((), initializer="zeros", dtype="float32",
                                       name="eigenbasis_largest_rate")
@@ -314,7 +314,7 @@ class Eigenbasis(UpdateRule):
             use_grads = {k: _clip(g, clip_norm) for k, g in use_grads.items()}
         t = tf.cast(step.iterations + 1, tf.float32)
         rate = None
-        if self.beta_1_max is not None:
+        if self.beta_1_end is not None:
             rate, largest = tf.cast(step.learning_rate, tf.float32), step.state.rule_state
             largest.assign(tf.where(ok, tf.maximum(largest, rate), largest))
         b1, b1c, correction_1 = self._first_moment_decay(t, rate, step.state.rule_state)
@@ -432,27 +432,27 @@ class Eigenbasis(UpdateRule):
         and :meth:`_second_moment_decay`)."""
         t = ops.cast(optimizer.iterations + 1, dtype)
         b2, b2c, correction_2 = self._second_moment_decay(t)
-        rate = None if self.beta_1_max is None else ops.cast(learning_rate, dtype)
+        rate = None if self.beta_1_end is None else ops.cast(learning_rate, dtype)
         b1, b1c, correction_1 = self._first_moment_decay(t, rate,
                                                          optimizer.engine.state.rule_state)
         return correction_1, correction_2, ops.cast(self.epsilon, dtype), (b1, b1c, b2, b2c)
 
     def _first_moment_decay(self, t, rate=None, largest=None):
         """``(β1_t, 1 − β1_t, bias correction)`` at step ``t`` (a float tensor, from 1):
-        ``(β1, 1 − β1, 1 − β1ᵗ)``, or under ``beta_1_max`` ``b`` with this step's ``rate`` and
+        ``(β1, 1 − β1, 1 − β1ᵗ)``, or under ``beta_1_end`` ``e`` with this step's ``rate`` and
         ``largest`` (the variable of the largest rate so far; read here, so the step's own rate
         is taken into it whether or not ``precondition``'s assignment ran first):
-        ``1 − β1_t = max((1 − β1)·η_t/η_max, 1 − b)``, ``β1_t ≤ 1 − 1/t`` and a correction of 1
-        (``β1_1 = 0`` zeroes the product)."""
+        ``β1_t = min(e + (β1 − e)·η_t/η_max, 1 − 1/t)`` and a correction of 1 (``β1_1 = 0``
+        zeroes the product)."""
         dtype = t.dtype
-        if self.beta_1_max is None:
+        if self.beta_1_end is None:
             b1 = tf.constant(self.beta_1, dtype)
             return b1, tf.constant(1.0 - self.beta_1, dtype), 1.0 - tf.pow(b1, t)
-        peak = tf.maximum(ops.cast(largest, dtype), rate)
-        b1c = tf.maximum(tf.constant(1.0 - self.beta_1, dtype) * tf.math.divide_no_nan(rate, peak),
-                         tf.constant(1.0 - self.beta_1_max, dtype))
-        b1c = tf.maximum(b1c, 1.0 / t)
-        return 1.0 - b1c, b1c, tf.ones([], dtype)
+        fraction = tf.math.divide_no_nan(rate, tf.maximum(ops.cast(largest, dtype), rate))
+        b1 = tf.constant(self.beta_1_end, dtype) + tf.constant(
+            self.beta_1 - self.beta_1_end, dtype) * fraction
+        b1 = tf.minimum(b1, 1.0 - 1.0 / t)
+        return b1, 1.0 - b1, tf.ones([], dtype)
 
     def _second_moment_decay(self, t):
         """``(β2_t, 1 − β2_t, bias correction 1 − Π β2)`` at step ``t`` (a float tensor, from 1):
