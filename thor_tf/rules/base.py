@@ -14,6 +14,8 @@ checkpoints. A rule says, in four places, what happens with them:
   → the steps the optimizer applies.
 * :meth:`build_slots` / :meth:`update_step`: the optimizer's per-variable chain (momentum, or
   Adam's moments for the variables without a block).
+* :meth:`create_model_state` (optional): model-wide variables of the rule, created on the
+  optimizer after the blocks' state (the eigenbasis rule's largest rate so far).
 
 And :meth:`split_cost`: one small :class:`SplitCost` object, what a split costs the rule and
 what it keeps, for the split calibration (:mod:`thor_tf.split.calibrate`, the H of THOR).
