@@ -129,14 +129,14 @@ LEVERS = {
                   _eigenbasis(**hz.CURRENT_DEFAULT_LEVER[1]["rule"], beta_1=0.8)),
     "beta1_mid": ("the eigenbasis moments' beta_1 0.9 -> 0.85 on THOR's current default "
                   "(relative epsilon 0.1): halfway to beta1_low, which gains on fitting and "
-                  "fresh data and loses the digits, topics and breast-cancer held-out figures",
+                  "fresh data and loses the topics and breast-cancer held-out figures",
                   _eigenbasis(**hz.CURRENT_DEFAULT_LEVER[1]["rule"], beta_1=0.85)),
     "beta1_rate": ("the eigenbasis moments' beta_1 follows the rate on THOR's current default "
                    "(relative epsilon 0.1), one-cycle momentum: 0.8 at the largest rate so far, "
                    "rising linearly to 0.95 as the rate goes to 0 (Eigenbasis(beta_1=0.8, "
                    "beta_1_end=0.95)): beta1_low's short memory while the rate is high, a long "
-                   "one while the cosine anneals (lm.py at 8,000 steps: beta_1 0.8 level with "
-                   "0.9 to step ~3,600, behind after)",
+                   "one while the cosine anneals (lm.py at 8,000 steps, seed 0: beta_1 0.8 "
+                   "level with 0.9 to step ~3,600, behind after)",
                    _eigenbasis(**hz.CURRENT_DEFAULT_LEVER[1]["rule"], beta_1=0.8,
                                beta_1_end=0.95)),
     "beta1_cool": ("the eigenbasis moments' beta_1 follows the rate the other way on THOR's "
