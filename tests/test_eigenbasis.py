@@ -316,6 +316,17 @@ def test_bases_held_at_identity_are_keras_adamw(monkeypatch):
     assert stacked == [2], stacked  # traced once: gamma and beta as one stack
 
 
+def _clone_gradients(clone, weights, xb, yb):
+    """The MSE gradients of ``clone`` (an unwrapped copy of the model) at ``weights`` (float64,
+    set as float32) on one batch, as float64 arrays: what a float64 replay of a first-order
+    rule steps with."""
+    for var, w in zip(clone.trainable_variables, weights):
+        var.assign(w.astype(np.float32))
+    with tf.GradientTape() as tape:
+        loss = keras.losses.MeanSquaredError()(yb, clone(xb))
+    return [g.numpy().astype(np.float64) for g in tape.gradient(loss, clone.trainable_variables)]
+
+
 def test_growing_beta_2_is_adafactors_decay_on_every_variable():
     """Bases at the identity under ``beta_2_growth=0.8`` (β2 capped at 0.95): 6 steps are Adam
     with β2_t = min(0.95, 1 − t^−0.8) and no bias correction of v, replayed in float64 from the
@@ -329,15 +340,9 @@ def test_growing_beta_2_is_adafactors_decay_on_every_variable():
     weights = [v.numpy().astype(np.float64) for v in clone.trainable_variables]
     m = [np.zeros_like(w) for w in weights]
     v = [np.zeros_like(w) for w in weights]
-    mse = keras.losses.MeanSquaredError()
     for step in range(6):
         xb, yb = x[16 * step:16 * (step + 1)], y[16 * step:16 * (step + 1)]
-        for var, w in zip(clone.trainable_variables, weights):
-            var.assign(w.astype(np.float32))
-        with tf.GradientTape() as tape:
-            loss = mse(yb, clone(xb))
-        grads = [g.numpy().astype(np.float64)
-                 for g in tape.gradient(loss, clone.trainable_variables)]
+        grads = _clone_gradients(clone, weights, xb, yb)
         t = step + 1
         b2 = min(B2, 1.0 - t ** -0.8)
         for k, g in enumerate(grads):
@@ -385,7 +390,6 @@ def test_beta_1_following_the_rate_matches_float64_first_principles(peak_beta, e
     wrapped.compile(loss="mse")
     clone = _mlp_with_lone_variable()
     start = [v.numpy().astype(np.float64) for v in clone.trainable_variables]
-    mse = keras.losses.MeanSquaredError()
 
     def replay(first_moment_decay, bias_corrected, steps):
         weights = [w.copy() for w in start]
@@ -394,12 +398,7 @@ def test_beta_1_following_the_rate_matches_float64_first_principles(peak_beta, e
         out = []
         for step in range(steps):
             xb, yb = x[16 * step:16 * (step + 1)], y[16 * step:16 * (step + 1)]
-            for var, w in zip(clone.trainable_variables, weights):
-                var.assign(w.astype(np.float32))
-            with tf.GradientTape() as tape:
-                loss = mse(yb, clone(xb))
-            grads = [g.numpy().astype(np.float64)
-                     for g in tape.gradient(loss, clone.trainable_variables)]
+            grads = _clone_gradients(clone, weights, xb, yb)
             t, rate = step + 1, rates[step]
             b1 = first_moment_decay(t, rate / max(rates[:step + 1]))
             correction_1 = 1 - b1 ** t if bias_corrected else 1.0
