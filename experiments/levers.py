@@ -89,6 +89,12 @@ def _eigenbasis(**options):
     return lambda name: {"rule": dict(options)}
 
 
+def _on_current_default(**options):
+    """:func:`_eigenbasis` with ``options`` on THOR's current default rule
+    (``horizon.CURRENT_DEFAULT_LEVER``'s; such a lever is listed in :data:`AGAINST`)."""
+    return _eigenbasis(**hz.CURRENT_DEFAULT_LEVER[1]["rule"], **options)
+
+
 #: name -> (description, options of a workload: a JSON-able spec, :func:`wrap_options`).
 LEVERS = {
     "wd_keras": ("decoupled weight decay 0.004 (Keras' AdamW / Muon default; the Fashion "
@@ -126,26 +132,24 @@ LEVERS = {
                   "orthogonalized step lags the gradient less (lm.py at 2,000 steps, seed 0: "
                   "0.95 / 0.9 / 0.85 / 0.8 / 0.7 / 0.5 ended at 1.6390 / 1.6219 / 1.6166 / "
                   "1.6133 / 1.6209 / 1.6258)",
-                  _eigenbasis(**hz.CURRENT_DEFAULT_LEVER[1]["rule"], beta_1=0.8)),
+                  _on_current_default(beta_1=0.8)),
     "beta1_mid": ("the eigenbasis moments' beta_1 0.9 -> 0.85 on THOR's current default "
                   "(relative epsilon 0.1): halfway to beta1_low, which gains on fitting and "
                   "fresh data and loses the topics and breast-cancer held-out figures",
-                  _eigenbasis(**hz.CURRENT_DEFAULT_LEVER[1]["rule"], beta_1=0.85)),
+                  _on_current_default(beta_1=0.85)),
     "beta1_rate": ("the eigenbasis moments' beta_1 follows the rate on THOR's current default "
                    "(relative epsilon 0.1), one-cycle momentum: 0.8 at the largest rate so far, "
                    "rising linearly to 0.95 as the rate goes to 0 (Eigenbasis(beta_1=0.8, "
                    "beta_1_end=0.95)): beta1_low's short memory while the rate is high, a long "
                    "one while the cosine anneals (lm.py at 8,000 steps, seed 0: beta_1 0.8 "
                    "level with 0.9 to step ~3,600, behind after)",
-                   _eigenbasis(**hz.CURRENT_DEFAULT_LEVER[1]["rule"], beta_1=0.8,
-                               beta_1_end=0.95)),
+                   _on_current_default(beta_1=0.8, beta_1_end=0.95)),
     "beta1_cool": ("the eigenbasis moments' beta_1 follows the rate the other way on THOR's "
                    "current default (relative epsilon 0.1): the default's 0.9 at the largest "
                    "rate so far, falling linearly to beta1_low's 0.8 as the rate goes to 0 "
                    "(Eigenbasis(beta_1=0.9, beta_1_end=0.8)): beta1_rate's longer memory late "
                    "lost what beta1_low gains, so a short memory where the cosine anneals",
-                   _eigenbasis(**hz.CURRENT_DEFAULT_LEVER[1]["rule"], beta_1=0.9,
-                               beta_1_end=0.8)),
+                   _on_current_default(beta_1=0.9, beta_1_end=0.8)),
     "ema": ("the weights' moving average (Keras' use_ema, momentum 0.99: ~100 steps) is the "
             "model evaluated and returned, as the field's long-run record averages its weights",
             lambda name: {"use_ema": True, "ema_momentum": 0.99}),
