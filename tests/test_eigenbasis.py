@@ -493,11 +493,13 @@ def test_loss_times_1000_gives_the_same_steps():
     assert max(np.abs(a - b).max() for a, b in zip(inv_one, inv_many)) > 0.01 * moved
 
 
-def test_non_finite_batch_changes_no_moment_and_no_basis():
-    """A batch with a NaN: weights, moments, bases and the Adam slots stay as they were (a NaN
-    update times a zero rate is NaN: the step is selected away, not scaled)."""
+@pytest.mark.parametrize("rule", ["eigenbasis_adam", Eigenbasis(neuron_norm="output")])
+def test_non_finite_batch_changes_no_moment_and_no_basis(rule):
+    """A batch with a NaN: weights, moments, bases and the Adam slots (and ``neuron_norm``'s
+    moments) stay as they were (a NaN update times a zero rate is NaN: the step is selected
+    away, not scaled)."""
     x, y = _regression()
-    model = thor_tf.wrap(_mlp(), learning_rate=LR, verbose=False, **EVERY_2)
+    model = thor_tf.wrap(_mlp(), learning_rate=LR, update_rule=rule, verbose=False, **EVERY_2)
     model.compile(loss="mse")
     model.train_on_batch(x[:16], y[:16])
     state = model.thor_optimizer.variables + model.trainable_variables
@@ -506,6 +508,7 @@ def test_non_finite_batch_changes_no_moment_and_no_basis():
     bad[3, 1] = np.nan
     model.train_on_batch(bad, y[16:32])
     after = [v.numpy() for v in state]
+    assert any("neuron_v" in v.name for v in state) == (rule != "eigenbasis_adam")
     for v, a, b in zip(state, before, after):
         if "nonfinite" in v.name:
             continue
@@ -513,15 +516,18 @@ def test_non_finite_batch_changes_no_moment_and_no_basis():
     assert model.thor.counters()["nonfinite_steps"] == 1
 
 
-@pytest.mark.parametrize("growth,beta_1_end", [(None, None), (0.8, None), (None, 0.9)])
-def test_save_and_load_resume_the_same_run(tmp_path, growth, beta_1_end):
+@pytest.mark.parametrize("growth,beta_1_end,neuron_norm", [
+    (None, None, None), (0.8, None, None), (None, 0.9, None), (None, None, "output")])
+def test_save_and_load_resume_the_same_run(tmp_path, growth, beta_1_end, neuron_norm):
     """model.save after 4 steps, load, 4 more steps = 8 uninterrupted steps (bases, eigenvalues,
     moments and Adam slots are optimizer state; a growing β2 is a function of the step count;
     under ``beta_1_end`` the largest rate so far is state too: the rate halves right after the
-    save, and a restart from 0 would take the halved rate as the largest); the loaded optimizer
-    is the eigenbasis rule with its options."""
+    save, and a restart from 0 would take the halved rate as the largest; under ``neuron_norm``
+    the orthogonal step's moment per neuron); the loaded optimizer is the eigenbasis rule with
+    its options."""
     x, y = _regression()
-    rule = Eigenbasis(beta_2=0.99, step="adam", beta_2_growth=growth,
+    step = "adam" if neuron_norm is None else "orthogonal"
+    rule = Eigenbasis(beta_2=0.99, step=step, beta_2_growth=growth, neuron_norm=neuron_norm,
                       **({} if beta_1_end is None else dict(beta_1=0.5, beta_1_end=beta_1_end)))
     rate = LR if beta_1_end is None else keras.optimizers.schedules.PiecewiseConstantDecay(
         [3, 4, 5, 6], [LR, 0.5 * LR, 0.3 * LR, 0.2 * LR, 0.1 * LR])

@@ -30,6 +30,13 @@ Per block with gradient matrix ``M`` (``[a_dim, g_dim]``, bias row folded in; se
   orthogonalization equalizes its singular values, the graft keeps Adam's step size, so the rate
   stays on Adam's scale. ``step="adam"``: Δ as it is (the default
   before; ``update_rule="eigenbasis_adam"``).
+* ``neuron_norm`` (NorMuon, Li et al. 2025; off by default): after the orthogonal step, each
+  neuron's row of it (``"output"``: the ``g_dim`` output units, the paper's; ``"long"``: the
+  longer side's, which the orthogonal factor of a non-square step leaves unequal, as
+  modded-nanogpt's NorMuon takes it) is divided
+  by the root of a running mean of its squares, ``n ← β2 n + (1−β2)·mean_row(O₁²)`` with
+  ``O₁ = O/RMS(O)`` (the step at unit RMS, so ``n`` does not follow the step's size) and
+  ``O ← O₁/(√n + ε)``, then scaled back to the step's Frobenius norm (its ``scale``).
 * the optimizer: ``w ← w − lr·(Δ + wd·w)`` (decoupled weight decay, ``weight_decay_exclude``
   chooses the variables); every variable without a block (or a block without a record in a step)
   takes AdamW with the same β1, β2, ε.
@@ -70,7 +77,9 @@ class EigenLayerState:
 
     ``A``/``G`` and ``Q_A``/``Q_G``: ``[nb, d, d]`` (bases' columns are eigenvectors, identity
     before the first refresh and on padding); ``w_A``/``w_G``: ``[nb, d]`` eigenvalues (0 on
-    padding); ``m``/``v``: ``[a_dim, g_dim]`` Adam's moments in the current bases.
+    padding); ``m``/``v``: ``[a_dim, g_dim]`` Adam's moments in the current bases;
+    ``neuron_v``: :attr:`Eigenbasis.neuron_norm`'s moment (in the layer's own coordinates, so a
+    refresh leaves it as it is) or None.
     """
 
     A: object
@@ -81,6 +90,9 @@ class EigenLayerState:
     w_G: object
     m: object
     v: object
+    #: ``neuron_norm``: the second moment per neuron of the orthogonal step (``[k]``, k the
+    #: normalized side's length), else None.
+    neuron_v: object = None
 
     def shapes(self):
         """``(A's shape, G's shape)`` as tuples."""
@@ -138,6 +150,12 @@ class Eigenbasis(UpdateRule):
         as well, which costs more than ``eigh`` alone (docs/update_rules.md).
       drift_tolerance: ``"power_qr"``: a block whose factor has less off-diagonal mass than this
         in the basis in use keeps it (>= 0; 0: never skip).
+      neuron_norm: None, ``"output"`` or ``"long"``: under ``step="orthogonal"``, NorMuon's
+        per-neuron normalization of the orthogonal step (module docstring) over its output
+        units (NorMuon's rows) or its longer side's (rows of a tall ``[a_dim, g_dim]`` step,
+        columns of a wide one: the orthogonal factor's short side already has near-unit
+        vectors). The decay is ``beta_2``'s constant, ε is ``epsilon``; blocks of
+        ``adam_kinds`` keep their step as it is.
       refresh_min_size: ``"power_qr"``: blocks (their size bucket) smaller than this take
         ``"eigh"`` (int >= 0; on a CPU the power step is no cheaper below ~100, measured in
         docs/update_rules.md).
@@ -188,6 +206,7 @@ class Eigenbasis(UpdateRule):
 
     STEPS = ("adam", "orthogonal")
     SCALES = ("graft", "rms")
+    NEURON_NORMS = (None, "output", "long")
     REFRESHES = REFRESHES
     #: What a saved config without ``refresh`` meant (every release before it existed).
     SAVED_REFRESH = "eigh"
@@ -195,7 +214,7 @@ class Eigenbasis(UpdateRule):
     def __init__(self, beta_1=0.9, beta_2=0.95, epsilon=1e-8, relative_epsilon=None,
                  tie_break=TIE_BREAK, step="orthogonal", scale="graft", rms=0.2, adam_kinds=(),
                  refresh="power_qr", refresh_tolerance=0.5, drift_tolerance=0.01,
-                 refresh_min_size=96, beta_2_growth=None, beta_1_end=None):
+                 refresh_min_size=96, beta_2_growth=None, beta_1_end=None, neuron_norm=None):
         if beta_2_growth is not None and (
                 isinstance(beta_2_growth, bool) or not isinstance(beta_2_growth, (int, float))
                 or not 0 < beta_2_growth <= 1):
@@ -242,6 +261,13 @@ class Eigenbasis(UpdateRule):
             raise ValueError(f"`rms` must be a float > 0; got {rms!r}.")
         self.step, self.scale, self.rms = step, scale, float(rms)
         self.adam_kinds = tuple(sorted(adam_kinds))
+        if neuron_norm not in self.NEURON_NORMS:
+            raise ValueError(f"`neuron_norm` must be one of {self.NEURON_NORMS}; got "
+                             f"{neuron_norm!r}.")
+        if neuron_norm is not None and step != "orthogonal":
+            raise ValueError("`neuron_norm` normalizes the orthogonal step: it needs "
+                             f"step='orthogonal'; got step={step!r}.")
+        self.neuron_norm = neuron_norm
 
     @property
     def default_learning_rate(self):
@@ -259,7 +285,7 @@ class Eigenbasis(UpdateRule):
                 "refresh_tolerance": self.refresh_tolerance,
                 "drift_tolerance": self.drift_tolerance,
                 "refresh_min_size": self.refresh_min_size, "beta_2_growth": self.beta_2_growth,
-                "beta_1_end": self.beta_1_end}
+                "beta_1_end": self.beta_1_end, "neuron_norm": self.neuron_norm}
 
     @classmethod
     def from_config(cls, config):
@@ -282,6 +308,10 @@ class Eigenbasis(UpdateRule):
             made[moment] = optimizer.add_variable(
                 (block.a_dim, block.g_dim), initializer="zeros", dtype="float32",
                 name=f"{prefix}_eigen_{moment}")
+        if self.neuron_norm is not None and block.kind not in self.adam_kinds:
+            made["neuron_v"] = optimizer.add_variable(
+                (self._neuron_length(block.a_dim, block.g_dim),), initializer="zeros",
+                dtype="float32", name=f"{prefix}_neuron_v")
         return EigenLayerState(**made)
 
     def create_model_state(self, optimizer):
@@ -362,7 +392,13 @@ class Eigenbasis(UpdateRule):
                 steps[n] = (blocks[n][0], blocks[n][1], u)
         if self.step == "orthogonal":
             chosen = [n for n, (b, _, _) in enumerate(steps) if b.kind not in self.adam_kinds]
-            for n, u in zip(chosen, self._orthogonalized([steps[n][2] for n in chosen])):
+            orthos = self._orthogonalized([steps[n][2] for n in chosen])
+            if self.neuron_norm is not None:
+                decay = tuple(tf.constant(value, tf.float32)
+                              for value in (self.beta_2, 1.0 - self.beta_2))
+                orthos = [self._neuron_normalized(u, blocks[n][3].neuron_v, ok, decay, epsilon)
+                          for n, u in zip(chosen, orthos)]
+            for n, u in zip(chosen, orthos):
                 steps[n] = steps[n][:2] + (u,)
         out, written = block_matrices.scatter(grads, variables, steps)
         adam = (correction_1, correction_2, epsilon, b1, b1c, b2, b2c)
@@ -382,6 +418,30 @@ class Eigenbasis(UpdateRule):
         one stack: the shapes of the moments (``[a_dim, g_dim]``) and of both bases
         (``[nb, d, d]``)."""
         return tuple(held.m.shape), tuple(held.Q_A.shape), tuple(held.Q_G.shape)
+
+    def _neuron_axis(self, a_dim, g_dim):
+        """The axis of a ``[a_dim, g_dim]`` step that :attr:`neuron_norm` averages over (0: one
+        moment per output unit, a column; 1: one per input feature, a row)."""
+        return 1 if self.neuron_norm == "long" and a_dim > g_dim else 0
+
+    def _neuron_length(self, a_dim, g_dim):
+        return (a_dim, g_dim)[1 - self._neuron_axis(a_dim, g_dim)]
+
+    def _neuron_normalized(self, update, moment, ok, decay, epsilon):
+        """NorMuon's normalization of one orthogonal ``[a_dim, g_dim]`` step (module docstring):
+        ``moment`` (``[k]``, the variable) takes the step's squares at unit RMS, averaged over
+        :meth:`_neuron_axis` (where ``ok``); the step is divided by its root per neuron and
+        scaled back to its own Frobenius norm."""
+        b2, b2c = decay
+        axis = self._neuron_axis(*(int(d) for d in update.shape))
+        norm = tf.sqrt(tf.reduce_sum(tf.square(update)))
+        unit = update * (float(np.prod(update.shape)) ** 0.5 / (norm + 1e-30))
+        old = tf.convert_to_tensor(moment)
+        new = b2 * old + b2c * tf.reduce_mean(tf.square(unit), axis=axis)
+        moment.assign(tf.where(ok, new, old))
+        root = tf.sqrt(tf.expand_dims(new, axis)) + epsilon
+        normalized = unit / root
+        return normalized * (norm / (tf.sqrt(tf.reduce_sum(tf.square(normalized))) + 1e-30))
 
     def _orthogonalized(self, updates):
         """:func:`thor_tf.rules.orthogonal_step.orthogonalized` at this rule's ``scale``/``rms``."""
