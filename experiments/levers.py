@@ -150,6 +150,18 @@ LEVERS = {
                    "(Eigenbasis(beta_1=0.9, beta_1_end=0.8)): beta1_rate's longer memory late "
                    "lost what beta1_low gains, so a short memory where the cosine anneals",
                    _on_current_default(beta_1=0.9, beta_1_end=0.8)),
+    "neuron_out": ("NorMuon's per-neuron normalization of the orthogonal step on THOR's current "
+                   "default (relative epsilon 0.1): each output unit's column of the step divided "
+                   "by the root of a running mean (beta_2 0.95) of its squares at unit RMS, then "
+                   "back to the step's norm (Eigenbasis(neuron_norm='output')): Newton-Schulz "
+                   "leaves the output units of a wide [a, g] step unequal, so some neurons take "
+                   "more of it than others",
+                   _on_current_default(neuron_norm="output")),
+    "neuron_long": ("neuron_out on the step's longer side (Eigenbasis(neuron_norm='long')): per "
+                    "input feature of a tall step (a convolution's 9·c_in + 1 rows against "
+                    "c_out), per output unit of a wide one, the side whose vectors the orthogonal "
+                    "factor does not equalize",
+                    _on_current_default(neuron_norm="long")),
     "ema": ("the weights' moving average (Keras' use_ema, momentum 0.99: ~100 steps) is the "
             "model evaluated and returned, as the field's long-run record averages its weights",
             lambda name: {"use_ema": True, "ema_momentum": 0.99}),
@@ -171,7 +183,8 @@ LEVERS = {
 #: study's default (ε 1e-2), so its effect is the change of the one option it adds to the
 #: library's default.
 AGAINST = {name: hz.CURRENT_DEFAULT_LEVER[0] for name in ("beta1_low", "beta1_mid",
-                                                          "beta1_rate", "beta1_cool")}
+                                                          "beta1_rate", "beta1_cool",
+                                                          "neuron_out", "neuron_long")}
 DEFAULT_LEVERS = ("wd_keras", "wd_matched", "floor", "beta2", "releps")
 QUICK_LEVER = "floor"
 DEFAULT = "default"          # the lever name of THOR's default runs trained here

@@ -83,6 +83,9 @@ def test_a_lever_on_the_current_default_is_paired_with_that_defaults_runs():
     assert spec == {"rule": {"relative_epsilon": 0.1, "beta_1": 0.8}}
     assert lv.LEVERS["beta1_rate"][1]("vit") == {
         "rule": {"relative_epsilon": 0.1, "beta_1": 0.8, "beta_1_end": 0.95}}
+    assert lv.AGAINST["neuron_out"] == lv.AGAINST["neuron_long"] == "releps_big"
+    assert lv.LEVERS["neuron_long"][1]("resnet20") == {
+        "rule": {"relative_epsilon": 0.1, "neuron_norm": "long"}}
     curve = lambda losses: [[0, 0.0, 3.0, None]] + [[10 * (i + 1), 1.0, x, None]
                                                      for i, x in enumerate(losses)]
     held = {("releps_big", 0): {"final": 1.70, "curve": curve([1.9, 1.70])},
