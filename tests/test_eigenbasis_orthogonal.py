@@ -149,9 +149,9 @@ def test_neuron_normalized_steps_match_float64_first_principles(units, side, axi
         plain = plain - LR * grafted
         weights = weights - LR * normalized
         np.testing.assert_allclose(got, weights, atol=2e-5, rtol=0)
-    held = [v for v in wrapped.thor_optimizer.variables if "neuron_v" in v.name]
-    assert [tuple(v.shape) for v in held] == [moment.shape]
-    np.testing.assert_allclose(held[0].numpy(), moment, rtol=1e-5)
+    held = wrapped.thor.bases(wrapped.thor.blocks[0].name)["neuron_v"]
+    assert held.shape == moment.shape
+    np.testing.assert_allclose(held, moment, rtol=1e-5)
     # Measured 4.1e-3 to 7.6e-3; the float32 rule is within 7.1e-8 on either kernel path.
     assert np.abs(plain - weights).max() > 100 * 2e-5
 

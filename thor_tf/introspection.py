@@ -115,10 +115,14 @@ class Introspection:
 
     def bases(self, name):
         """The eigenbasis rule's state of layer ``name``: ``{"Q_A": [nb, d, d], "w_A": [nb, d],
-        "Q_G", "w_G", "m": [a_dim, g_dim], "v": [a_dim, g_dim]}`` (eigenvectors as columns)."""
+        "Q_G", "w_G", "m": [a_dim, g_dim], "v": [a_dim, g_dim]}`` (eigenvectors as columns),
+        and ``"neuron_v": [k]`` under ``Eigenbasis(neuron_norm=...)``."""
         i = self._index_of(name)
         held = self.state.layers[i]
         if not hasattr(held, "Q_A"):
             raise ValueError(f"the {self.config.rule.name} update rule keeps no eigenbases; "
                              f"read its inverses with inverses({name!r})")
-        return {k: getattr(held, k).numpy() for k in ("Q_A", "w_A", "Q_G", "w_G", "m", "v")}
+        found = {k: getattr(held, k).numpy() for k in ("Q_A", "w_A", "Q_G", "w_G", "m", "v")}
+        if getattr(held, "neuron_v", None) is not None:
+            found["neuron_v"] = held.neuron_v.numpy()
+        return found
