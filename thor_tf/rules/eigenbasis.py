@@ -34,9 +34,9 @@ Per block with gradient matrix ``M`` (``[a_dim, g_dim]``, bias row folded in; se
   neuron's share of it (``"output"``: the ``g_dim`` output units, the paper's; ``"long"``: the
   longer side's, which the orthogonal factor of a non-square step leaves unequal, as
   modded-nanogpt's NorMuon takes it) is divided by the root of a running mean of its
-  squares, ``n ← β2 n + (1−β2)·mean_neuron(O₁²)`` with
-  ``O₁ = O/RMS(O)`` (the step at unit RMS, so ``n`` does not follow the step's size) and
-  ``O ← O₁/(√n + ε)``, then scaled back to the step's Frobenius norm (its ``scale``).
+  squares, ``n ← β2 n + (1−β2)·mean_neuron(O₁²)`` with ``O₁ = O/RMS(O)`` (the step at unit
+  RMS, so ``n`` does not follow the step's size) and ``O ← O₁/(√n + ε)``, then scaled back to
+  the step's Frobenius norm (its ``scale``).
 * the optimizer: ``w ← w − lr·(Δ + wd·w)`` (decoupled weight decay, ``weight_decay_exclude``
   chooses the variables); every variable without a block (or a block without a record in a step)
   takes AdamW with the same β1, β2, ε.
@@ -154,8 +154,10 @@ class Eigenbasis(UpdateRule):
         per-neuron normalization of the orthogonal step (module docstring) over its output
         units (the rows of a PyTorch ``[out, in]`` weight, the paper's) or its longer side's
         (modded-nanogpt's; rows of a tall ``[a_dim, g_dim]`` step, columns of a wide one: the
-        orthogonal factor's short side already has near-unit vectors). The decay is ``beta_2``'s constant, ε is ``epsilon``; blocks of
-        ``adam_kinds`` keep their step as it is.
+        orthogonal factor's short side already has near-unit vectors). The decay is
+        ``beta_2``'s constant, ε is ``epsilon``; blocks of ``adam_kinds`` keep their step as
+        it is. Each block is normalized on its own (~10 elementwise ops and reductions; the
+        step time within ±4 % of the default's on the char GPT and ResNet-20).
       refresh_min_size: ``"power_qr"``: blocks (their size bucket) smaller than this take
         ``"eigh"`` (int >= 0; on a CPU the power step is no cheaper below ~100, measured in
         docs/update_rules.md).
