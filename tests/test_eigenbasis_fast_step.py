@@ -229,9 +229,9 @@ def test_auto_evaluates_through_eigh_without_a_gpu_and_by_products_with_one(monk
     assert np.all(np.isnan(newton_schulz(x).numpy()))  # iterate
 
 
-def test_bucketed_orthogonalization_matches_each_matrix():
-    """Mixed shapes (two heights, two widths, tall and wide) share padded batches; each comes out
-    as its own float64 iteration at its own scale."""
+def test_orthogonalization_matches_each_matrix():
+    """Mixed shapes (near heights and widths, tall and wide, some through float64 ``eigh``):
+    each comes out as its own float64 iteration at its own scale."""
     rng = np.random.default_rng(3)
     shapes = [(65, 64), (64, 65), (32, 64), (65, 256), (257, 64), (64, 64), (5, 3), (66, 64),
               (67, 63)]
@@ -246,21 +246,22 @@ def test_bucketed_orthogonalization_matches_each_matrix():
             assert within_float32_error(o.numpy(), m, scaled)
 
 
-def test_orthogonalization_transposes_only_a_buckets_minority():
-    """Tall updates are iterated as they are (the products' transpose flags): a lone tall update
-    and a bucket of tall ones trace no ``Transpose``; a wide update in a tall majority's bucket is
-    transposed in and out (two)."""
+def test_orthogonalization_neither_transposes_nor_batches():
+    """Each update is iterated as the 2-D matrix it is: tall or wide, through the products'
+    transpose flags (no ``Transpose``), and with 2-D products (no ``BatchMatMul``, which costs
+    more than the same products one by one on CPU)."""
     rule = Eigenbasis()
 
-    def transposes(shapes):
+    def op_types(shapes):
         fn = tf.function(lambda *us: rule._orthogonalized(list(us)))
         graph = fn.get_concrete_function(
             *[tf.TensorSpec(s, tf.float32) for s in shapes]).graph
-        return sum(op.type == "Transpose" for op in graph.get_operations())
+        return [op.type for op in graph.get_operations()]
 
-    assert transposes([(257, 64)]) == 0
-    assert transposes([(65, 64), (66, 64), (67, 63)]) == 0
-    assert transposes([(65, 64), (66, 64), (64, 66)]) == 2
+    for shapes in ([(257, 64)], [(65, 64), (66, 64), (67, 63)], [(65, 64), (66, 64), (64, 66)]):
+        types = op_types(shapes)
+        assert "Transpose" not in types and "BatchMatMulV2" not in types
+        assert types.count("MatMul") == 15 * len(shapes)  # 5 steps of 3 products each
 
 
 def _mixed_model():

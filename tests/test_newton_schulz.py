@@ -144,7 +144,7 @@ def test_many_mixes_methods_and_keeps_each_result():
     """``newton_schulz_many`` under ``"auto"`` on tensors of which some take the float64
     ``eigh`` and some the products: each as :func:`newton_schulz` alone, to its tolerance."""
     rng = np.random.default_rng(3)
-    shapes = [(1, 10, 40), (3, 30, 20), (1, 100, 70), (4, 40, 70)]
+    shapes = [(1, 10, 40), (3, 30, 20), (1, 40, 70), (4, 40, 70)]
     xs = [rng.normal(size=s) for s in shapes]
     assert [spectral_is_cheaper(s[0], min(s[1:])) for s in shapes] == [True, True, False, False]
     outs = newton_schulz_many([x.astype(np.float32) for x in xs])
@@ -165,8 +165,8 @@ def test_auto_takes_the_cheaper_method_per_tensor():
         graph = fn.get_concrete_function(tf.TensorSpec(shape, tf.float32)).graph
         return {op.type for op in graph.get_operations()}
 
-    assert "SelfAdjointEigV2" in ops((1, 32, 288)) and "SelfAdjointEigV2" in ops((64, 300))
-    assert "SelfAdjointEigV2" not in ops((128, 300))
+    assert "SelfAdjointEigV2" in ops((3, 32, 288)) and "SelfAdjointEigV2" in ops((16, 300))
+    assert "SelfAdjointEigV2" not in ops((32, 300)) and "SelfAdjointEigV2" not in ops((1, 32, 288))
     assert "SelfAdjointEigV2" not in ops((5, 64, 65))
 
 

@@ -24,10 +24,10 @@ float64 iteration: docs/internals.md, "Newton–Schulz's accuracy"):
   ``eigh``, ``P = V diag(g) Vᵀ`` and ``X P`` in float64 leave only the final rounding to float32.
 
 ``"auto"`` (the default) takes, per tensor, the cheaper of the two on this hardware: on a CPU
-:func:`spectral_is_cheaper` (float64 ``eigh`` is cheap on a short side up to 32 and on a single
-matrix up to 64; above that the float32 products win, measured in
-docs/results/bench_ns_spectral.json); where TensorFlow sees a GPU, ``"iterate"`` (its products
-are fast, its float64 is not).
+:func:`spectral_is_cheaper` (float64 ``eigh`` is as cheap as the products on a single matrix of
+short side up to 16, and cheaper on a batch of short side up to 32, where oneDNN's batched
+products of small matrices are slow; above that the float32 products win); where TensorFlow
+sees a GPU, ``"iterate"`` (its products are fast, its float64 is not).
 """
 
 from __future__ import annotations
@@ -46,10 +46,14 @@ NS_STEPS = 5
 NS_METHODS = ("auto", "spectral", "iterate")
 #: Largest short side that ``"auto"`` evaluates through float64 ``eigh`` for a single matrix,
 #: and for a batch of several (the batch's ``eigh`` runs matrix by matrix; the products batch).
-#: Measured per bucket of the suite's steps (CPU time, float64 spectral against float32
-#: products): ``[1, 32, 144]`` 1.0 against 2.1 ms, ``[5, 32, 288]`` 1.9 / 2.8, ``[1, 64, 289]``
-#: 2.3 / 3.3, ``[9, 64, 65]`` 5.4 / 3.4, ``[1, 128, 289]`` 4.3 / 3.2.
-SPECTRAL_MAX = 64
+#: Measured as wall time of four independent matrices in one ``tf.function`` (2-core AMD EPYC,
+#: TF 2.21; float32 products against float64 spectral, ms, oneDNN on, then off): ``[16, 144]``
+#: 0.37 / 0.38 and 0.35 / 0.32, ``[32, 288]`` 0.58 / 0.75 and 0.52 / 0.64, ``[64, 289]``
+#: 0.82 / 2.14 and 1.36 / 2.54, ``[128, 129]`` 1.38 / 4.66 and 2.83 / 4.73; one batch
+#: ``[8, 16, 144]`` 0.74 / 0.35 and 0.49 / 0.37, ``[8, 32, 288]`` 1.57 / 1.42 and 1.79 / 1.36.
+#: An earlier host's CPU-time measurement of padded batches put the single matrix's limit at
+#: 64; the rule's updates are single matrices since the orthogonal step stopped batching them.
+SPECTRAL_MAX = 16
 SPECTRAL_MAX_BATCHED = 32
 
 
