@@ -24,7 +24,7 @@ Per block with gradient matrix ``M`` (``[a_dim, g_dim]``, bias row folded in; se
   (docs/levers.md, ``beta1_rate`` and ``beta1_cool``).
 * ``step="orthogonal"`` (the default; SOAP-Muon): ``Δ ← NS(Δ)·‖Δ‖_F/‖NS(Δ)‖_F``, the Newton–Schulz
   orthogonal factor of the whole ``[a_dim, g_dim]`` step (:mod:`thor_tf.rules.orthogonal_step`,
-  one batched evaluation per bucket of shapes, through ``eigh`` of the step's Gram matrix) at the
+  each block's update a 2-D matrix of its own, the products or ``eigh`` of its Gram matrix) at the
   Adam step's Frobenius norm (``scale="graft"``; ``"rms"``: Muon's ``0.2·√max(a_dim, g_dim)``
   instead). Adam's division in the eigenbasis chooses the direction's weighting, the
   orthogonalization equalizes its singular values, the graft keeps Adam's step size, so the rate

@@ -80,7 +80,7 @@ def newton_schulz_many(xs, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, epsilon
     """:func:`newton_schulz` of each tensor of ``xs`` (a list of ``[..., r_i, c_i]`` float32), as
     a list. The spectral ones share one evaluation of the gain's scalar recursion (on their
     eigenvalues concatenated: its ~30 elementwise ops once, not per tensor; the eigenbasis rule
-    passes one tensor per bucket of shapes)."""
+    passes each block's update as a tensor of its own)."""
     if method not in NS_METHODS:
         raise ValueError(f"`method` must be one of {NS_METHODS}; got {method!r}.")
     on_gpu = method == "auto" and bool(tf.config.list_logical_devices("GPU"))
