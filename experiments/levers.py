@@ -127,6 +127,13 @@ LEVERS = {
                    "the default and releps_big: does a part of releps_big's gain on repeated "
                    "data come at a smaller cost to the fitting workloads?)",
                    _eigenbasis(relative_epsilon=3e-2)),
+    "releps_huge": ("the eigenbasis rule's relative epsilon 0.1 -> 0.3 (THOR's current default "
+                    "-> three times it): at 16x the suite's length the image workloads "
+                    "memorize (training loss ~1e-4, docs/anatomy.md) and end behind the tuned "
+                    "baselines, which releps_big's damping of weakly-seen eigendirections did "
+                    "not change; does more of it? (a probe for an epsilon that grows late in "
+                    "the run: if a constant 0.3 does not help at 16x, less of it will not)",
+                    _eigenbasis(relative_epsilon=3e-1)),
     "beta1_low": ("the eigenbasis moments' beta_1 0.9 -> 0.8 on THOR's current default "
                   "(relative epsilon 0.1): a first moment of ~5 steps instead of ~10, so the "
                   "orthogonalized step lags the gradient less (lm.py at 2,000 steps, seed 0: "
@@ -184,7 +191,8 @@ LEVERS = {
 #: library's default.
 AGAINST = {name: hz.CURRENT_DEFAULT_LEVER[0] for name in ("beta1_low", "beta1_mid",
                                                           "beta1_rate", "beta1_cool",
-                                                          "neuron_out", "neuron_long")}
+                                                          "neuron_out", "neuron_long",
+                                                          "releps_huge")}
 DEFAULT_LEVERS = ("wd_keras", "wd_matched", "floor", "beta2", "releps")
 QUICK_LEVER = "floor"
 DEFAULT = "default"          # the lever name of THOR's default runs trained here
