@@ -134,6 +134,18 @@ LEVERS = {
                     "not change; does more of it? (a probe for an epsilon that grows late in "
                     "the run: if a constant 0.3 does not help at 16x, less of it will not)",
                     _eigenbasis(relative_epsilon=3e-1)),
+    "current": ("THOR's current default (relative epsilon 0.1: releps_big's options) trained "
+                "again on the code since 4c34dbd (Newton-Schulz one matrix at a time), whose "
+                "round-off differs from releps_big's runs: the reference of the levers measured "
+                "since (a reference, not a lever)",
+                lambda name: dict(hz.CURRENT_DEFAULT_LEVER[1])),
+    "releps_rise": ("the eigenbasis rule's relative epsilon follows the rate on THOR's current "
+                    "default: 0.1 at the largest rate so far, rising linearly to 0.5 as the rate "
+                    "goes to 0 (Eigenbasis(relative_epsilon=0.1, relative_epsilon_end=0.5); 0.3 "
+                    "at half the peak): releps_huge's constant 0.3 helped the CNNs at 4x and the "
+                    "ViT at 16x and cost the ViT and the char GPT at 4x, so the default's small "
+                    "epsilon while the rate is high and more damping as the cosine anneals",
+                    _on_current_default(relative_epsilon_end=0.5)),
     "beta1_low": ("the eigenbasis moments' beta_1 0.9 -> 0.8 on THOR's current default "
                   "(relative epsilon 0.1): a first moment of ~5 steps instead of ~10, so the "
                   "orthogonalized step lags the gradient less (lm.py at 2,000 steps, seed 0: "
@@ -189,10 +201,11 @@ LEVERS = {
 #: rule it is, ``releps_big``): each is paired per seed with that lever's runs instead of the
 #: study's default (ε 1e-2), so its effect is the change of the one option it adds to the
 #: library's default.
-AGAINST = {name: hz.CURRENT_DEFAULT_LEVER[0] for name in ("beta1_low", "beta1_mid",
-                                                          "beta1_rate", "beta1_cool",
-                                                          "neuron_out", "neuron_long",
-                                                          "releps_huge")}
+AGAINST = {**{name: hz.CURRENT_DEFAULT_LEVER[0] for name in ("beta1_low", "beta1_mid",
+                                                             "beta1_rate", "beta1_cool",
+                                                             "neuron_out", "neuron_long",
+                                                             "releps_huge")},
+           "releps_rise": "current"}
 DEFAULT_LEVERS = ("wd_keras", "wd_matched", "floor", "beta2", "releps")
 QUICK_LEVER = "floor"
 DEFAULT = "default"          # the lever name of THOR's default runs trained here

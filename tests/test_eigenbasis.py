@@ -262,10 +262,11 @@ def test_other_blocks_replay_the_float64_rule(build, shape):
 
 class HeldBases(Eigenbasis):
     """The eigenbasis rule with its bases held at the identity (refresh does nothing) and Adam's
-    absolute ε alone (``relative_epsilon=0``)."""
+    absolute ε alone (``relative_epsilon=0`` unless given)."""
 
     def __init__(self, **options):
-        super().__init__(relative_epsilon=0.0, step="adam", **options)
+        options.setdefault("relative_epsilon", 0.0)
+        super().__init__(step="adam", **options)
 
     def refresh(self, step, layers, refresh, factors, damping):
         pass
@@ -429,6 +430,71 @@ def test_beta_1_following_the_rate_matches_float64_first_principles(peak_beta, e
     assert moved > 0.03, moved
 
 
+@pytest.mark.parametrize("start_eps,end_eps", [(0.1, 0.5), (0.5, 0.05)])
+def test_relative_epsilon_following_the_rate_matches_float64_first_principles(start_eps,
+                                                                             end_eps):
+    """``relative_epsilon_end`` under the rates 0.3, 1, 0.8, 0.6, 0.2, 0.05 (× 0.05): each block's
+    floor is ``ε + ε_r,t·√mean(v̂)`` (the mean over the block's ``[a_dim, g_dim]`` matrix, bias row
+    included) with ``ε_r,t = e + (ε_r − e)·η_t/η_max`` and ``η_max`` the largest rate so far;
+    the LayerNormalization's scale and offset (no block) take Adam's ``ε`` alone. Bases at the
+    identity, 6 steps replayed in float64 from the gradients of an unwrapped clone at the
+    reference's weights: within 2e-5 after every step. A constant ``ε_r`` at the peak's value is
+    farther than 100x that: the test sees the schedule, growing (0.1 → 0.5) or falling."""
+    x, y = _regression()
+    peak = 0.05
+    rates = [r * peak for r in (0.3, 1.0, 0.8, 0.6, 0.2, 0.05)]
+    schedule = keras.optimizers.schedules.PiecewiseConstantDecay([0, 1, 2, 3, 4], rates)
+    wrapped = thor_tf.wrap(_mlp(), learning_rate=schedule,
+                           update_rule=HeldBases(relative_epsilon=start_eps,
+                                                 relative_epsilon_end=end_eps),
+                           verbose=False)
+    wrapped.compile(loss="mse")
+    clone = _mlp()
+    start = [v.numpy().astype(np.float64) for v in clone.trainable_variables]
+    # (kernel, bias) index pairs of the two Dense layers: one block each, the bias a row of it.
+    dense = [(0, 1), (4, 5)]
+    assert [tuple(start[k].shape) for k, _ in dense] == [(5, 8), (8, 2)]
+
+    def replay(relative_epsilon):
+        weights = [w.copy() for w in start]
+        m = [np.zeros_like(w) for w in weights]
+        v = [np.zeros_like(w) for w in weights]
+        out, used = [], []
+        for step in range(6):
+            xb, yb = x[16 * step:16 * (step + 1)], y[16 * step:16 * (step + 1)]
+            grads = _clone_gradients(clone, weights, xb, yb)
+            t, rate = step + 1, rates[step]
+            eps_r = relative_epsilon(rate / max(rates[:step + 1]))
+            used.append(eps_r)
+            for k, g in enumerate(grads):
+                m[k] = B1 * m[k] + (1 - B1) * g
+                v[k] = B2 * v[k] + (1 - B2) * g ** 2
+            m_hat = [mk / (1 - B1 ** t) for mk in m]
+            v_hat = [vk / (1 - B2 ** t) for vk in v]
+            floors = {k: EPS for k in range(len(weights))}
+            for kernel, bias in dense:
+                block = np.concatenate([v_hat[kernel], v_hat[bias][None]])  # [a_dim, g_dim]
+                floors[kernel] = floors[bias] = EPS + eps_r * np.sqrt(block.mean())
+            for k in range(len(weights)):
+                weights[k] = weights[k] - rate * m_hat[k] / (np.sqrt(v_hat[k]) + floors[k])
+            out.append([w.copy() for w in weights])
+        return out, used
+
+    want, used = replay(lambda ratio: end_eps + (start_eps - end_eps) * ratio)
+    np.testing.assert_allclose(
+        used, [end_eps + (start_eps - end_eps) * r for r in (1, 1, 0.8, 0.6, 0.2, 0.05)],
+        atol=1e-12)
+    constant, _ = replay(lambda ratio: start_eps)
+    for step in range(6):
+        wrapped.train_on_batch(x[16 * step:16 * (step + 1)], y[16 * step:16 * (step + 1)])
+        for got, w in zip(wrapped.trainable_variables, want[step]):
+            np.testing.assert_allclose(got.numpy(), w, atol=2e-5, rtol=0, err_msg=got.name)
+    assert float(wrapped.thor.state.rule_state.numpy()) == pytest.approx(peak)
+    assert max(np.abs(a - b).max() for a, b in zip(want[-1], constant[-1])) > 100 * 2e-5
+    moved = max(np.abs(w - w0).max() for w, w0 in zip(want[-1], start))
+    assert moved > 0.03, moved
+
+
 def _rotation_run(rule, rotate, steps=6):
     """Losses of a softmax regression whose inputs are rotated by an orthogonal O (the kernel
     rotated to match, so the model computes the same function)."""
@@ -516,20 +582,25 @@ def test_non_finite_batch_changes_no_moment_and_no_basis(rule):
     assert model.thor.counters()["nonfinite_steps"] == 1
 
 
-@pytest.mark.parametrize("growth,beta_1_end,neuron_norm", [
-    (None, None, None), (0.8, None, None), (None, 0.9, None), (None, None, "output")])
-def test_save_and_load_resume_the_same_run(tmp_path, growth, beta_1_end, neuron_norm):
+@pytest.mark.parametrize("growth,beta_1_end,neuron_norm,releps_end", [
+    (None, None, None, None), (0.8, None, None, None), (None, 0.9, None, None),
+    (None, None, "output", None), (None, None, None, 0.5)])
+def test_save_and_load_resume_the_same_run(tmp_path, growth, beta_1_end, neuron_norm,
+                                           releps_end):
     """model.save after 4 steps, load, 4 more steps = 8 uninterrupted steps (bases, eigenvalues,
     moments and Adam slots are optimizer state; a growing β2 is a function of the step count;
-    under ``beta_1_end`` the largest rate so far is state too: the rate halves right after the
-    save, and a restart from 0 would take the halved rate as the largest; under ``neuron_norm``
+    under ``beta_1_end`` or ``relative_epsilon_end`` the largest rate so far is state too: the
+    rate halves right after the save, and a restart from 0 would take the halved rate as the
+    largest; under ``neuron_norm``
     the orthogonal step's moment per neuron); the loaded optimizer is the eigenbasis rule with
     its options."""
     x, y = _regression()
     step = "adam" if neuron_norm is None else "orthogonal"
     rule = Eigenbasis(beta_2=0.99, step=step, beta_2_growth=growth, neuron_norm=neuron_norm,
+                      relative_epsilon_end=releps_end,
                       **({} if beta_1_end is None else dict(beta_1=0.5, beta_1_end=beta_1_end)))
-    rate = LR if beta_1_end is None else keras.optimizers.schedules.PiecewiseConstantDecay(
+    follows = beta_1_end is not None or releps_end is not None
+    rate = LR if not follows else keras.optimizers.schedules.PiecewiseConstantDecay(
         [3, 4, 5, 6], [LR, 0.5 * LR, 0.3 * LR, 0.2 * LR, 0.1 * LR])
 
     def fresh():
@@ -567,6 +638,9 @@ def test_options_name_the_allowed_values():
     for bad in (-0.1, 1.0, "0.95", True):
         with pytest.raises(ValueError, match=r"beta_1_end.*None or a float in \[0, 1\)"):
             Eigenbasis(beta_1_end=bad)
+    for bad in (-0.1, "0.5", True):
+        with pytest.raises(ValueError, match=r"relative_epsilon_end.*None or a float >= 0"):
+            Eigenbasis(relative_epsilon_end=bad)
     model = thor_tf.wrap(_mlp(), update_rule="inverse", verbose=False)
     model.compile(loss="mse")
     assert isinstance(model.thor_optimizer.update_rule, Inverse)

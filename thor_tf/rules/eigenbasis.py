@@ -21,7 +21,9 @@ Per block with gradient matrix ``M`` (``[a_dim, g_dim]``, bias row folded in; se
   largest rate so far (a model-wide optimizer variable): ``β1`` at the peak, ``e`` as the rate
   goes to 0 (``e > β1``: Smith's one-cycle momentum, a longer memory as the rate anneals;
   ``e < β1``: a shorter one), capped at ``1 − 1/t`` (``β1_1 = 0``) and ``m̂ = m``
-  (docs/levers.md, ``beta1_rate`` and ``beta1_cool``).
+  (docs/levers.md, ``beta1_rate`` and ``beta1_cool``). ``relative_epsilon_end=e``: ``ε_r`` follows
+  the rate the same way, ``ε_r,t = e + (ε_r − e)·η_t/η_max`` (``e > ε_r``: a damping that grows
+  as the cosine anneals).
 * ``step="orthogonal"`` (the default; SOAP-Muon): ``Δ ← NS(Δ)·‖Δ‖_F/‖NS(Δ)‖_F``, the Newton–Schulz
   orthogonal factor of the whole ``[a_dim, g_dim]`` step (:mod:`thor_tf.rules.orthogonal_step`,
   each block's update a 2-D matrix of its own, the products or ``eigh`` of its Gram matrix) at the
@@ -120,6 +122,12 @@ class Eigenbasis(UpdateRule):
         ``e > beta_1``), and ``min(β1_t, 1 − 1/t)`` so that no bias correction is needed
         (``β1_1 = 0``). The same decay for the variables without a block. Under a constant
         rate it is ``beta_1`` throughout.
+      relative_epsilon_end: None (a constant ``relative_epsilon``) or ``e`` >= 0: the relative ε
+        moves with the rate as ``beta_1_end`` moves β1, ``ε_r,t = e + (ε_r − e)·η_t/η_max``:
+        ``relative_epsilon`` at the largest rate so far, ``e`` at a rate of 0 (``e`` above it:
+        the eigendirections the gradients barely reach are damped more as the cosine anneals,
+        docs/levers.md ``releps_rise``). Blocks only (the variables without a block take Adam's
+        ``epsilon``).
       epsilon: added to ``√v̂``, > 0.
       relative_epsilon: also added to ``√v̂``, times the block's RMS ``√mean(v̂)`` (>= 0): a
         rotated direction whose gradient is far below the block's RMS is round-off, not a
@@ -216,7 +224,8 @@ class Eigenbasis(UpdateRule):
     def __init__(self, beta_1=0.9, beta_2=0.95, epsilon=1e-8, relative_epsilon=None,
                  tie_break=TIE_BREAK, step="orthogonal", scale="graft", rms=0.2, adam_kinds=(),
                  refresh="power_qr", refresh_tolerance=0.5, drift_tolerance=0.01,
-                 refresh_min_size=96, beta_2_growth=None, beta_1_end=None, neuron_norm=None):
+                 refresh_min_size=96, beta_2_growth=None, beta_1_end=None, neuron_norm=None,
+                 relative_epsilon_end=None):
         if beta_2_growth is not None and (
                 isinstance(beta_2_growth, bool) or not isinstance(beta_2_growth, (int, float))
                 or not 0 < beta_2_growth <= 1):
@@ -254,6 +263,14 @@ class Eigenbasis(UpdateRule):
             raise ValueError(f"`beta_1_end` must be None or a float in [0, 1); got "
                              f"{beta_1_end!r}.")
         self.beta_1_end = None if beta_1_end is None else float(beta_1_end)
+        if relative_epsilon_end is not None and (
+                isinstance(relative_epsilon_end, bool)
+                or not isinstance(relative_epsilon_end, (int, float))
+                or not relative_epsilon_end >= 0):
+            raise ValueError("`relative_epsilon_end` must be None or a float >= 0; got "
+                             f"{relative_epsilon_end!r}.")
+        self.relative_epsilon_end = (None if relative_epsilon_end is None
+                                     else float(relative_epsilon_end))
         if isinstance(tie_break, bool) or not isinstance(tie_break, (int, float)) or not tie_break >= 0:
             raise ValueError(f"`tie_break` must be a float >= 0; got {tie_break!r}.")
         self.relative_epsilon, self.tie_break = float(relative_epsilon), float(tie_break)
@@ -287,7 +304,8 @@ class Eigenbasis(UpdateRule):
                 "refresh_tolerance": self.refresh_tolerance,
                 "drift_tolerance": self.drift_tolerance,
                 "refresh_min_size": self.refresh_min_size, "beta_2_growth": self.beta_2_growth,
-                "beta_1_end": self.beta_1_end, "neuron_norm": self.neuron_norm}
+                "beta_1_end": self.beta_1_end, "neuron_norm": self.neuron_norm,
+                "relative_epsilon_end": self.relative_epsilon_end}
 
     @classmethod
     def from_config(cls, config):
@@ -316,10 +334,15 @@ class Eigenbasis(UpdateRule):
                 dtype="float32", name=f"{prefix}_neuron_v")
         return EigenLayerState(**made)
 
+    @property
+    def follows_rate(self):
+        """Whether β1 or ε_r moves with the rate (``beta_1_end``, ``relative_epsilon_end``)."""
+        return self.beta_1_end is not None or self.relative_epsilon_end is not None
+
     def create_model_state(self, optimizer):
-        """Under ``beta_1_end``: the largest rate so far, ``η_max`` (a float32 scalar optimizer
-        variable, saved with it); else None."""
-        if self.beta_1_end is None:
+        """Under ``beta_1_end`` or ``relative_epsilon_end``: the largest rate so far, ``η_max``
+        (a float32 scalar optimizer variable, saved with it); else None."""
+        if not self.follows_rate:
             return None
         return optimizer.add_variable((), initializer="zeros", dtype="float32",
                                       name="eigenbasis_largest_rate")
@@ -346,13 +369,13 @@ class Eigenbasis(UpdateRule):
             use_grads = {k: _clip(g, clip_norm) for k, g in use_grads.items()}
         t = tf.cast(step.iterations + 1, tf.float32)
         rate = None
-        if self.beta_1_end is not None:
+        if self.follows_rate:
             rate, largest = tf.cast(step.learning_rate, tf.float32), step.state.rule_state
             largest.assign(tf.where(ok, tf.maximum(largest, rate), largest))
         b1, b1c, correction_1 = self._first_moment_decay(t, rate, step.state.rule_state)
         # Each Python float is a new graph constant at each use: made once here (same values).
-        epsilon, relative_epsilon = (tf.constant(value, tf.float32) for value in (
-            self.epsilon, self.relative_epsilon))
+        epsilon = tf.constant(self.epsilon, tf.float32)
+        relative_epsilon = self._relative_epsilon(rate, step.state.rule_state)
         b2, b2c, correction_2 = self._second_moment_decay(t)
         blocks = [(b, k, matrix, step.layer(b))
                   for b, k, matrix in block_matrices.gather(active, grads, variables, use_grads)]
@@ -515,6 +538,16 @@ class Eigenbasis(UpdateRule):
             self.beta_1 - self.beta_1_end, dtype) * fraction
         b1 = tf.minimum(b1, 1.0 - 1.0 / t)
         return b1, 1.0 - b1, tf.ones([], dtype)
+
+    def _relative_epsilon(self, rate=None, largest=None):
+        """``ε_r`` at this step (a float32 scalar): ``relative_epsilon``, or under
+        ``relative_epsilon_end`` ``e + (ε_r − e)·η_t/η_max`` with ``η_max`` as in
+        :meth:`_first_moment_decay` (the step's own rate counted in it)."""
+        if self.relative_epsilon_end is None:
+            return tf.constant(self.relative_epsilon, tf.float32)
+        fraction = tf.math.divide_no_nan(rate, tf.maximum(tf.cast(largest, tf.float32), rate))
+        return tf.constant(self.relative_epsilon_end, tf.float32) + tf.constant(
+            self.relative_epsilon - self.relative_epsilon_end, tf.float32) * fraction
 
     def _second_moment_decay(self, t):
         """``(β2_t, 1 − β2_t, bias correction 1 − Π β2)`` at step ``t`` (a float tensor, from 1):
