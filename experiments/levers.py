@@ -146,6 +146,15 @@ LEVERS = {
                     "ViT at 16x and cost the ViT and the char GPT at 4x, so the default's small "
                     "epsilon while the rate is high and more damping as the cosine anneals",
                     _on_current_default(relative_epsilon_end=0.5)),
+    "releps_rise_sized": ("releps_rise's direction at the default's step size: the relative "
+                          "epsilon follows the rate from 0.1 to 0.5 as in releps_rise, and each "
+                          "block's step in the eigenbasis is scaled to the norm it has at 0.1 "
+                          "(Eigenbasis(relative_epsilon=0.1, relative_epsilon_end=0.5, "
+                          "step_norm_epsilon=0.1)): under the graft a larger epsilon mostly "
+                          "shrinks the step (at 0.5 to ~0.65x 0.1's on the Fashion CNN at 4x), "
+                          "so is releps_rise's effect its direction or its size?",
+                          _on_current_default(relative_epsilon_end=0.5,
+                                              step_norm_epsilon=0.1)),
     "beta1_low": ("the eigenbasis moments' beta_1 0.9 -> 0.8 on THOR's current default "
                   "(relative epsilon 0.1): a first moment of ~5 steps instead of ~10, so the "
                   "orthogonalized step lags the gradient less (lm.py at 2,000 steps, seed 0: "
@@ -205,7 +214,7 @@ AGAINST = {**{name: hz.CURRENT_DEFAULT_LEVER[0] for name in ("beta1_low", "beta1
                                                              "beta1_rate", "beta1_cool",
                                                              "neuron_out", "neuron_long",
                                                              "releps_huge")},
-           "releps_rise": "current"}
+           "releps_rise": "current", "releps_rise_sized": "current"}
 DEFAULT_LEVERS = ("wd_keras", "wd_matched", "floor", "beta2", "releps")
 QUICK_LEVER = "floor"
 DEFAULT = "default"          # the lever name of THOR's default runs trained here

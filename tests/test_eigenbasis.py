@@ -430,23 +430,28 @@ def test_beta_1_following_the_rate_matches_float64_first_principles(peak_beta, e
     assert moved > 0.03, moved
 
 
-@pytest.mark.parametrize("start_eps,end_eps", [(0.1, 0.5), (0.5, 0.05)])
+@pytest.mark.parametrize("start_eps,end_eps,norm_eps", [(0.1, 0.5, None), (0.5, 0.05, None),
+                                                       (0.1, 0.5, 0.1)])
 def test_relative_epsilon_following_the_rate_matches_float64_first_principles(start_eps,
-                                                                             end_eps):
+                                                                             end_eps, norm_eps):
     """``relative_epsilon_end`` under the rates 0.3, 1, 0.8, 0.6, 0.2, 0.05 (× 0.05): each block's
     floor is ``ε + ε_r,t·√mean(v̂)`` (the mean over the block's ``[a_dim, g_dim]`` matrix, bias row
     included) with ``ε_r,t = e + (ε_r − e)·η_t/η_max`` and ``η_max`` the largest rate so far;
     the LayerNormalization's scale and offset (no block) take Adam's ``ε`` alone. Bases at the
     identity, 6 steps replayed in float64 from the gradients of an unwrapped clone at the
     reference's weights: within 2e-5 after every step. A constant ``ε_r`` at the peak's value is
-    farther than 100x that: the test sees the schedule, growing (0.1 → 0.5) or falling."""
+    farther than 100x that: the test sees the schedule, growing (0.1 → 0.5) or falling. Under
+    ``step_norm_epsilon=k`` each block's step is scaled to the Frobenius norm of the step with
+    ``ε_r = k`` (the same floor with ``k``): the direction from the schedule, the size from
+    ``k``."""
     x, y = _regression()
     peak = 0.05
     rates = [r * peak for r in (0.3, 1.0, 0.8, 0.6, 0.2, 0.05)]
     schedule = keras.optimizers.schedules.PiecewiseConstantDecay([0, 1, 2, 3, 4], rates)
     wrapped = thor_tf.wrap(_mlp(), learning_rate=schedule,
                            update_rule=HeldBases(relative_epsilon=start_eps,
-                                                 relative_epsilon_end=end_eps),
+                                                 relative_epsilon_end=end_eps,
+                                                 step_norm_epsilon=norm_eps),
                            verbose=False)
     wrapped.compile(loss="mse")
     clone = _mlp()
@@ -471,12 +476,20 @@ def test_relative_epsilon_following_the_rate_matches_float64_first_principles(st
                 v[k] = B2 * v[k] + (1 - B2) * g ** 2
             m_hat = [mk / (1 - B1 ** t) for mk in m]
             v_hat = [vk / (1 - B2 ** t) for vk in v]
-            floors = {k: EPS for k in range(len(weights))}
+            steps = [m_hat[k] / (np.sqrt(v_hat[k]) + EPS) for k in range(len(weights))]
             for kernel, bias in dense:
                 block = np.concatenate([v_hat[kernel], v_hat[bias][None]])  # [a_dim, g_dim]
-                floors[kernel] = floors[bias] = EPS + eps_r * np.sqrt(block.mean())
+                rms = np.sqrt(block.mean())
+                own = [m_hat[k] / (np.sqrt(v_hat[k]) + EPS + eps_r * rms) for k in (kernel, bias)]
+                if norm_eps is not None:
+                    sized = [m_hat[k] / (np.sqrt(v_hat[k]) + EPS + norm_eps * rms)
+                             for k in (kernel, bias)]
+                    ratio = np.sqrt(sum((u ** 2).sum() for u in sized) / sum(
+                        (u ** 2).sum() for u in own))
+                    own = [u * ratio for u in own]
+                steps[kernel], steps[bias] = own
             for k in range(len(weights)):
-                weights[k] = weights[k] - rate * m_hat[k] / (np.sqrt(v_hat[k]) + floors[k])
+                weights[k] = weights[k] - rate * steps[k]
             out.append([w.copy() for w in weights])
         return out, used
 
@@ -493,6 +506,34 @@ def test_relative_epsilon_following_the_rate_matches_float64_first_principles(st
     assert max(np.abs(a - b).max() for a, b in zip(want[-1], constant[-1])) > 100 * 2e-5
     moved = max(np.abs(w - w0).max() for w, w0 in zip(want[-1], start))
     assert moved > 0.03, moved
+
+
+def test_step_norm_epsilon_is_the_same_on_stacked_and_single_blocks(monkeypatch):
+    """Two Dense blocks of one shape are preconditioned as one stack: under
+    ``step_norm_epsilon`` each member is scaled by its own norms, as when every block is its
+    own stack (``_stack_key`` per block); 4 steps within float32 round-off, and the scaling
+    moves them (against no ``step_norm_epsilon``)."""
+    x, y = _regression(d=6)
+
+    def run(**options):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(6, activation="tanh"),
+                                  keras.layers.Dense(6, activation="tanh"),
+                                  keras.layers.Dense(2)])
+        model = thor_tf.wrap(model, learning_rate=LR, verbose=False, update_rule=Eigenbasis(
+            relative_epsilon=0.5, **options), **EVERY_2)
+        model.compile(loss="mse")
+        for step in range(4):
+            model.train_on_batch(x[16 * step:16 * (step + 1)], y[16 * step:16 * (step + 1)])
+        return [v.numpy() for v in model.trainable_variables]
+
+    stacked = run(step_norm_epsilon=0.1)
+    plain = run()
+    monkeypatch.setattr(Eigenbasis, "_stack_key", staticmethod(lambda held: id(held)))
+    single = run(step_norm_epsilon=0.1)
+    for a, b in zip(stacked, single):
+        np.testing.assert_allclose(a, b, atol=2e-6, rtol=0)
+    assert max(np.abs(a - b).max() for a, b in zip(stacked, plain)) > 1e-4
 
 
 def _rotation_run(rule, rotate, steps=6):
@@ -641,6 +682,8 @@ def test_options_name_the_allowed_values():
     for bad in (-0.1, "0.5", True):
         with pytest.raises(ValueError, match=r"relative_epsilon_end.*None or a float >= 0"):
             Eigenbasis(relative_epsilon_end=bad)
+        with pytest.raises(ValueError, match=r"step_norm_epsilon.*None or a float >= 0"):
+            Eigenbasis(step_norm_epsilon=bad)
     model = thor_tf.wrap(_mlp(), update_rule="inverse", verbose=False)
     model.compile(loss="mse")
     assert isinstance(model.thor_optimizer.update_rule, Inverse)

@@ -23,7 +23,10 @@ Per block with gradient matrix ``M`` (``[a_dim, g_dim]``, bias row folded in; se
   ``e < β1``: a shorter one), capped at ``1 − 1/t`` (``β1_1 = 0``) and ``m̂ = m``
   (docs/levers.md, ``beta1_rate`` and ``beta1_cool``). ``relative_epsilon_end=e``: ``ε_r`` follows
   the rate the same way, ``ε_r,t = e + (ε_r − e)·η_t/η_max`` (``e > ε_r``: a damping that grows
-  as the cosine anneals).
+  as the cosine anneals). ``step_norm_epsilon=k``: each block's ``Δ'`` is scaled to the
+  Frobenius norm of the step with ``ε_r = k`` (``‖Δ'_k‖/‖Δ'‖``), so ``ε_r`` chooses the
+  direction only and not the size (a larger ``ε_r`` alone shrinks the step: at 0.5 to ~0.65×
+  0.1's on the Fashion CNN).
 * ``step="orthogonal"`` (the default; SOAP-Muon): ``Δ ← NS(Δ)·‖Δ‖_F/‖NS(Δ)‖_F``, the Newton–Schulz
   orthogonal factor of the whole ``[a_dim, g_dim]`` step (:mod:`thor_tf.rules.orthogonal_step`,
   each block's update a 2-D matrix of its own, the products or ``eigh`` of its Gram matrix) at the
@@ -128,6 +131,10 @@ class Eigenbasis(UpdateRule):
         the eigendirections the gradients barely reach are damped more as the cosine anneals,
         docs/levers.md ``releps_rise``). Blocks only (the variables without a block take Adam's
         ``epsilon``).
+      step_norm_epsilon: None (the step's own norm) or ``k`` >= 0: each block's step in the
+        eigenbasis is scaled to the Frobenius norm it has with ``relative_epsilon=k`` (the
+        graft then takes that norm): ``relative_epsilon`` (and ``relative_epsilon_end``) choose
+        the direction alone.
       epsilon: added to ``√v̂``, > 0.
       relative_epsilon: also added to ``√v̂``, times the block's RMS ``√mean(v̂)`` (>= 0): a
         rotated direction whose gradient is far below the block's RMS is round-off, not a
@@ -225,7 +232,7 @@ class Eigenbasis(UpdateRule):
                  tie_break=TIE_BREAK, step="orthogonal", scale="graft", rms=0.2, adam_kinds=(),
                  refresh="power_qr", refresh_tolerance=0.5, drift_tolerance=0.01,
                  refresh_min_size=96, beta_2_growth=None, beta_1_end=None, neuron_norm=None,
-                 relative_epsilon_end=None):
+                 relative_epsilon_end=None, step_norm_epsilon=None):
         if beta_2_growth is not None and (
                 isinstance(beta_2_growth, bool) or not isinstance(beta_2_growth, (int, float))
                 or not 0 < beta_2_growth <= 1):
@@ -271,6 +278,14 @@ class Eigenbasis(UpdateRule):
                              f"{relative_epsilon_end!r}.")
         self.relative_epsilon_end = (None if relative_epsilon_end is None
                                      else float(relative_epsilon_end))
+        if step_norm_epsilon is not None and (
+                isinstance(step_norm_epsilon, bool)
+                or not isinstance(step_norm_epsilon, (int, float))
+                or not step_norm_epsilon >= 0):
+            raise ValueError("`step_norm_epsilon` must be None or a float >= 0; got "
+                             f"{step_norm_epsilon!r}.")
+        self.step_norm_epsilon = (None if step_norm_epsilon is None
+                                  else float(step_norm_epsilon))
         if isinstance(tie_break, bool) or not isinstance(tie_break, (int, float)) or not tie_break >= 0:
             raise ValueError(f"`tie_break` must be a float >= 0; got {tie_break!r}.")
         self.relative_epsilon, self.tie_break = float(relative_epsilon), float(tie_break)
@@ -305,7 +320,8 @@ class Eigenbasis(UpdateRule):
                 "drift_tolerance": self.drift_tolerance,
                 "refresh_min_size": self.refresh_min_size, "beta_2_growth": self.beta_2_growth,
                 "beta_1_end": self.beta_1_end, "neuron_norm": self.neuron_norm,
-                "relative_epsilon_end": self.relative_epsilon_end}
+                "relative_epsilon_end": self.relative_epsilon_end,
+                "step_norm_epsilon": self.step_norm_epsilon}
 
     @classmethod
     def from_config(cls, config):
@@ -408,10 +424,14 @@ class Eigenbasis(UpdateRule):
             # round-off of the rotation (~1e-6 of the RMS) that Adam's division would blow up
             # to a full-size step, different on every device and replica count.
             v_hat = v / correction_2
-            floor = epsilon + relative_epsilon * tf.sqrt(
-                tf.reduce_mean(v_hat, axis=[-2, -1], keepdims=True) if stacked
-                else tf.reduce_mean(v_hat))
-            delta = (m / correction_1) / (tf.sqrt(v_hat) + floor)
+            rms = tf.sqrt(tf.reduce_mean(v_hat, axis=[-2, -1], keepdims=True) if stacked
+                          else tf.reduce_mean(v_hat))
+            m_hat, root = m / correction_1, tf.sqrt(v_hat)
+            delta = m_hat / (root + (epsilon + relative_epsilon * rms))
+            if self.step_norm_epsilon is not None:
+                sized = m_hat / (root + (epsilon + self.step_norm_epsilon * rms))
+                delta = delta * tf.math.divide_no_nan(_frobenius(sized, stacked),
+                                                      _frobenius(delta, stacked))
             delta = rotate_out(delta, q_a, q_g)  # Q_A Δ' Q_Gᵀ
             for n, u in zip(members, tf.unstack(delta) if stacked else [delta]):
                 steps[n] = (blocks[n][0], blocks[n][1], u)
@@ -560,6 +580,11 @@ class Eigenbasis(UpdateRule):
         b2 = tf.minimum(tf.constant(self.beta_2, dtype),
                         1.0 - tf.pow(t, tf.constant(-self.beta_2_growth, dtype)))
         return b2, 1.0 - b2, tf.ones([], dtype)
+
+
+def _frobenius(matrices, stacked):
+    """The Frobenius norm of a ``[a, g]`` matrix, or of each of a stack's (``[n, 1, 1]``)."""
+    return tf.sqrt(tf.reduce_sum(tf.square(matrices), axis=[-2, -1], keepdims=stacked))
 
 
 class EigenbasisSplitCost(SplitCost):
