@@ -367,6 +367,20 @@ def _mlp_with_lone_variable(seed=0, d=5):
                              keras.layers.PReLU()])
 
 
+def _assert_follows_the_replay(wrapped, x, y, want, constant, start, peak):
+    """Six steps of ``wrapped`` on 16-row batches within 2e-5 of the float64 replay ``want``
+    (weights after each step) on every variable; the largest rate so far is ``peak``; the
+    replay is > 100x that from ``constant`` (the schedule is seen) and moved from ``start``."""
+    for step in range(6):
+        wrapped.train_on_batch(x[16 * step:16 * (step + 1)], y[16 * step:16 * (step + 1)])
+        for got, w in zip(wrapped.trainable_variables, want[step]):
+            np.testing.assert_allclose(got.numpy(), w, atol=2e-5, rtol=0, err_msg=got.name)
+    assert float(wrapped.thor.state.rule_state.numpy()) == pytest.approx(peak)
+    assert max(np.abs(a - b).max() for a, b in zip(want[-1], constant[-1])) > 100 * 2e-5
+    moved = max(np.abs(w - w0).max() for w, w0 in zip(want[-1], start))
+    assert moved > 0.03, moved
+
+
 @pytest.mark.parametrize("peak_beta,end_beta,want_decays", [
     (0.5, 0.8, [0.0, 0.5, 0.56, 0.62, 0.74, 0.785]),
     (0.8, 0.5, [0.0, 0.5, 2 / 3, 0.68, 0.56, 0.515])])
@@ -420,14 +434,7 @@ def test_beta_1_following_the_rate_matches_float64_first_principles(peak_beta, e
     want = replay(following, False, 6)
     np.testing.assert_allclose(decays, want_decays, atol=1e-12)
     constant = replay(lambda t, ratio: peak_beta, True, 6)
-    for step in range(6):
-        wrapped.train_on_batch(x[16 * step:16 * (step + 1)], y[16 * step:16 * (step + 1)])
-        for got, w in zip(wrapped.trainable_variables, want[step]):
-            np.testing.assert_allclose(got.numpy(), w, atol=2e-5, rtol=0, err_msg=got.name)
-    assert float(wrapped.thor.state.rule_state.numpy()) == pytest.approx(peak)
-    assert max(np.abs(a - b).max() for a, b in zip(want[-1], constant[-1])) > 100 * 2e-5
-    moved = max(np.abs(w - w0).max() for w, w0 in zip(want[-1], start))
-    assert moved > 0.03, moved
+    _assert_follows_the_replay(wrapped, x, y, want, constant, start, peak)
 
 
 @pytest.mark.parametrize("start_eps,end_eps,norm_eps", [(0.1, 0.5, None), (0.5, 0.05, None),
@@ -498,14 +505,7 @@ def test_relative_epsilon_following_the_rate_matches_float64_first_principles(st
         used, [end_eps + (start_eps - end_eps) * r for r in (1, 1, 0.8, 0.6, 0.2, 0.05)],
         atol=1e-12)
     constant, _ = replay(lambda ratio: start_eps)
-    for step in range(6):
-        wrapped.train_on_batch(x[16 * step:16 * (step + 1)], y[16 * step:16 * (step + 1)])
-        for got, w in zip(wrapped.trainable_variables, want[step]):
-            np.testing.assert_allclose(got.numpy(), w, atol=2e-5, rtol=0, err_msg=got.name)
-    assert float(wrapped.thor.state.rule_state.numpy()) == pytest.approx(peak)
-    assert max(np.abs(a - b).max() for a, b in zip(want[-1], constant[-1])) > 100 * 2e-5
-    moved = max(np.abs(w - w0).max() for w, w0 in zip(want[-1], start))
-    assert moved > 0.03, moved
+    _assert_follows_the_replay(wrapped, x, y, want, constant, start, peak)
 
 
 def test_step_norm_epsilon_is_the_same_on_stacked_and_single_blocks(monkeypatch):

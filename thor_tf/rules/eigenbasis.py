@@ -270,22 +270,9 @@ class Eigenbasis(UpdateRule):
             raise ValueError(f"`beta_1_end` must be None or a float in [0, 1); got "
                              f"{beta_1_end!r}.")
         self.beta_1_end = None if beta_1_end is None else float(beta_1_end)
-        if relative_epsilon_end is not None and (
-                isinstance(relative_epsilon_end, bool)
-                or not isinstance(relative_epsilon_end, (int, float))
-                or not relative_epsilon_end >= 0):
-            raise ValueError("`relative_epsilon_end` must be None or a float >= 0; got "
-                             f"{relative_epsilon_end!r}.")
-        self.relative_epsilon_end = (None if relative_epsilon_end is None
-                                     else float(relative_epsilon_end))
-        if step_norm_epsilon is not None and (
-                isinstance(step_norm_epsilon, bool)
-                or not isinstance(step_norm_epsilon, (int, float))
-                or not step_norm_epsilon >= 0):
-            raise ValueError("`step_norm_epsilon` must be None or a float >= 0; got "
-                             f"{step_norm_epsilon!r}.")
-        self.step_norm_epsilon = (None if step_norm_epsilon is None
-                                  else float(step_norm_epsilon))
+        self.relative_epsilon_end = _none_or_nonnegative("relative_epsilon_end",
+                                                         relative_epsilon_end)
+        self.step_norm_epsilon = _none_or_nonnegative("step_norm_epsilon", step_norm_epsilon)
         if isinstance(tie_break, bool) or not isinstance(tie_break, (int, float)) or not tie_break >= 0:
             raise ValueError(f"`tie_break` must be a float >= 0; got {tie_break!r}.")
         self.relative_epsilon, self.tie_break = float(relative_epsilon), float(tie_break)
@@ -580,6 +567,16 @@ class Eigenbasis(UpdateRule):
         b2 = tf.minimum(tf.constant(self.beta_2, dtype),
                         1.0 - tf.pow(t, tf.constant(-self.beta_2_growth, dtype)))
         return b2, 1.0 - b2, tf.ones([], dtype)
+
+
+def _none_or_nonnegative(name, value):
+    """``value`` as a float, or None; a ValueError naming ``name`` unless it is None or a
+    number >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"`{name}` must be None or a float >= 0; got {value!r}.")
+    return float(value)
 
 
 def _frobenius(matrices, stacked):
