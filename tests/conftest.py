@@ -34,6 +34,7 @@ NUMERICS = (
     "tests/test_eigenbasis.py::test_growing_beta_2_matches_float64_first_principles",
     "tests/test_eigenbasis.py::test_growing_beta_2_is_adafactors_decay_on_every_variable",
     "tests/test_eigenbasis.py::test_beta_1_following_the_rate_matches_float64_first_principles",
+    "tests/test_eigenbasis.py::test_relative_epsilon_following_the_rate_matches_float64_first_principles",
     "tests/test_eigenbasis_orthogonal.py::test_dense_orthogonal_steps_match_float64_first_principles",
     "tests/test_eigenbasis_orthogonal.py::test_neuron_normalized_steps_match_float64_first_principles",
     "tests/test_eigenbasis_fast_step.py::test_rotations_match_dense_block_diagonal_products",
