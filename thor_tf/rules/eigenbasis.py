@@ -540,7 +540,7 @@ class Eigenbasis(UpdateRule):
         if self.beta_1_end is None:
             b1 = tf.constant(self.beta_1, dtype)
             return b1, tf.constant(1.0 - self.beta_1, dtype), 1.0 - tf.pow(b1, t)
-        fraction = tf.math.divide_no_nan(rate, tf.maximum(ops.cast(largest, dtype), rate))
+        fraction = _rate_fraction(rate, largest)
         b1 = tf.constant(self.beta_1_end, dtype) + tf.constant(
             self.beta_1 - self.beta_1_end, dtype) * fraction
         b1 = tf.minimum(b1, 1.0 - 1.0 / t)
@@ -552,7 +552,7 @@ class Eigenbasis(UpdateRule):
         :meth:`_first_moment_decay` (the step's own rate counted in it)."""
         if self.relative_epsilon_end is None:
             return tf.constant(self.relative_epsilon, tf.float32)
-        fraction = tf.math.divide_no_nan(rate, tf.maximum(tf.cast(largest, tf.float32), rate))
+        fraction = _rate_fraction(rate, largest)
         return tf.constant(self.relative_epsilon_end, tf.float32) + tf.constant(
             self.relative_epsilon - self.relative_epsilon_end, tf.float32) * fraction
 
@@ -567,6 +567,13 @@ class Eigenbasis(UpdateRule):
         b2 = tf.minimum(tf.constant(self.beta_2, dtype),
                         1.0 - tf.pow(t, tf.constant(-self.beta_2_growth, dtype)))
         return b2, 1.0 - b2, tf.ones([], dtype)
+
+
+def _rate_fraction(rate, largest):
+    """``η_t/η_max``: this step's ``rate`` over the larger of it and ``largest`` (the variable of
+    the largest rate so far, read here, so the step's own rate counts whether or not
+    ``precondition``'s assignment ran first); 0 while both are 0."""
+    return tf.math.divide_no_nan(rate, tf.maximum(tf.cast(largest, rate.dtype), rate))
 
 
 def _none_or_nonnegative(name, value):
