@@ -10,6 +10,8 @@ its Newton–Schulz iteration (thor_tf/rules/eigenbasis_ops.py) against float64 
   iteration or with the other scale are far off (the test sees both).
 * ``neuron_norm`` (NorMuon): the same steps, then each neuron's running second moment of the
   step at unit RMS divides it, back at its norm; on output units and on the longer side.
+* ``newton_schulz_steps``: the same steps with 3 or 2 iterations, on a short side in the
+  float64 ``eigh`` form's range and on one in the products'.
 """
 
 import numpy as np
@@ -103,6 +105,45 @@ def test_dense_orthogonal_steps_match_float64_first_principles(scale, split_dim,
     assert [s["refreshes"] for s in wrapped.thor.layer_stats()] == [3]
 
 
+@pytest.mark.parametrize("steps", [3, 2])
+@pytest.mark.parametrize("d_in,units", [(6, 5), (24, 20)])
+def test_fewer_newton_schulz_steps_match_float64_first_principles(steps, d_in, units):
+    """``newton_schulz_steps=k``: the weights after every step within 2e-5 of the float64 rule
+    with k iterations (Adam in the eigenbasis, k quintic steps, the graft), on a ``[7, 5]`` step
+    (short side 5: the float64 ``eigh`` form) and a ``[25, 20]`` one (the float32 products); the
+    reference with Muon's 5 iterations ends more than 20x the tolerance away."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(96, d_in)).astype("float32")
+    x[:, 1] += 0.8 * x[:, 0]
+    y = _linear_targets(x, k=units)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((d_in,)), keras.layers.Dense(units)])
+    kernel0, bias0 = (v.numpy().astype(np.float64) for v in model.layers[0].weights)
+    rule = Eigenbasis(newton_schulz_steps=steps)
+    wrapped = thor_tf.wrap(model, learning_rate=LR, split_dim=128, update_rule=rule,
+                           verbose=False, **EVERY_2)
+    wrapped.compile(loss="mse")
+    weights = np.concatenate([kernel0, bias0[None]], axis=0)  # [a_dim, g_dim]
+    five = weights.copy()
+    ref = NumpyEigenbasis(d_in + 1, units, rel_eps=rule.relative_epsilon)
+    for step in range(5):
+        rows = slice(16 * step, 16 * (step + 1))
+        xb, yb = x[rows].astype(np.float64), y[rows]
+        a_rows = homogeneous(xb, True)
+        g_rows = 2.0 * (a_rows @ weights - yb) / units  # dℓ/dz, ℓ = mean_k (z - y)²
+        grad = a_rows.T @ g_rows / len(xb)
+        if step % 2 == 0:
+            ref.refresh(mean_outer(a_rows), mean_outer(g_rows), d_in + 1, units)
+        update = ref.step(grad)
+        wrapped.train_on_batch(x[rows], y[rows])
+        got = np.concatenate([model.layers[0].kernel.numpy(),
+                              model.layers[0].bias.numpy()[None]], axis=0)
+        weights = weights - LR * _scaled(update, np_newton_schulz(update, steps=steps), "graft")
+        five = five - LR * _scaled(update, np_newton_schulz(update), "graft")
+        np.testing.assert_allclose(got, weights, atol=2e-5, rtol=0)
+    assert np.abs(five - weights).max() > 20 * 2e-5
+
+
 def np_neuron_normalized(step, moment, axis, b2=0.95, eps=1e-8):
     """NorMuon on one ``[a, g]`` step in float64: ``(step', moment')`` with ``moment`` the running
     mean over ``axis`` of the step's squares at unit RMS."""
@@ -158,12 +199,16 @@ def test_neuron_normalized_steps_match_float64_first_principles(units, side, axi
 
 def test_options_are_checked():
     for bad in (dict(step="muon"), dict(scale="spectral"), dict(rms=0.0), dict(rms=True),
-                dict(neuron_norm="rows"), dict(neuron_norm=True)):
+                dict(neuron_norm="rows"), dict(neuron_norm=True), dict(newton_schulz_steps=0),
+                dict(newton_schulz_steps=2.5), dict(newton_schulz_steps=True)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             Eigenbasis(**bad)
     with pytest.raises(ValueError, match=r"neuron_norm.*step='orthogonal'"):
         Eigenbasis(step="adam", neuron_norm="output")
-    rule = Eigenbasis(step="orthogonal", scale="rms", rms=0.3, neuron_norm="long")
+    with pytest.raises(ValueError, match=r"newton_schulz_steps.*step='orthogonal'"):
+        Eigenbasis(step="adam", newton_schulz_steps=3)
+    rule = Eigenbasis(step="orthogonal", scale="rms", rms=0.3, neuron_norm="long",
+                      newton_schulz_steps=3)
     assert Eigenbasis.from_config(rule.get_config()) == rule
 
 
