@@ -65,14 +65,8 @@ def test_dense_orthogonal_steps_match_float64_first_principles(scale, split_dim,
     default's relative ε (1e-2, against 0.1) more than 20x."""
     x, _ = _softmax_data(n=96)
     y = _linear_targets(x)
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5)])
-    kernel0, bias0 = (v.numpy().astype(np.float64) for v in model.layers[0].weights)
     rule = Eigenbasis(step="orthogonal", scale=scale)
-    wrapped = thor_tf.wrap(model, learning_rate=LR, split_dim=split_dim, update_rule=rule,
-                           verbose=False, **EVERY_2)
-    wrapped.compile(loss="mse")
-    weights = np.concatenate([kernel0, bias0[None]], axis=0)  # [a_dim, g_dim]
+    model, wrapped, weights = _wrapped_dense(x, 5, rule, split_dim)
     plain, other = weights.copy(), weights.copy()
     ref = NumpyEigenbasis(7, 5, rel_eps=rule.relative_epsilon)
     before = NumpyEigenbasis(7, 5, rel_eps=1e-2)  # the default relative ε before 2026-11-30
@@ -105,6 +99,18 @@ def test_dense_orthogonal_steps_match_float64_first_principles(scale, split_dim,
     assert [s["refreshes"] for s in wrapped.thor.layer_stats()] == [3]
 
 
+def _wrapped_dense(x, units, rule, split_dim):
+    """A ``Dense(units)`` on ``x``'s features wrapped with ``rule`` (refreshes every 2 steps,
+    MSE), and its initial ``[a_dim, g_dim]`` weights (kernel and bias row) in float64."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((x.shape[1],)), keras.layers.Dense(units)])
+    kernel0, bias0 = (v.numpy().astype(np.float64) for v in model.layers[0].weights)
+    wrapped = thor_tf.wrap(model, learning_rate=LR, split_dim=split_dim, update_rule=rule,
+                           verbose=False, **EVERY_2)
+    wrapped.compile(loss="mse")
+    return model, wrapped, np.concatenate([kernel0, bias0[None]], axis=0)
+
+
 @pytest.mark.parametrize("steps", [3, 2])
 @pytest.mark.parametrize("d_in,units", [(6, 5), (24, 20)])
 def test_fewer_newton_schulz_steps_match_float64_first_principles(steps, d_in, units):
@@ -116,14 +122,8 @@ def test_fewer_newton_schulz_steps_match_float64_first_principles(steps, d_in, u
     x = rng.normal(size=(96, d_in)).astype("float32")
     x[:, 1] += 0.8 * x[:, 0]
     y = _linear_targets(x, k=units)
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((d_in,)), keras.layers.Dense(units)])
-    kernel0, bias0 = (v.numpy().astype(np.float64) for v in model.layers[0].weights)
     rule = Eigenbasis(newton_schulz_steps=steps)
-    wrapped = thor_tf.wrap(model, learning_rate=LR, split_dim=128, update_rule=rule,
-                           verbose=False, **EVERY_2)
-    wrapped.compile(loss="mse")
-    weights = np.concatenate([kernel0, bias0[None]], axis=0)  # [a_dim, g_dim]
+    model, wrapped, weights = _wrapped_dense(x, units, rule, 128)
     five = weights.copy()
     ref = NumpyEigenbasis(d_in + 1, units, rel_eps=rule.relative_epsilon)
     for step in range(5):
@@ -163,14 +163,8 @@ def test_neuron_normalized_steps_match_float64_first_principles(units, side, axi
     reference without the normalization ends more than 100x the tolerance away."""
     x, _ = _softmax_data(n=96)
     y = _linear_targets(x, k=units)
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(units)])
-    kernel0, bias0 = (v.numpy().astype(np.float64) for v in model.layers[0].weights)
     rule = Eigenbasis(neuron_norm=side)
-    wrapped = thor_tf.wrap(model, learning_rate=LR, split_dim=3, update_rule=rule,
-                           verbose=False, **EVERY_2)
-    wrapped.compile(loss="mse")
-    weights = np.concatenate([kernel0, bias0[None]], axis=0)  # [a_dim, g_dim]
+    model, wrapped, weights = _wrapped_dense(x, units, rule, 3)
     plain = weights.copy()
     ref = NumpyEigenbasis(7, units, rel_eps=rule.relative_epsilon)
     moment = np.zeros(weights.shape[1 - axis])

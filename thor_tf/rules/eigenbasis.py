@@ -494,7 +494,8 @@ class Eigenbasis(UpdateRule):
         return normalized * (norm / (tf.sqrt(tf.reduce_sum(tf.square(normalized))) + 1e-30))
 
     def _orthogonalized(self, updates):
-        """:func:`thor_tf.rules.orthogonal_step.orthogonalized` at this rule's ``scale``/``rms``."""
+        """:func:`thor_tf.rules.orthogonal_step.orthogonalized` at this rule's ``scale``/``rms``
+        and :attr:`newton_schulz_steps`."""
         return orthogonalized(updates, self.scale, self.rms, self.newton_schulz_steps)
 
     # -- what a split costs and keeps ------------------------------------------------------------
