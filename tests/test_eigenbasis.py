@@ -623,24 +623,25 @@ def test_non_finite_batch_changes_no_moment_and_no_basis(rule):
     assert model.thor.counters()["nonfinite_steps"] == 1
 
 
-@pytest.mark.parametrize("growth,beta_1_end,neuron_norm,releps_end", [
-    (None, None, None, None), (0.8, None, None, None), (None, 0.9, None, None),
-    (None, None, "output", None), (None, None, None, 0.5)])
+@pytest.mark.parametrize("growth,beta_1_end,neuron_norm,releps_end,ns_end", [
+    (None, None, None, None, None), (0.8, None, None, None, None), (None, 0.9, None, None, None),
+    (None, None, "output", None, None), (None, None, None, 0.5, None),
+    (None, None, None, None, 2)])
 def test_save_and_load_resume_the_same_run(tmp_path, growth, beta_1_end, neuron_norm,
-                                           releps_end):
+                                           releps_end, ns_end):
     """model.save after 4 steps, load, 4 more steps = 8 uninterrupted steps (bases, eigenvalues,
     moments and Adam slots are optimizer state; a growing β2 is a function of the step count;
-    under ``beta_1_end`` or ``relative_epsilon_end`` the largest rate so far is state too: the
-    rate halves right after the save, and a restart from 0 would take the halved rate as the
-    largest; under ``neuron_norm``
+    under ``beta_1_end``, ``relative_epsilon_end`` or ``newton_schulz_steps_end`` the largest
+    rate so far is state too: the rate halves right after the save, and a restart from 0 would
+    take the halved rate as the largest; under ``neuron_norm``
     the orthogonal step's moment per neuron); the loaded optimizer is the eigenbasis rule with
     its options."""
     x, y = _regression()
-    step = "adam" if neuron_norm is None else "orthogonal"
+    step = "adam" if neuron_norm is None and ns_end is None else "orthogonal"
     rule = Eigenbasis(beta_2=0.99, step=step, beta_2_growth=growth, neuron_norm=neuron_norm,
-                      relative_epsilon_end=releps_end,
+                      relative_epsilon_end=releps_end, newton_schulz_steps_end=ns_end,
                       **({} if beta_1_end is None else dict(beta_1=0.5, beta_1_end=beta_1_end)))
-    follows = beta_1_end is not None or releps_end is not None
+    follows = beta_1_end is not None or releps_end is not None or ns_end is not None
     rate = LR if not follows else keras.optimizers.schedules.PiecewiseConstantDecay(
         [3, 4, 5, 6], [LR, 0.5 * LR, 0.3 * LR, 0.2 * LR, 0.1 * LR])
 

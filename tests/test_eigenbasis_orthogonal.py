@@ -99,13 +99,14 @@ def test_dense_orthogonal_steps_match_float64_first_principles(scale, split_dim,
     assert [s["refreshes"] for s in wrapped.thor.layer_stats()] == [3]
 
 
-def _wrapped_dense(x, units, rule, split_dim):
+def _wrapped_dense(x, units, rule, split_dim, learning_rate=LR):
     """A ``Dense(units)`` on ``x``'s features wrapped with ``rule`` (refreshes every 2 steps,
     MSE), and its initial ``[a_dim, g_dim]`` weights (kernel and bias row) in float64."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((x.shape[1],)), keras.layers.Dense(units)])
     kernel0, bias0 = (v.numpy().astype(np.float64) for v in model.layers[0].weights)
-    wrapped = thor_tf.wrap(model, learning_rate=LR, split_dim=split_dim, update_rule=rule,
+    wrapped = thor_tf.wrap(model, learning_rate=learning_rate, split_dim=split_dim,
+                           update_rule=rule,
                            verbose=False, **EVERY_2)
     wrapped.compile(loss="mse")
     return model, wrapped, np.concatenate([kernel0, bias0[None]], axis=0)
@@ -142,6 +143,50 @@ def test_fewer_newton_schulz_steps_match_float64_first_principles(steps, d_in, u
         five = five - LR * _scaled(update, np_newton_schulz(update), "graft")
         np.testing.assert_allclose(got, weights, atol=2e-5, rtol=0)
     assert np.abs(five - weights).max() > 20 * 2e-5
+
+
+@pytest.mark.parametrize("steps,end", [(5, 2), (3, 5)])
+@pytest.mark.parametrize("d_in,units", [(6, 5), (24, 20)])
+def test_newton_schulz_steps_following_the_rate_match_float64_first_principles(steps, end, d_in,
+                                                                               units):
+    """``newton_schulz_steps_end=k`` under the rates 0.3, 1, 0.8, 0.4, 0.1 (× LR): the orthogonal
+    factor ``w·O_K + (1 − w)·O_k`` with ``w = η_t/η_max`` (the largest rate so far; the first
+    rate is its own), then grafted; fewer iterations late (5 → 2) or more (3 → 5), on a
+    ``[7, 5]`` step (the float64 ``eigh`` form) and a ``[25, 20]`` one (the float32 products).
+    Weights after every step within 2e-5 of the float64 rule; the rule at either count alone
+    ends more than 10x the tolerance away (measured 18x to 500x): the test sees the blend."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(96, d_in)).astype("float32")
+    x[:, 1] += 0.8 * x[:, 0]
+    y = _linear_targets(x, k=units)
+    rates = [r * LR for r in (0.3, 1.0, 0.8, 0.4, 0.1)]
+    schedule = keras.optimizers.schedules.PiecewiseConstantDecay([0, 1, 2, 3], rates)
+    rule = Eigenbasis(newton_schulz_steps=steps, newton_schulz_steps_end=end)
+    model, wrapped, weights = _wrapped_dense(x, units, rule, 128, learning_rate=schedule)
+    alone = {steps: weights.copy(), end: weights.copy()}
+    ref = NumpyEigenbasis(d_in + 1, units, rel_eps=rule.relative_epsilon)
+    for step, rate in enumerate(rates):
+        rows = slice(16 * step, 16 * (step + 1))
+        xb, yb = x[rows].astype(np.float64), y[rows]
+        a_rows = homogeneous(xb, True)
+        g_rows = 2.0 * (a_rows @ weights - yb) / units  # dℓ/dz, ℓ = mean_k (z - y)²
+        grad = a_rows.T @ g_rows / len(xb)
+        if step % 2 == 0:
+            ref.refresh(mean_outer(a_rows), mean_outer(g_rows), d_in + 1, units)
+        update = ref.step(grad)
+        w = rate / max(rates[:step + 1])
+        blended = (w * np_newton_schulz(update, steps=steps)
+                   + (1 - w) * np_newton_schulz(update, steps=end))
+        wrapped.train_on_batch(x[rows], y[rows])
+        got = np.concatenate([model.layers[0].kernel.numpy(),
+                              model.layers[0].bias.numpy()[None]], axis=0)
+        weights = weights - rate * _scaled(update, blended, "graft")
+        for count in alone:
+            alone[count] = alone[count] - rate * _scaled(
+                update, np_newton_schulz(update, steps=count), "graft")
+        np.testing.assert_allclose(got, weights, atol=2e-5, rtol=0)
+    for count in alone:
+        assert np.abs(alone[count] - weights).max() > 10 * 2e-5, count
 
 
 def np_neuron_normalized(step, moment, axis, b2=0.95, eps=1e-8):
@@ -194,6 +239,8 @@ def test_neuron_normalized_steps_match_float64_first_principles(units, side, axi
 def test_options_are_checked():
     for bad in (dict(step="muon"), dict(scale="spectral"), dict(rms=0.0), dict(rms=True),
                 dict(neuron_norm="rows"), dict(neuron_norm=True), dict(newton_schulz_steps=0),
+                dict(newton_schulz_steps_end=0), dict(newton_schulz_steps_end=2.5),
+                dict(newton_schulz_steps_end=3, step="adam"),
                 dict(newton_schulz_steps=2.5), dict(newton_schulz_steps=True)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             Eigenbasis(**bad)
@@ -202,7 +249,7 @@ def test_options_are_checked():
     with pytest.raises(ValueError, match=r"newton_schulz_steps.*step='orthogonal'"):
         Eigenbasis(step="adam", newton_schulz_steps=3)
     rule = Eigenbasis(step="orthogonal", scale="rms", rms=0.3, neuron_norm="long",
-                      newton_schulz_steps=3)
+                      newton_schulz_steps=3, newton_schulz_steps_end=2)
     assert Eigenbasis.from_config(rule.get_config()) == rule
 
 

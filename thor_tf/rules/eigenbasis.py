@@ -181,6 +181,13 @@ class Eigenbasis(UpdateRule):
         ``a⁵ ≈ 485``; after 4 those above 0.5 % (smaller: up to 141×); after 3 those above 1.8 %
         (smaller: up to ``a³ ≈ 41``): the directions the step barely holds are raised less (a
         softer orthogonalization, at 3/5 of the products; docs/levers.md ``ns_steps_3``).
+      newton_schulz_steps_end: None (``newton_schulz_steps`` throughout) or ``k`` (int >= 1):
+        the iteration count follows the rate as ``beta_1_end`` moves β1, the orthogonal factor
+        ``w·O_K + (1 − w)·O_k`` with ``w = η_t/η_max`` and ``K = newton_schulz_steps``: ``K``
+        iterations at the largest rate so far, ``k`` at a rate of 0 (``k < K``: a softer
+        orthogonalization as the cosine anneals; ``k > K``: a softer one while the rate is high;
+        docs/levers.md ``ns_rate_3``, ``ns_early_3``). Both are iterates of one iteration, so it
+        costs ``max(K, k)`` iterations.
       refresh_min_size: ``"power_qr"``: blocks (their size bucket) smaller than this take
         ``"eigh"`` (int >= 0; on a CPU the power step is no cheaper below ~100, measured in
         docs/update_rules.md).
@@ -241,7 +248,7 @@ class Eigenbasis(UpdateRule):
                  refresh="power_qr", refresh_tolerance=0.5, drift_tolerance=0.01,
                  refresh_min_size=96, beta_2_growth=None, beta_1_end=None, neuron_norm=None,
                  relative_epsilon_end=None, step_norm_epsilon=None,
-                 newton_schulz_steps=NS_STEPS):
+                 newton_schulz_steps=NS_STEPS, newton_schulz_steps_end=None):
         if beta_2_growth is not None and (
                 isinstance(beta_2_growth, bool) or not isinstance(beta_2_growth, (int, float))
                 or not 0 < beta_2_growth <= 1):
@@ -306,6 +313,16 @@ class Eigenbasis(UpdateRule):
             raise ValueError("`newton_schulz_steps` counts the orthogonal step's iterations: it "
                              f"needs step='orthogonal'; got step={step!r}.")
         self.newton_schulz_steps = int(newton_schulz_steps)
+        if newton_schulz_steps_end is not None and (
+                isinstance(newton_schulz_steps_end, bool)
+                or not isinstance(newton_schulz_steps_end, int) or newton_schulz_steps_end < 1):
+            raise ValueError("`newton_schulz_steps_end` must be None or an int >= 1; got "
+                             f"{newton_schulz_steps_end!r}.")
+        if newton_schulz_steps_end is not None and step != "orthogonal":
+            raise ValueError("`newton_schulz_steps_end` counts the orthogonal step's iterations: "
+                             f"it needs step='orthogonal'; got step={step!r}.")
+        self.newton_schulz_steps_end = (None if newton_schulz_steps_end is None
+                                        else int(newton_schulz_steps_end))
 
     @property
     def default_learning_rate(self):
@@ -326,7 +343,8 @@ class Eigenbasis(UpdateRule):
                 "beta_1_end": self.beta_1_end, "neuron_norm": self.neuron_norm,
                 "relative_epsilon_end": self.relative_epsilon_end,
                 "step_norm_epsilon": self.step_norm_epsilon,
-                "newton_schulz_steps": self.newton_schulz_steps}
+                "newton_schulz_steps": self.newton_schulz_steps,
+                "newton_schulz_steps_end": self.newton_schulz_steps_end}
 
     @classmethod
     def from_config(cls, config):
@@ -357,12 +375,14 @@ class Eigenbasis(UpdateRule):
 
     @property
     def follows_rate(self):
-        """Whether β1 or ε_r moves with the rate (``beta_1_end``, ``relative_epsilon_end``)."""
-        return self.beta_1_end is not None or self.relative_epsilon_end is not None
+        """Whether β1, ε_r or the iteration count moves with the rate (``beta_1_end``,
+        ``relative_epsilon_end``, ``newton_schulz_steps_end``)."""
+        return (self.beta_1_end is not None or self.relative_epsilon_end is not None
+                or self.newton_schulz_steps_end is not None)
 
     def create_model_state(self, optimizer):
-        """Under ``beta_1_end`` or ``relative_epsilon_end``: the largest rate so far, ``η_max``
-        (a float32 scalar optimizer variable, saved with it); else None."""
+        """Under an option that follows the rate (:attr:`follows_rate`): the largest rate so
+        far, ``η_max`` (a float32 scalar optimizer variable, saved with it); else None."""
         if not self.follows_rate:
             return None
         return optimizer.add_variable((), initializer="zeros", dtype="float32",
@@ -442,7 +462,8 @@ class Eigenbasis(UpdateRule):
                 steps[n] = (blocks[n][0], blocks[n][1], u)
         if self.step == "orthogonal":
             chosen = [n for n, (b, _, _) in enumerate(steps) if b.kind not in self.adam_kinds]
-            orthos = self._orthogonalized([steps[n][2] for n in chosen])
+            orthos = self._orthogonalized([steps[n][2] for n in chosen],
+                                          rate, step.state.rule_state)
             if self.neuron_norm is not None:
                 decay = tuple(tf.constant(value, tf.float32)
                               for value in (self.beta_2, 1.0 - self.beta_2))
@@ -493,10 +514,17 @@ class Eigenbasis(UpdateRule):
         normalized = unit / root
         return normalized * (norm / (tf.sqrt(tf.reduce_sum(tf.square(normalized))) + 1e-30))
 
-    def _orthogonalized(self, updates):
+    def _orthogonalized(self, updates, rate=None, largest=None):
         """:func:`thor_tf.rules.orthogonal_step.orthogonalized` at this rule's ``scale``/``rms``
-        and :attr:`newton_schulz_steps`."""
-        return orthogonalized(updates, self.scale, self.rms, self.newton_schulz_steps)
+        and :attr:`newton_schulz_steps`; under :attr:`newton_schulz_steps_end` blended by
+        ``η_t/η_max`` (``rate``, ``largest`` as :meth:`_first_moment_decay`'s; None: at the
+        peak, a cost model's call)."""
+        blend = None
+        if self.newton_schulz_steps_end is not None:
+            fraction = (tf.ones([], tf.float32) if rate is None
+                        else _rate_fraction(rate, largest))
+            blend = (self.newton_schulz_steps_end, fraction)
+        return orthogonalized(updates, self.scale, self.rms, self.newton_schulz_steps, blend)
 
     # -- what a split costs and keeps ------------------------------------------------------------
     def split_cost(self):

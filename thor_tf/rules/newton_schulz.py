@@ -76,13 +76,28 @@ def newton_schulz(x, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, epsilon=1e-7,
 
 
 def newton_schulz_many(xs, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, epsilon=1e-7,
-                       method="auto"):
+                       method="auto", blend=None):
     """:func:`newton_schulz` of each tensor of ``xs`` (a list of ``[..., r_i, c_i]`` float32), as
     a list. The spectral ones share one evaluation of the gain's scalar recursion (on their
     eigenvalues concatenated: its ~30 elementwise ops once, not per tensor; the eigenbasis rule
-    passes each block's update as a tensor of its own)."""
+    passes each block's update as a tensor of its own).
+
+    ``blend``: None, or ``(k, w)`` with ``k`` an int >= 1 and ``w`` a float32 scalar tensor in
+    [0, 1]: each result is ``w·X_steps + (1 − w)·X_k``, two iterates of the same iteration (the
+    one with fewer iterations is the other's intermediate, so the blend costs an add, not a
+    second iteration). Every iterate is ``p(A_0)X_0``, so the blend too moves each singular
+    value alone: ``σ ↦ w·σ_steps + (1 − w)·σ_k``."""
     if method not in NS_METHODS:
         raise ValueError(f"`method` must be one of {NS_METHODS}; got {method!r}.")
+    if blend is not None:
+        k, weight = blend
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or int(steps) < 1:
+            raise ValueError(f"`blend`'s count must be an int >= 1 and `steps` >= 1; got "
+                             f"{k!r} and {steps!r}.")
+        counts = (int(steps), k)
+        weight = tf.cast(weight, tf.float32)
+    else:
+        counts, weight = (int(steps),), None
     on_gpu = method == "auto" and bool(tf.config.list_logical_devices("GPU"))
     out, spectral, tall = [None] * len(xs), [], []
     for n, x in enumerate(xs):
@@ -99,11 +114,11 @@ def newton_schulz_many(xs, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, epsilon
         elif use == "spectral":
             spectral.append(n)
         else:
-            x = _iterate(x, int(steps), coefficients, tall[n])
+            x = _iterate(x, counts, coefficients, tall[n], weight)
         out[n] = x
     if spectral:
-        results = _spectral_iterations([out[n] for n in spectral], int(steps), coefficients,
-                                       [tall[n] for n in spectral])
+        results = _spectral_iterations([out[n] for n in spectral], counts, coefficients,
+                                       [tall[n] for n in spectral], weight)
         for n, x in zip(spectral, results):
             out[n] = x
     return out
@@ -114,24 +129,31 @@ def _gram(x, tall):
     return tf.matmul(x, x, transpose_a=True) if tall else tf.matmul(x, x, transpose_b=True)
 
 
-def _iterate(x, steps, coefficients, tall):
+def _iterate(x, counts, coefficients, tall, weight=None):
     """The iteration's float32 products on a normalized ``x``: wide ``X ← aX + (bA + cA²)X``
     with ``A = XXᵀ``; tall ``X ← aX + X(bA + cA²)`` with ``A = XᵀX`` (the transpose of the wide
-    iteration on ``Xᵀ``, through the products' transpose flags)."""
+    iteration on ``Xᵀ``, through the products' transpose flags). ``counts``: ``(K,)``, the
+    result ``X_K``; or ``(K, k)``, the result ``weight·X_K + (1 − weight)·X_k``."""
     a, b, c = (tf.constant(value, tf.float32) for value in coefficients)
-    for _ in range(steps):
+    iterates = {}
+    for n in range(1, max(counts) + 1):
         gram = _gram(x, tall)
         poly = b * gram + c * tf.matmul(gram, gram)
         x = a * x + (tf.matmul(x, poly) if tall else tf.matmul(poly, x))
-    return x
+        if n in counts:
+            iterates[n] = x
+    if len(counts) == 1:
+        return iterates[counts[0]]
+    return weight * iterates[counts[0]] + (1.0 - weight) * iterates[counts[1]]
 
 
-def _spectral_iterations(xs, steps, coefficients, talls):
+def _spectral_iterations(xs, counts, coefficients, talls, weight=None):
     """The iteration on each normalized ``x`` of ``xs`` (``[..., r, c]``, float32) through the
     eigenvalues of its small Gram matrix, in float64: wide ``A_0 = x xᵀ = V diag(σ²) Vᵀ`` and the
     result ``V diag(g(σ²)) Vᵀ x``; tall (``talls``) ``A_0 = xᵀx`` and ``x V diag(g) Vᵀ``.
     ``g = Π_k (a + bσ_k² + cσ_k⁴)`` with ``σ_{k+1}² = σ_k²(a + bσ_k² + cσ_k⁴)²``, evaluated once on
-    all the tensors' eigenvalues. A single row or column (short side 1) needs no ``eigh``: its
+    all the tensors' eigenvalues; ``counts`` as :func:`_iterate`'s (a blend of two iterates is
+    the blend of their gains). A single row or column (short side 1) needs no ``eigh``: its
     Gram matrix is its squared norm. A matrix with a non-finite entry is taken as zero."""
     a, b, c = (tf.constant(value, tf.float64) for value in coefficients)
     bases, sizes, s2s = [], [], []
@@ -147,12 +169,19 @@ def _spectral_iterations(xs, steps, coefficients, talls):
         s2s.append(tf.reshape(w, [-1]))
     # Round-off can make a null direction's σ² slightly negative.
     s2 = tf.maximum(s2s[0] if len(s2s) == 1 else tf.concat(s2s, 0), 0.0)
-    gain = None
-    for k in range(steps):
+    gain, gains_at = None, {}
+    for k in range(max(counts)):
         f = a + s2 * (b + c * s2)
         gain = f if gain is None else gain * f
-        if k + 1 < steps:
+        if k + 1 in counts:
+            gains_at[k + 1] = gain
+        if k + 1 < max(counts):
             s2 = s2 * tf.square(f)
+    if len(counts) == 1:
+        gain = gains_at[counts[0]]
+    else:
+        w = tf.cast(weight, tf.float64)
+        gain = w * gains_at[counts[0]] + (1.0 - w) * gains_at[counts[1]]
     gains = [gain] if len(xs) == 1 else tf.split(gain, sizes)
     out = []
     for (x, v, tall), g in zip(bases, gains):

@@ -13,13 +13,15 @@ from thor_tf.rules.newton_schulz import NS_STEPS
 __all__ = ["orthogonalized"]
 
 
-def orthogonalized(updates, scale="graft", rms=0.2, steps=NS_STEPS):
+def orthogonalized(updates, scale="graft", rms=0.2, steps=NS_STEPS, blend=None):
     """Each ``[a, g]`` update's Newton–Schulz orthogonal factor ``O``
     (:func:`thor_tf.rules.eigenbasis_ops.newton_schulz`), scaled to the update's Frobenius
     norm (``scale="graft"``: the step's size stays Adam's, its singular values equal) or to
     ``O·rms·√max(a, g)`` (``"rms"``: Muon's RMS, Moonlight's rule). ``steps``: the iteration's
     count (Muon's 5; fewer leave the smallest singular values short of 1, see
-    :class:`thor_tf.rules.Eigenbasis`'s ``newton_schulz_steps``).
+    :class:`thor_tf.rules.Eigenbasis`'s ``newton_schulz_steps``); ``blend``: None or ``(k, w)``,
+    the factor ``w·O_steps + (1 − w)·O_k`` (:func:`thor_tf.rules.newton_schulz.
+    newton_schulz_many`; ``newton_schulz_steps_end``), scaled as ``O``.
 
     Each update is iterated on its own, as the 2-D matrix it is (a tall one through the
     products' transpose flags, no transposes), in one call of
@@ -30,7 +32,7 @@ def orthogonalized(updates, scale="graft", rms=0.2, steps=NS_STEPS):
     ``experiments/lm.py`` took 10.0 ms against 7.3 ms one by one, ResNet-20's 2.9 against 1.7;
     with oneDNN off 21.8 against 15.7 and 5.1 against 3.8; docs/overhead.md). Padding also
     added work: a ``[129, 128]`` update iterated as ``[129, 129]``."""
-    orthos = newton_schulz_many(updates, steps)
+    orthos = newton_schulz_many(updates, steps, blend=blend)
     out = []
     for update, ortho in zip(updates, orthos):
         if scale == "graft":
