@@ -201,6 +201,22 @@ LEVERS = {
                    "singular values above 0.5 % of the step's norm land in [0.68, 1.2], smaller "
                    "ones grow by up to 141x: between Muon's 5 and ns_steps_3",
                    _on_current_default(newton_schulz_steps=4)),
+    "ns_rate_3": ("the Newton-Schulz iteration count follows the rate on THOR's current default: "
+                  "Muon's 5 at the largest rate so far, blended linearly into 3 as the rate "
+                  "goes to 0 (Eigenbasis(newton_schulz_steps_end=3): the factor "
+                  "w·O_5 + (1 - w)·O_3, w = rate/peak): ns_steps_3 gained the long runs of the "
+                  "Fashion CNN and the char GPT and lost the 1x runs of ResNet-20, the ViT, the "
+                  "digits CNN and the autoencoder; are the weak directions worth whitening while "
+                  "the rate is high and noise once the cosine anneals?",
+                  _on_current_default(newton_schulz_steps_end=3)),
+    "ns_early_3": ("ns_rate_3 the other way round on THOR's current default: 3 Newton-Schulz "
+                   "iterations at the largest rate so far, blended linearly into Muon's 5 as the "
+                   "rate goes to 0 (Eigenbasis(newton_schulz_steps=3, "
+                   "newton_schulz_steps_end=5)): on seed 0 ns_rate_3 kept none of ns_steps_3's "
+                   "gain on the Fashion CNN at 4x (0.8905 against 0.8965) and all of its losses "
+                   "on the ViT at 4x and the digits CNN at 1x, so the softer step helps early "
+                   "and costs late",
+                   _on_current_default(newton_schulz_steps=3, newton_schulz_steps_end=5)),
     "ema": ("the weights' moving average (Keras' use_ema, momentum 0.99: ~100 steps) is the "
             "model evaluated and returned, as the field's long-run record averages its weights",
             lambda name: {"use_ema": True, "ema_momentum": 0.99}),
@@ -226,7 +242,8 @@ AGAINST = {**{name: hz.CURRENT_DEFAULT_LEVER[0] for name in ("beta1_low", "beta1
                                                              "neuron_out", "neuron_long",
                                                              "releps_huge")},
            "releps_rise": "current", "releps_rise_sized": "current", "ns_steps_3": "current",
-           "ns_steps_4": "current"}
+           "ns_steps_4": "current", "ns_rate_3": "current",
+           "ns_early_3": "current"}
 DEFAULT_LEVERS = ("wd_keras", "wd_matched", "floor", "beta2", "releps")
 QUICK_LEVER = "floor"
 DEFAULT = "default"          # the lever name of THOR's default runs trained here
