@@ -302,22 +302,34 @@ def _seed_rows(rows, workload_name, batch, optimizer, rate):
 def paired_seconds(workload, rows, name, batch, baseline, target, phase="interleaved"):
     """Per seed, THOR's seconds to the target over the baseline's from the same interleaved
     pair (the rows of ``phase``; None where one never got there; the pair saw the same host,
-    the seeds may not have), their median (None when none), and the seeds where only THOR got
-    there."""
+    the seeds may not have), their median, and the seeds where only THOR got there.
+
+    The median (:func:`_pairs_median`) is over every pair where at least one side got there: a
+    pair only THOR finished counts as 0, one only the baseline finished as infinite (a pair
+    THOR loses is not left out of its median, as it was before 2026-12-01). None when that
+    median is 0 or infinite or no pair got there; ``decided_by`` says which: ``"ratio"``,
+    ``"only_thor"``, ``"only_baseline"`` (THOR never, as its steps) or None."""
     pair = [r for r in rows if r["workload"] == name and r["batch"] == batch
             and r["phase"] == phase]
     thor = _runs_by_seed([r for r in pair if r["optimizer"] == "thor"])
     base = _runs_by_seed([r for r in pair if r["optimizer"] == baseline])
-    ratios, only_thor = {}, []
+    ratios, only_thor, ranked = {}, [], []
     for seed in sorted(set(thor) & set(base)):
         t = suite.reach(workload, thor[seed], target)[1]
         b = suite.reach(workload, base[seed], target)[1]
         ratios[seed] = None if t is None or not b else t / b
         if t is not None and b is None:
             only_thor.append(seed)
-    present = [v for v in ratios.values() if v is not None]
-    return {"per_seed": ratios, "median": statistics.median(present) if present else None,
-            "only_thor_seeds": only_thor}
+            ranked.append(0.0)
+        elif t is None and b:
+            ranked.append(math.inf)
+        elif ratios[seed] is not None:
+            ranked.append(ratios[seed])
+    median = _pairs_median(ranked) if ranked else None
+    decided = None if median is None else (
+        "only_thor" if median == 0 else "only_baseline" if math.isinf(median) else "ratio")
+    return {"per_seed": ratios, "median": median if decided == "ratio" else None,
+            "decided_by": decided, "only_thor_seeds": only_thor}
 
 
 def cell_runs(base, rows, batch, tuned):
@@ -527,6 +539,21 @@ def optimizers_of(cell):
     return [o for o in ["thor", "thor_best"] + names if o in cell]
 
 
+def _pairs_median(values):
+    """The median of ``values`` (ratios, 0 and infinity); of an even count the mean of the
+    middle two, or the higher of them when the lower is 0 or the higher infinite."""
+    ordered = sorted(values)
+    half = len(ordered) // 2
+    if len(ordered) % 2:
+        return ordered[half]
+    low, high = ordered[half - 1], ordered[half]
+    return high if low == 0 or math.isinf(high) else (low + high) / 2
+
+
+#: A pairs' median that is not a ratio, in words (``paired_seconds``'s ``decided_by``).
+MEDIAN_WORDS = {"only_thor": "only THOR", "only_baseline": "never (the baseline only)"}
+
+
 def cell_lines(key, cell):
     """Markdown rows of one cell (``key``: its batch or length): per optimizer its rate (flagged
     at a grid end), seeds, final, steps, examples and paired seconds to the target, then THOR's
@@ -546,7 +573,8 @@ def cell_lines(key, cell):
     ps = cell.get("paired_seconds") or {}
     lines.append(f"| {key} | THOR / best, seconds per seed | | | | | | "
                  + ", ".join(fmt(v, ".2f", "–") for v in ps.get("per_seed", {}).values())
-                 + f"; median {fmt(ps.get('median'), '.2f', 'n/a')}"
+                 + "; median " + fmt(ps.get("median"), ".2f",
+                                     MEDIAN_WORDS.get(ps.get("decided_by"), "n/a"))
                  + (f"; only THOR reached it on seed(s) {ps['only_thor_seeds']}"
                     if ps.get("only_thor_seeds") else "") + " |")
     return lines

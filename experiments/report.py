@@ -319,6 +319,8 @@ def batch_scaling_table(record):
             paired = cell.get("paired_seconds") or {}
             if paired.get("median") is not None:
                 seconds = f"{paired['median']:.2f}×"
+            elif paired.get("decided_by") == "only_baseline":
+                seconds = "never"
             elif paired.get("only_thor_seeds"):
                 seconds = f"only THOR reaches it (seeds {paired['only_thor_seeds']})"
             else:
@@ -456,11 +458,13 @@ def _current_ratio(now, only):
 
 
 def _paired_seconds_text(ratio, paired, neither):
-    """A median seconds ratio of interleaved pairs as text: "only THOR" when none is there but
-    some seed's THOR alone reached the target (``paired``: ``paired_seconds``), else
-    ``neither``."""
+    """A median seconds ratio of interleaved pairs as text: "never" when the pairs only the
+    baseline finished decide it, "only THOR" when none is there but some seed's THOR alone
+    reached the target (``paired``: ``paired_seconds``), else ``neither``."""
     if ratio is not None:
         return f"{ratio:.2f}×"
+    if paired.get("decided_by") == "only_baseline":
+        return "never"
     return "only THOR" if paired.get("only_thor_seeds") else neither
 
 

@@ -186,3 +186,29 @@ def test_ring_allreduce_and_the_projection_on_a_hand_made_record():
                                              / (100 * (0.01 + comm) + 0.5))
     assert rows[16]["ratio"] is None and rows[16]["only_thor"]     # the baseline never
     assert p["workloads"]["w"]["largest_lead"] == 4
+
+
+@pytest.mark.parametrize("seconds,median,decided_by", [
+    # (THOR, baseline) seconds to the target per seed; None: never got there.
+    ({0: (6, 4), 1: (3, None), 2: (None, 2)}, 1.5, "ratio"),       # 0, 1.5, inf -> 1.5
+    ({0: (6, 4), 1: (None, 2), 2: (None, None)}, None, "only_baseline"),  # 1.5, inf -> inf
+    ({0: (3, None), 1: (6, 4), 2: (None, None)}, 1.5, "ratio"),     # 0, 1.5 -> the higher
+    ({0: (6, 4), 1: (2, 4), 2: (None, None)}, 1.0, "ratio"),        # 1.5, 0.5 -> the mean
+    ({0: (3, None), 1: (5, None), 2: (6, 4)}, None, "only_thor"),   # 0, 0, 1.5 -> 0
+    ({0: (None, None)}, None, None)])
+def test_paired_seconds_median_counts_the_pairs_one_side_never_finished(monkeypatch, seconds,
+                                                                        median, decided_by):
+    """The median of the pairs' seconds ratios counts a pair only the baseline finished as
+    infinite (THOR losing it is not left out) and one only THOR finished as 0; of an even count
+    the mean of the middle two unless one is 0 or infinite (then the higher); not a ratio when
+    the median is 0 or infinite."""
+    rows = [{"workload": "w", "batch": 8, "phase": "interleaved", "optimizer": opt, "seed": s,
+             "step": 1, "seconds": sec}
+            for s, pair in seconds.items() for opt, sec in zip(("thor", "adam"), pair)]
+    monkeypatch.setattr(bs.suite, "reach", lambda workload, runs, target: (None,
+                                                                           runs[0]["seconds"]))
+    got = bs.paired_seconds(None, rows, "w", 8, "adam", 0.5)
+    assert got["decided_by"] == decided_by
+    assert got["median"] == (None if median is None else pytest.approx(median))
+    assert got["only_thor_seeds"] == [s for s, (t, b) in seconds.items()
+                                      if t is not None and b is None]
