@@ -67,7 +67,7 @@ import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from experiments import suite, workloads as wl  # noqa: E402
+from experiments import interleave, suite, workloads as wl  # noqa: E402
 from experiments.tables import fmt  # noqa: E402
 from experiments.run_cache import THOR_PEAK, RunCache, total_steps  # noqa: E402
 
@@ -304,32 +304,23 @@ def paired_seconds(workload, rows, name, batch, baseline, target, phase="interle
     pair (the rows of ``phase``; None where one never got there; the pair saw the same host,
     the seeds may not have), their median, and the seeds where only THOR got there.
 
-    The median (:func:`_pairs_median`) is over every pair where at least one side got there: a
-    pair only THOR finished counts as 0, one only the baseline finished as infinite (a pair
-    THOR loses is not left out of its median, as it was before 2026-12-01). None when that
-    median is 0 or infinite or no pair got there; ``decided_by`` says which: ``"ratio"``,
-    ``"only_thor"``, ``"only_baseline"`` (THOR never, as its steps) or None."""
+    The median and ``decided_by``: :func:`experiments.interleave.pairs_median` (a pair only one
+    side finished counts; before 2026-12-01 it was left out)."""
     pair = [r for r in rows if r["workload"] == name and r["batch"] == batch
             and r["phase"] == phase]
     thor = _runs_by_seed([r for r in pair if r["optimizer"] == "thor"])
     base = _runs_by_seed([r for r in pair if r["optimizer"] == baseline])
-    ratios, only_thor, ranked = {}, [], []
+    ratios, only_thor, pairs = {}, [], []
     for seed in sorted(set(thor) & set(base)):
         t = suite.reach(workload, thor[seed], target)[1]
         b = suite.reach(workload, base[seed], target)[1]
         ratios[seed] = None if t is None or not b else t / b
         if t is not None and b is None:
             only_thor.append(seed)
-            ranked.append(0.0)
-        elif t is None and b:
-            ranked.append(math.inf)
-        elif ratios[seed] is not None:
-            ranked.append(ratios[seed])
-    median = _pairs_median(ranked) if ranked else None
-    decided = None if median is None else (
-        "only_thor" if median == 0 else "only_baseline" if math.isinf(median) else "ratio")
-    return {"per_seed": ratios, "median": median if decided == "ratio" else None,
-            "decided_by": decided, "only_thor_seeds": only_thor}
+        pairs.append((t, b))
+    median, decided = interleave.pairs_median(pairs)
+    return {"per_seed": ratios, "median": median, "decided_by": decided,
+            "only_thor_seeds": only_thor}
 
 
 def cell_runs(base, rows, batch, tuned):
@@ -537,17 +528,6 @@ def optimizers_of(cell):
     names = sorted(k for k, v in cell.items() if isinstance(v, dict) and "final" in v
                    and not k.startswith("thor"))
     return [o for o in ["thor", "thor_best"] + names if o in cell]
-
-
-def _pairs_median(values):
-    """The median of ``values`` (ratios, 0 and infinity); of an even count the mean of the
-    middle two, or the higher of them when the lower is 0 or the higher infinite."""
-    ordered = sorted(values)
-    half = len(ordered) // 2
-    if len(ordered) % 2:
-        return ordered[half]
-    low, high = ordered[half - 1], ordered[half]
-    return high if low == 0 or math.isinf(high) else (low + high) / 2
 
 
 #: A pairs' median that is not a ratio, in words (``paired_seconds``'s ``decided_by``).

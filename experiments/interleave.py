@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import math
 from pathlib import Path
 
 from experiments import record, workloads
@@ -83,15 +83,40 @@ def suite_rows(name, baseline, rate, seed, quick, evals, thor_options=()):
                             thor_options, quick)
 
 
+def pairs_median(pairs):
+    """``(median, decided_by)`` of THOR's seconds to the target over the baseline's across
+    interleaved ``pairs`` (``(thor_seconds, baseline_seconds)``, None where that side never got
+    there). Every pair one side finished counts: only THOR as 0, only the baseline as infinite
+    (a pair THOR loses is not left out of its median); pairs neither finished are left out. Of
+    an even count the mean of the middle two, or the higher of them when the lower is 0 or the
+    higher infinite (no average with either). ``decided_by``: ``"ratio"`` (the median is a
+    ratio), ``"only_thor"`` or ``"only_baseline"`` (it is 0 or infinite; the median is then
+    None, as it is when no pair got there: ``decided_by`` None)."""
+    ranked = sorted(0.0 if not b else math.inf if t is None else t / b  # b of 0: not there
+                    for t, b in pairs if t is not None or b)
+    if not ranked:
+        return None, None
+    half = len(ranked) // 2
+    if len(ranked) % 2:
+        median = ranked[half]
+    else:
+        low, high = ranked[half - 1], ranked[half]
+        median = high if low == 0 or math.isinf(high) else (low + high) / 2
+    if median == 0:
+        return None, "only_thor"
+    if math.isinf(median):
+        return None, "only_baseline"
+    return median, "ratio"
+
+
 def paired(summary):
     """Per seed, THOR's seconds to the target over the baseline's (None where one never got
-    there), and the median of those that exist (None when none)."""
+    there), and their :func:`pairs_median`."""
     thor, base = summary["optimizers"]["thor"], summary["optimizers"][summary["best_baseline"]]
     by_seed = dict(zip(base["seeds"], base["seconds_to_target"]))
-    ratios = [None if t is None or by_seed.get(s) in (None, 0) else t / by_seed[s]
-              for s, t in zip(thor["seeds"], thor["seconds_to_target"])]
-    present = [r for r in ratios if r is not None]
-    return ratios, (statistics.median(present) if present else None)
+    pairs = [(t, by_seed.get(s)) for s, t in zip(thor["seeds"], thor["seconds_to_target"])]
+    ratios = [None if t is None or not b else t / b for t, b in pairs]
+    return ratios, pairs_median(pairs)[0]
 
 
 def workload_result(name, baseline, rate, seeds, quick, evals, thor_options=()):
