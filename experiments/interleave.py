@@ -119,6 +119,17 @@ def paired(summary):
     return ratios, pairs_median(pairs)[0]
 
 
+def record_paired(name, result, quick=False):
+    """:func:`paired` of one workload's entry of a record this module wrote (``result``: its
+    ``results[name]``, with its ``rows``), recomputed from the rows: a record keeps the
+    median it was written with, which the rule of :func:`pairs_median` may have changed since
+    (2026-12-01)."""
+    from experiments import suite
+
+    summary = suite.summarize_workload(workloads.WORKLOADS[name].sized(quick), result["rows"])
+    return paired(summary)
+
+
 def workload_result(name, baseline, rate, seeds, quick, evals, thor_options=()):
     from experiments import suite
 

@@ -28,7 +28,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from experiments import tables, workloads
+from experiments import interleave, tables, workloads
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path("docs") / "results"
@@ -595,15 +595,20 @@ def results_page(records, root=ROOT):
             f"`{RECORDS['suite'][1]}`: THOR and each workload's best baseline "
             "(its rate chosen by the suite's grid, [suite.md](suite.md)) trained in turn, segment "
             "by segment, in one process. Seconds per seed: THOR's seconds to the target over the "
-            "baseline's (– where one run never reached it).", ""]
+            "baseline's (– where one run never reached it); their median counts a pair only "
+            "THOR finished as 0 and one only the baseline finished as never "
+            "(`interleave.pairs_median`).", ""]
     rows = []
     for r in suite_rows(suite):
         raw = r["raw"]
-        per_seed = ", ".join("–" if p is None else f"{p:.2f}×" for p in raw["paired_ratios"])
+        name = next(k for k, v in suite["results"].items() if v is raw)
+        ratios, median = (interleave.record_paired(name, raw, suite.get("quick", False))
+                          if raw.get("rows") else (raw["paired_ratios"], raw.get("paired_median")))
+        per_seed = ", ".join("–" if p is None else f"{p:.2f}×" for p in ratios)
         first = raw.get("first_seconds") or [None, None]
         steady = raw.get("steady_seconds_per_step") or [None, None]
         fmt = lambda v, scale=1, spec=".2f": "?" if v is None else f"{v * scale:{spec}}"
-        rows.append((r["workload"], per_seed, _ratio(raw.get("paired_median")),
+        rows.append((r["workload"], per_seed, _ratio(median),
                      f"{fmt(first[0])} / {fmt(first[1])}",
                      f"{fmt(steady[0], 1000, '.1f')} / {fmt(steady[1], 1000, '.1f')}"))
     out += tables.md_table(
