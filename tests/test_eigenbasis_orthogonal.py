@@ -112,6 +112,33 @@ def _wrapped_dense(x, units, rule, split_dim, learning_rate=LR):
     return model, wrapped, np.concatenate([kernel0, bias0[None]], axis=0)
 
 
+def _correlated_regression(d_in, units):
+    """96 examples of ``d_in`` features (the second correlated with the first) and ``units``
+    linear targets."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(96, d_in)).astype("float32")
+    x[:, 1] += 0.8 * x[:, 0]
+    return x, _linear_targets(x, k=units)
+
+
+def _reference_update(ref, x, y, weights, step):
+    """The float64 rule's eigenbasis Adam step (before Newton–Schulz) of the Dense at
+    ``weights`` (``[a_dim, g_dim]``, bias row last) on batch ``step`` (16 rows of ``x``, MSE),
+    its factors refreshed at even steps, as ``_wrapped_dense``'s model does."""
+    rows = slice(16 * step, 16 * (step + 1))
+    a_rows = homogeneous(x[rows].astype(np.float64), True)
+    g_rows = 2.0 * (a_rows @ weights - y[rows]) / weights.shape[1]  # dℓ/dz, ℓ = mean_k (z - y)²
+    if step % 2 == 0:
+        ref.refresh(mean_outer(a_rows), mean_outer(g_rows), *weights.shape)
+    return ref.step(a_rows.T @ g_rows / len(a_rows))
+
+
+def _dense_weights(model):
+    """The first layer's kernel with its bias as the last row."""
+    return np.concatenate([model.layers[0].kernel.numpy(), model.layers[0].bias.numpy()[None]],
+                          axis=0)
+
+
 @pytest.mark.parametrize("steps", [3, 2])
 @pytest.mark.parametrize("d_in,units", [(6, 5), (24, 20)])
 def test_fewer_newton_schulz_steps_match_float64_first_principles(steps, d_in, units):
@@ -119,26 +146,15 @@ def test_fewer_newton_schulz_steps_match_float64_first_principles(steps, d_in, u
     with k iterations (Adam in the eigenbasis, k quintic steps, the graft), on a ``[7, 5]`` step
     (short side 5: the float64 ``eigh`` form) and a ``[25, 20]`` one (the float32 products); the
     reference with Muon's 5 iterations ends more than 20x the tolerance away."""
-    rng = np.random.default_rng(3)
-    x = rng.normal(size=(96, d_in)).astype("float32")
-    x[:, 1] += 0.8 * x[:, 0]
-    y = _linear_targets(x, k=units)
+    x, y = _correlated_regression(d_in, units)
     rule = Eigenbasis(newton_schulz_steps=steps)
     model, wrapped, weights = _wrapped_dense(x, units, rule, 128)
     five = weights.copy()
     ref = NumpyEigenbasis(d_in + 1, units, rel_eps=rule.relative_epsilon)
     for step in range(5):
-        rows = slice(16 * step, 16 * (step + 1))
-        xb, yb = x[rows].astype(np.float64), y[rows]
-        a_rows = homogeneous(xb, True)
-        g_rows = 2.0 * (a_rows @ weights - yb) / units  # dℓ/dz, ℓ = mean_k (z - y)²
-        grad = a_rows.T @ g_rows / len(xb)
-        if step % 2 == 0:
-            ref.refresh(mean_outer(a_rows), mean_outer(g_rows), d_in + 1, units)
-        update = ref.step(grad)
-        wrapped.train_on_batch(x[rows], y[rows])
-        got = np.concatenate([model.layers[0].kernel.numpy(),
-                              model.layers[0].bias.numpy()[None]], axis=0)
+        update = _reference_update(ref, x, y, weights, step)
+        wrapped.train_on_batch(x[16 * step:16 * (step + 1)], y[16 * step:16 * (step + 1)])
+        got = _dense_weights(model)
         weights = weights - LR * _scaled(update, np_newton_schulz(update, steps=steps), "graft")
         five = five - LR * _scaled(update, np_newton_schulz(update), "graft")
         np.testing.assert_allclose(got, weights, atol=2e-5, rtol=0)
@@ -155,10 +171,7 @@ def test_newton_schulz_steps_following_the_rate_match_float64_first_principles(s
     ``[7, 5]`` step (the float64 ``eigh`` form) and a ``[25, 20]`` one (the float32 products).
     Weights after every step within 2e-5 of the float64 rule; the rule at either count alone
     ends more than 10x the tolerance away (measured 18x to 500x): the test sees the blend."""
-    rng = np.random.default_rng(3)
-    x = rng.normal(size=(96, d_in)).astype("float32")
-    x[:, 1] += 0.8 * x[:, 0]
-    y = _linear_targets(x, k=units)
+    x, y = _correlated_regression(d_in, units)
     rates = [r * LR for r in (0.3, 1.0, 0.8, 0.4, 0.1)]
     schedule = keras.optimizers.schedules.PiecewiseConstantDecay([0, 1, 2, 3], rates)
     rule = Eigenbasis(newton_schulz_steps=steps, newton_schulz_steps_end=end)
@@ -166,20 +179,12 @@ def test_newton_schulz_steps_following_the_rate_match_float64_first_principles(s
     alone = {steps: weights.copy(), end: weights.copy()}
     ref = NumpyEigenbasis(d_in + 1, units, rel_eps=rule.relative_epsilon)
     for step, rate in enumerate(rates):
-        rows = slice(16 * step, 16 * (step + 1))
-        xb, yb = x[rows].astype(np.float64), y[rows]
-        a_rows = homogeneous(xb, True)
-        g_rows = 2.0 * (a_rows @ weights - yb) / units  # dℓ/dz, ℓ = mean_k (z - y)²
-        grad = a_rows.T @ g_rows / len(xb)
-        if step % 2 == 0:
-            ref.refresh(mean_outer(a_rows), mean_outer(g_rows), d_in + 1, units)
-        update = ref.step(grad)
+        update = _reference_update(ref, x, y, weights, step)
         w = rate / max(rates[:step + 1])
         blended = (w * np_newton_schulz(update, steps=steps)
                    + (1 - w) * np_newton_schulz(update, steps=end))
-        wrapped.train_on_batch(x[rows], y[rows])
-        got = np.concatenate([model.layers[0].kernel.numpy(),
-                              model.layers[0].bias.numpy()[None]], axis=0)
+        wrapped.train_on_batch(x[16 * step:16 * (step + 1)], y[16 * step:16 * (step + 1)])
+        got = _dense_weights(model)
         weights = weights - rate * _scaled(update, blended, "graft")
         for count in alone:
             alone[count] = alone[count] - rate * _scaled(
