@@ -159,7 +159,7 @@ def suite_rows(record):
         seconds = r.get("seconds_ratio") if timing.get("comparable", True) else None
         w = workloads.ALL_WORKLOADS.get(name)
         sign = 1 if w is None or w.higher_is_better else -1
-        rows.append({"workload": label, "steps": steps, "seeds": seeds,
+        rows.append({"name": name, "workload": label, "steps": steps, "seeds": seeds,
                      "thor": _metric(r["thor_final"], kind),
                      "ahead": sign * r["thor_final"] >= sign * r["baseline_final"],
                      "baseline": f"{_opt(r['baseline'], r['rate'])}: "
@@ -601,8 +601,7 @@ def results_page(records, root=ROOT):
     rows = []
     for r in suite_rows(suite):
         raw = r["raw"]
-        name = next(k for k, v in suite["results"].items() if v is raw)
-        ratios, median = (interleave.record_paired(name, raw, suite.get("quick", False))
+        ratios, median = (interleave.record_paired(r["name"], raw, suite.get("quick", False))
                           if raw.get("rows") else (raw["paired_ratios"], raw.get("paired_median")))
         per_seed = ", ".join("–" if p is None else f"{p:.2f}×" for p in ratios)
         first = raw.get("first_seconds") or [None, None]
