@@ -294,7 +294,7 @@ def _before_this_change(monkeypatch):
 
     monkeypatch.setattr(Eigenbasis, "_stack_key", staticmethod(id))  # each block alone
 
-    def orthogonalized(self, updates):
+    def orthogonalized(self, updates, rate=None, largest=None):
         out = []
         for u in updates:
             o = tf.numpy_function(lambda x: np_newton_schulz(x).astype(np.float32), [u], tf.float32)
