@@ -86,8 +86,7 @@ def test_dense_orthogonal_steps_match_float64_first_principles(scale, split_dim,
         update_before = before.step(grad)
         previous = previous - LR * _scaled(update_before, np_newton_schulz(update_before), scale)
         wrapped.train_on_batch(x[rows], y[rows])
-        got = np.concatenate([model.layers[0].kernel.numpy(),
-                              model.layers[0].bias.numpy()[None]], axis=0)
+        got = _dense_weights(model)
         plain = plain - LR * _scaled(update, update, scale)  # no iteration
         other = other - LR * _scaled(update, ortho, other_scale)
         weights = weights - LR * _scaled(update, ortho, scale)
@@ -104,12 +103,11 @@ def _wrapped_dense(x, units, rule, split_dim, learning_rate=LR):
     MSE), and its initial ``[a_dim, g_dim]`` weights (kernel and bias row) in float64."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((x.shape[1],)), keras.layers.Dense(units)])
-    kernel0, bias0 = (v.numpy().astype(np.float64) for v in model.layers[0].weights)
+    weights = _dense_weights(model).astype(np.float64)
     wrapped = thor_tf.wrap(model, learning_rate=learning_rate, split_dim=split_dim,
-                           update_rule=rule,
-                           verbose=False, **EVERY_2)
+                           update_rule=rule, verbose=False, **EVERY_2)
     wrapped.compile(loss="mse")
-    return model, wrapped, np.concatenate([kernel0, bias0[None]], axis=0)
+    return model, wrapped, weights
 
 
 def _correlated_regression(d_in, units):
@@ -229,8 +227,7 @@ def test_neuron_normalized_steps_match_float64_first_principles(units, side, axi
         grafted = _scaled(update, np_newton_schulz(update), "graft")
         normalized, moment = np_neuron_normalized(grafted, moment, axis)
         wrapped.train_on_batch(x[rows], y[rows])
-        got = np.concatenate([model.layers[0].kernel.numpy(),
-                              model.layers[0].bias.numpy()[None]], axis=0)
+        got = _dense_weights(model)
         plain = plain - LR * grafted
         weights = weights - LR * normalized
         np.testing.assert_allclose(got, weights, atol=2e-5, rtol=0)
