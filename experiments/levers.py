@@ -217,6 +217,18 @@ LEVERS = {
                    "on the ViT at 4x and the digits CNN at 1x, so the softer step helps early "
                    "and costs late",
                    _on_current_default(newton_schulz_steps=3, newton_schulz_steps_end=5)),
+    "wd_mid": ("decoupled weight decay 0.03 on THOR's current default, biases and norms "
+               "excluded: at 16x the image workloads fit their 4,000-8,000 training images by "
+               "mid-run and end behind (docs/anatomy.md); with the peak falling as the run "
+               "grows, peak·wd·steps/2 is ~0.1 at 1x, 0.2 at 4x, 0.4 at 16x on ResNet-20 "
+               "(wd_keras's 0.004 moved the weights by ~0.03 over a run)",
+               lambda name: {**hz.CURRENT_DEFAULT_LEVER[1], **_weight_decay(0.03)}),
+    "wd_strong": ("decoupled weight decay 0.1 on THOR's current default (wd_mid at 3.3x; the "
+                  "char GPT baselines' value, AdamW's common one): peak·wd·steps/2 ~0.3 at 1x, "
+                  "0.65 at 4x, 1.3 at 16x on ResNet-20, the shrinkage of SGD's 5e-4 at rate 0.1 "
+                  "over a CIFAR schedule; K-FAC's held-out accuracy on BatchNorm ResNets gains "
+                  "from decay (Zhang et al. 2018, three mechanisms of weight decay)",
+                  lambda name: {**hz.CURRENT_DEFAULT_LEVER[1], **_weight_decay(0.1)}),
     "ema": ("the weights' moving average (Keras' use_ema, momentum 0.99: ~100 steps) is the "
             "model evaluated and returned, as the field's long-run record averages its weights",
             lambda name: {"use_ema": True, "ema_momentum": 0.99}),
@@ -243,7 +255,7 @@ AGAINST = {**{name: hz.CURRENT_DEFAULT_LEVER[0] for name in ("beta1_low", "beta1
                                                              "releps_huge")},
            "releps_rise": "current", "releps_rise_sized": "current", "ns_steps_3": "current",
            "ns_steps_4": "current", "ns_rate_3": "current",
-           "ns_early_3": "current"}
+           "ns_early_3": "current", "wd_mid": "current", "wd_strong": "current"}
 DEFAULT_LEVERS = ("wd_keras", "wd_matched", "floor", "beta2", "releps")
 QUICK_LEVER = "floor"
 DEFAULT = "default"          # the lever name of THOR's default runs trained here
